@@ -1,0 +1,3 @@
+"""Baton: prefill/decode disaggregated LLM serving."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,41 @@
+"""The `baton` command line: one subcommand per process role.
+
+Each subcommand lives in its own module and registers itself in ``_SUBCOMMANDS``
+as ``name -> "module:add_parser_function"``; the module is imported only when used,
+so `baton --help` stays fast and a broken optional part does not break the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module path, function that adds the subparser and sets `func`)
+_SUBCOMMANDS: dict[str, str] = {
+    "up": "baton.launcher:add_parser",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for target in _SUBCOMMANDS.values():
+        module_name, func_name = target.split(":")
+        getattr(importlib.import_module(module_name), func_name)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Baton kv transfer package."""

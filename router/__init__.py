@@ -1,0 +1,1 @@
+"""Baton router package."""
