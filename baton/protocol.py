@@ -1,0 +1,115 @@
+"""Router <-> engine wire: one protocol for the three engine roles.
+
+The router holds a ZMQ DEALER per engine; every engine (NORMAL, PROMPT, COMPLETION) binds a
+ROUTER socket and speaks these messages, msgpack-encoded with msgspec. New fields go at the end.
+
+    router -> engine   GenerateRequest | AbortRequest | StatsRequest
+    engine -> router   TokenDelta      | EngineStats
+
+The KV handle is opaque here: the prompt engine encodes it (kv_transfer.protocol), the router
+only carries the bytes from one engine to the other, and the completion engine decodes and
+checks it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# A single message larger than this is refused before decoding: the longest legal message is a
+# prompt of max_model_len token ids, far below it.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    # COMPLETION role only: where the prompt's KV lies, and the token the prompt engine sampled.
+    kv_handle: bytes = b""
+    first_token_id: int = -1
+    first_logprob: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):
+    req_id: str
+
+
+class StatsRequest(msgspec.Struct, tag="stats?", array_like=True, omit_defaults=True):
+    nonce: int = 0
+
+
+class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=True):
+    """New tokens of one request; the last delta of a request carries its finish reason.
+
+    A PROMPT engine answers with one delta: the first token, and, unless the request already
+    finished, the KV handle for the completion engine.
+    """
+
+    req_id: str
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    finish_reason: str = ""  # "" while running; stop, length, abort, kv_transfer_failed, ...
+    kv_handle: bytes = b""
+    error: str = ""  # a human-readable reason when finish_reason is an error
+    num_prompt_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=True):
+    engine_id: str
+    role: str
+    nonce: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_requests_finished: int = 0
+    healthy: bool = True
+    draining: bool = False
+    extra: dict[str, float] = {}
+
+
+RouterToEngine = GenerateRequest | AbortRequest | StatsRequest
+EngineToRouter = TokenDelta | EngineStats
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(RouterToEngine)
+_to_router = msgspec.msgpack.Decoder(EngineToRouter)
+
+
+class ProtocolError(ValueError):
+    """A message from a socket that is too large or does not decode: never trusted."""
+
+
+def encode(msg: RouterToEngine | EngineToRouter) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_engine(data: bytes) -> RouterToEngine:
+    return _decode(_to_engine, data)
+
+
+def decode_to_router(data: bytes) -> EngineToRouter:
+    return _decode(_to_router, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes):
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable message: {exc}") from exc
