@@ -5,12 +5,24 @@ import time
 import pytest
 
 from baton.protocol import (
-    MAX_MESSAGE_BYTES, EngineStats, GenerateRequest, ProtocolError, SamplingOptions, TokenDelta,
-    decode_to_engine, decode_to_router, encode,
+    MAX_MESSAGE_BYTES,
+    EngineStats,
+    GenerateRequest,
+    ProtocolError,
+    SamplingOptions,
+    TokenDelta,
+    decode_to_engine,
+    decode_to_router,
+    encode,
 )
 from baton.redis_server import RedisServer, RedisStartError
 from baton.registry import (
-    EngineRecord, Heartbeat, RedisRegistry, RegistryConfig, StaticRegistry, make_registry,
+    EngineRecord,
+    Heartbeat,
+    RedisRegistry,
+    RegistryConfig,
+    StaticRegistry,
+    make_registry,
 )
 
 

@@ -1,0 +1,96 @@
+"""A small synchronous client of the engine wire, for the launcher, tests and operators.
+
+The router has its own asyncio client; this one sends a request and waits for replies with a
+timeout, over a fresh DEALER socket that is closed before returning.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import zmq
+
+from baton.protocol import (
+    AbortRequest,
+    EngineStats,
+    GenerateRequest,
+    SamplingOptions,
+    StatsRequest,
+    TokenDelta,
+    decode_to_router,
+    encode,
+)
+
+
+class EngineTimeout(TimeoutError):
+    """The engine did not answer in time (dead, overloaded, or not an engine)."""
+
+
+class EngineClient:
+    def __init__(self, address: str, ctx: zmq.Context | None = None):
+        self.address = address
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def send(self, msg: GenerateRequest | AbortRequest | StatsRequest) -> None:
+        self.sock.send(encode(msg))
+
+    def recv(self, timeout_s: float) -> TokenDelta | EngineStats:
+        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise EngineTimeout(f"no reply from {self.address} within {timeout_s}s")
+        return decode_to_router(self.sock.recv())
+
+    def stats(self, timeout_s: float = 5.0) -> EngineStats:
+        nonce = uuid.uuid4().int & 0x7FFFFFFF
+        self.send(StatsRequest(nonce))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, EngineStats) and msg.nonce == nonce:
+                return msg
+
+    def stream(self, req: GenerateRequest, timeout_s: float = 60.0) -> Iterator[TokenDelta]:
+        """Yields the request's deltas until one carries a finish reason."""
+        self.send(req)
+        while True:
+            msg = self.recv(timeout_s)
+            if isinstance(msg, TokenDelta) and msg.req_id == req.req_id:
+                yield msg
+                if msg.finish_reason:
+                    return
+
+    def generate(self, prompt_token_ids: list[int], sampling: SamplingOptions,
+                 req_id: str | None = None, timeout_s: float = 60.0, **fields) -> TokenDelta:
+        """All deltas of one request merged into one (token ids, logprobs, finish reason)."""
+        req = GenerateRequest(req_id or uuid.uuid4().hex, list(prompt_token_ids), sampling,
+                              **fields)
+        merged = TokenDelta(req.req_id)
+        for delta in self.stream(req, timeout_s):
+            merged.token_ids += delta.token_ids
+            merged.logprobs += delta.logprobs
+            merged.finish_reason, merged.error = delta.finish_reason, delta.error
+            merged.kv_handle = delta.kv_handle or merged.kv_handle
+            merged.num_prompt_tokens = delta.num_prompt_tokens or merged.num_prompt_tokens
+        return merged
+
+
+def probe_engine(address: str, timeout_s: float = 1.0) -> EngineStats | None:
+    """The engine's stats, or None when it does not answer within the timeout."""
+    with EngineClient(address) as client:
+        try:
+            return client.stats(timeout_s)
+        except EngineTimeout:
+            return None

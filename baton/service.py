@@ -1,0 +1,248 @@
+"""The engine service loop shared by the NORMAL, PROMPT and COMPLETION roles.
+
+One process, one thread of control:
+
+1. Messages arrive on a ZMQ ROUTER socket bound to the configured host (127.0.0.1 by default):
+   `GenerateRequest`, `AbortRequest`, `StatsRequest` (baton/protocol.py). Each is decoded with
+   size and type checks; an undecodable message is dropped and counted, never trusted.
+2. A `GenerateRequest` goes to the role's worker (`add_request`); the router's identity is kept
+   per request so every later `TokenDelta` goes back to the socket that asked.
+3. While the worker has work, the loop alternates "drain the socket" and `worker.step()`; with
+   no work it blocks in poll for a few milliseconds, so an idle engine costs no CPU.
+4. SIGTERM/SIGINT: stop taking work (new requests finish at once with reason `abort` and an
+   error), let in-flight work finish for `drain_timeout_s`, abort what is left, deregister from
+   the registry, close the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+
+from baton.protocol import (
+    AbortRequest,
+    EngineStats,
+    GenerateRequest,
+    ProtocolError,
+    StatsRequest,
+    TokenDelta,
+    decode_to_engine,
+    encode,
+)
+from baton.registry import EngineRecord, Heartbeat, Registry
+
+logger = logging.getLogger(__name__)
+
+
+class RoleWorker(Protocol):
+    """What a role (NORMAL, PROMPT, COMPLETION) plugs into the service loop."""
+
+    role: str
+
+    def add_request(self, req: GenerateRequest) -> list[TokenDelta]: ...
+    def abort_request(self, req_id: str) -> list[TokenDelta]: ...
+    def step(self) -> list[TokenDelta]: ...
+    def has_work(self) -> bool: ...
+    def fill_stats(self, stats: EngineStats) -> None: ...
+    def fill_record(self, record: EngineRecord) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class ServiceConfig:
+    engine_id: str
+    host: str = "127.0.0.1"  # bind address of the request socket; never 0.0.0.0 by default
+    port: int = 0  # 0 = an ephemeral port (printed at start-up)
+    idle_poll_ms: int = 20  # how long an idle loop blocks in poll
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight work may still run
+    max_messages_per_step: int = 256  # bound on socket draining between two steps
+    heartbeat_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ValueError("engine_id must not be empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+@dataclass
+class _Counters:
+    num_bad_messages: int = 0
+    num_requests: int = 0
+    num_requests_finished: int = 0
+    num_steps: int = 0
+    started_at: float = field(default_factory=time.time)
+
+
+class EngineService:
+    def __init__(self, worker: RoleWorker, config: ServiceConfig,
+                 registry: Registry | None = None, ctx: zmq.Context | None = None):
+        self.worker = worker
+        self.config = config
+        self.registry = registry
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, not vanishes
+        if config.port:
+            self.sock.bind(f"tcp://{config.host}:{config.port}")
+        else:
+            self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.req_to_identity: dict[str, bytes] = {}
+        self.counters = _Counters()
+        self._stop = threading.Event()  # set by signals or stop(): begin draining
+        self._heartbeat: Heartbeat | None = None
+        self.side_channel = ""
+        # The heartbeat thread publishes this snapshot; only the loop thread touches the
+        # worker (the scheduler is not thread-safe), refreshing it every `_snapshot_every_s`.
+        self._snapshot: EngineRecord | None = None
+        self._snapshot_at = 0.0
+        self._snapshot_every_s = min(0.25, config.heartbeat_s / 2)
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, on_ready: Callable[[EngineService], None] | None = None) -> None:
+        if self.registry is not None:
+            self._snapshot = self.record()
+            self._heartbeat = Heartbeat(self.registry, lambda: self._snapshot,
+                                        self.config.heartbeat_s).start()
+        logger.info("%s engine %s listening on %s", self.worker.role, self.config.engine_id,
+                    self.address)
+        if on_ready:
+            on_ready(self)
+        try:
+            while not self._stop.is_set():
+                self._iterate()
+            self._drain()
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+            self.worker.close()
+            self.sock.close(0)
+            logger.info("%s engine %s stopped", self.worker.role, self.config.engine_id)
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        logger.info("draining: %d requests in flight", len(self.req_to_identity))
+        while self.worker.has_work() and time.monotonic() < deadline:
+            self._iterate()
+        for req_id in list(self.req_to_identity):
+            self._send_all(self.worker.abort_request(req_id))
+        while self.worker.has_work() and time.monotonic() < deadline + 5.0:
+            self._send_all(self.worker.step())  # let aborted sequences free their blocks
+
+    # --- one iteration ---------------------------------------------------------------------
+    def _iterate(self) -> None:
+        timeout = 0 if self.worker.has_work() else self.config.idle_poll_ms
+        if self.sock.poll(timeout, zmq.POLLIN):
+            for _ in range(self.config.max_messages_per_step):
+                try:
+                    identity, payload = self._recv()
+                except zmq.Again:
+                    break
+                if identity is not None:
+                    self._handle(identity, payload)
+        if self.worker.has_work():
+            self.counters.num_steps += 1
+            self._send_all(self.worker.step())
+        now = time.monotonic()
+        if now - self._snapshot_at >= self._snapshot_every_s:
+            self._snapshot, self._snapshot_at = self.record(), now
+
+    def _recv(self) -> tuple[bytes | None, bytes]:
+        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        if len(frames) != 2:
+            self.counters.num_bad_messages += 1
+            logger.warning("dropping a message of %d frames", len(frames))
+            return None, b""
+        return frames[0], frames[1]
+
+    def _handle(self, identity: bytes, payload: bytes) -> None:
+        try:
+            msg = decode_to_engine(payload)
+        except ProtocolError as exc:
+            self.counters.num_bad_messages += 1
+            logger.warning("dropping a bad message: %s", exc)
+            return
+        if isinstance(msg, GenerateRequest):
+            self._on_generate(identity, msg)
+        elif isinstance(msg, AbortRequest):
+            if msg.req_id in self.req_to_identity:
+                self._send_all(self.worker.abort_request(msg.req_id))
+        elif isinstance(msg, StatsRequest):
+            self._send(identity, self.stats(msg.nonce))
+
+    def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
+        if self._stop.is_set():
+            self._send(identity, TokenDelta(req.req_id, finish_reason="abort",
+                                            error="engine is shutting down"))
+            return
+        if req.req_id in self.req_to_identity:
+            self._send(identity, TokenDelta(req.req_id, finish_reason="error",
+                                            error=f"duplicate request id {req.req_id!r}"))
+            return
+        self.counters.num_requests += 1
+        self.req_to_identity[req.req_id] = identity
+        self._send_all(self.worker.add_request(req))
+
+    # --- replies ---------------------------------------------------------------------------
+    def _send_all(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            identity = self.req_to_identity.get(delta.req_id)
+            if identity is None:
+                continue  # the request was already finished and forgotten
+            if delta.finish_reason:
+                del self.req_to_identity[delta.req_id]
+                self.counters.num_requests_finished += 1
+            self._send(identity, delta)
+
+    def _send(self, identity: bytes, msg: TokenDelta | EngineStats) -> None:
+        try:
+            self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as exc:
+            # The router is gone or its queue is full: its requests are lost to it anyway;
+            # finishing them here keeps the pools whole.
+            logger.warning("cannot reach router for %s: %s", getattr(msg, "req_id", "stats"), exc)
+            if isinstance(msg, TokenDelta) and not msg.finish_reason:
+                self._abort_for_identity(identity)
+
+    def _abort_for_identity(self, identity: bytes) -> None:
+        for req_id, ident in list(self.req_to_identity.items()):
+            if ident == identity:
+                self.req_to_identity.pop(req_id, None)
+                self.worker.abort_request(req_id)
+
+    # --- introspection ---------------------------------------------------------------------
+    def stats(self, nonce: int = 0) -> EngineStats:
+        stats = EngineStats(
+            engine_id=self.config.engine_id, role=self.worker.role, nonce=nonce,
+            num_steps=self.counters.num_steps,
+            num_requests_finished=self.counters.num_requests_finished,
+            draining=self._stop.is_set(),
+        )
+        self.worker.fill_stats(stats)
+        stats.extra["num_bad_messages"] = float(self.counters.num_bad_messages)
+        stats.extra["uptime_s"] = time.time() - self.counters.started_at
+        return stats
+
+    def record(self) -> EngineRecord:
+        record = EngineRecord(role=self.worker.role, engine_id=self.config.engine_id,
+                              address=self.address, side_channel=self.side_channel)
+        self.worker.fill_record(record)
+        return record
