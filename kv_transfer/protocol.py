@@ -1,0 +1,131 @@
+"""Wire types of the KV side channel (ZMQ) and of the NIXL release note.
+
+The prompt engine's exporter serves a ZMQ ROUTER socket; each completion engine's importer
+talks to it through one DEALER per peer. Every message is a tagged, array-like msgspec Struct,
+so a frame is a short msgpack array whose first item names the type. New fields go at the end.
+
+    importer                         exporter
+    Handshake(seq)          ->
+                            <-       HandshakeReply(seq, instance, agent metadata, pool shape,
+                                                    fingerprint)
+    Claim(seq, request, instance, agent, block ids) ->
+                            <-       ClaimReply(seq, request, ok | reason)
+    NIXL READ of the claimed blocks, carrying the notification Release(request, instance)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+import baton
+
+# Bumped whenever a message changes shape; part of the fingerprint, so two Batons that would
+# misread each other refuse to talk instead of corrupting a transfer.
+PROTOCOL_VERSION = 1
+
+
+class Fingerprint(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """What must match for two engines' KV blocks to be interchangeable byte for byte."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    layout: str = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
+    version: str = f"baton-{baton.__version__}/kv-{PROTOCOL_VERSION}"
+
+    def describe(self) -> str:
+        return (
+            f"{self.model}/{self.dtype}/L{self.num_layers}/H{self.num_kv_heads}"
+            f"/D{self.head_dim}/B{self.block_size}/{self.layout}/{self.version}"
+        )
+
+
+class KVHandle(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """What the prompt engine returns to the router: where the prompt's KV lies and under which
+    lease. The router passes it unchanged to the completion engine."""
+
+    engine_id: str
+    side_channel: str  # "tcp://host:port" of the exporter's ROUTER socket
+    instance_id: str  # the exporter process's start id; a restart invalidates old handles
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class Handshake(msgspec.Struct, tag="hs", array_like=True, omit_defaults=True):
+    seq: int
+
+
+class HandshakeReply(msgspec.Struct, tag="hs_ok", array_like=True, omit_defaults=True):
+    seq: int
+    engine_id: str
+    instance_id: str
+    agent_name: str
+    agent_metadata: bytes
+    base_address: int
+    num_blocks: int
+    block_bytes: int
+    fingerprint: Fingerprint
+
+
+class Claim(msgspec.Struct, tag="claim", array_like=True, omit_defaults=True):
+    seq: int
+    request_id: str
+    instance_id: str
+    agent_name: str  # the importer's NIXL agent: only it may release the lease
+    block_ids: list[int]
+
+
+class ClaimReply(msgspec.Struct, tag="claim_ok", array_like=True, omit_defaults=True):
+    seq: int
+    request_id: str
+    ok: bool
+    reason: str = ""  # a FailReason value when not ok
+    message: str = ""
+
+
+class ErrorReply(msgspec.Struct, tag="err", array_like=True, omit_defaults=True):
+    """Answer to a frame the exporter could not decode: seq is -1 when unknown."""
+
+    seq: int
+    message: str
+
+
+class Release(msgspec.Struct, tag="rel", array_like=True, omit_defaults=True):
+    """NIXL notification payload: the importer is done with the lease (read or gave up)."""
+
+    request_id: str
+    instance_id: str
+
+
+ToExporter = Handshake | Claim
+ToImporter = HandshakeReply | ClaimReply | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+_to_exporter = msgspec.msgpack.Decoder(ToExporter)
+_to_importer = msgspec.msgpack.Decoder(ToImporter)
+_release = msgspec.msgpack.Decoder(Release)
+_handle = msgspec.msgpack.Decoder(KVHandle)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_exporter(data: bytes) -> Handshake | Claim:
+    return _to_exporter.decode(data)
+
+
+def decode_to_importer(data: bytes) -> HandshakeReply | ClaimReply | ErrorReply:
+    return _to_importer.decode(data)
+
+
+def decode_release(data: bytes) -> Release:
+    return _release.decode(data)
+
+
+def decode_handle(data: bytes) -> KVHandle:
+    return _handle.decode(data)
