@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,13 +13,18 @@ from kv_transfer.errors import BadHandleError
 
 def check_block_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> list[int]:
     """Return block_ids as a list of ints if each lies in 1..num_blocks-1 and none repeats."""
-    ids = list(block_ids)
+    ids = []
+    for b in block_ids:
+        # bool is an int subclass; a True on the wire is a bug, not block 1.
+        try:
+            i = -1 if isinstance(b, bool) else operator.index(b)
+        except TypeError:
+            i = -1
+        if not 1 <= i < num_blocks:
+            raise BadHandleError(f"{what}: block id {b!r} outside 1..{num_blocks - 1}")
+        ids.append(i)
     if not ids:
         raise BadHandleError(f"{what}: empty block id list")
-    for b in ids:
-        # bool is an int subclass; a True on the wire is a bug, not block 1.
-        if type(b) is not int or not 1 <= b < num_blocks:
-            raise BadHandleError(f"{what}: block id {b!r} outside 1..{num_blocks - 1}")
     if len(set(ids)) != len(ids):
         raise BadHandleError(f"{what}: duplicate block ids")
     return ids

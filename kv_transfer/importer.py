@@ -29,7 +29,7 @@ from kv_transfer import protocol as proto
 from kv_transfer.agent import NixlAgent
 from kv_transfer.blocks import check_block_ids
 from kv_transfer.config import PoolSpec, TransferConfig
-from kv_transfer.errors import FailReason, KVTransferError, TransferState
+from kv_transfer.errors import BadHandleError, FailReason, KVTransferError, TransferState
 from kv_transfer.pull_loop import PullLoop
 from kv_transfer.pulls import Pull, TransferResult
 
@@ -80,7 +80,10 @@ class KVImporter:
     def start_pull(self, handle: proto.KVHandle, local_block_ids: list[int]) -> None:
         """Begin pulling handle's blocks into local_block_ids; never blocks. A bad handle
         becomes a FAILED result; bad local ids or a duplicate request id raise ValueError."""
-        local = check_block_ids(local_block_ids, self.spec.num_blocks, "local block ids")
+        try:
+            local = check_block_ids(local_block_ids, self.spec.num_blocks, "local block ids")
+        except BadHandleError as exc:
+            raise ValueError(str(exc)) from None
         with self._lock:
             if handle.request_id in self._states:
                 raise ValueError(f"request {handle.request_id!r} already has a pull")
