@@ -1,0 +1,177 @@
+"""The router's FastAPI app: OpenAI endpoints, health, metrics, auth and error bodies.
+
+Life of one request:
+1. auth middleware (when an API key is set) answers 401 to a wrong or missing key;
+2. the handler parses the raw body itself (malformed JSON, wrong types -> 400 naming the field),
+   checks values and the model name, tokenizes (router/prepare.py);
+3. router/serving.py runs it through the engines (router/dispatch.py) and builds the response.
+Every error leaves as an OpenAI error body; FastAPI's 422 is turned into a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from baton.registry import Registry
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.engine_pool import EnginePool, NoEngineError
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+    validation_error,
+)
+from router.prepare import prepare_chat, prepare_completion
+from router.serving import Server
+from router.text import ModelInfo, load_model_info
+
+logger = logging.getLogger(__name__)
+
+_COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+def create_app(config: RouterConfig, info: ModelInfo | None = None,
+               registry: Registry | None = None) -> FastAPI:
+    """The router app; `info` (tokenizer, limits) and `registry` default to the config's."""
+    metrics = RouterMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        model = info or await asyncio.to_thread(
+            load_model_info, config.model_path, config.model_name, config.max_model_len)
+        pool = EnginePool(config, metrics, registry)
+        await pool.start()
+        dispatcher = Dispatcher(pool, metrics, config.first_token_timeout_s,
+                                config.token_timeout_s)
+        app.state.model = model
+        app.state.pool = pool
+        app.state.server = Server(dispatcher, model, metrics)
+        logger.info("router ready: model %s, engines %s", model.name,
+                    {role: len(pool.records(role)) for role in ("normal", "prompt", "completion")})
+        try:
+            yield
+        finally:
+            await dispatcher.drain_aborts()
+            await pool.close()
+
+    app = FastAPI(title="Baton router", lifespan=lifespan)
+    app.state.config = config
+    app.state.metrics = metrics
+    app.state.started = int(time.time())
+    _add_middleware(app, config, metrics)
+    _add_error_handlers(app)
+    _add_routes(app)
+    return app
+
+
+def _add_middleware(app: FastAPI, config: RouterConfig, metrics: RouterMetrics) -> None:
+    # Plain ASGI rather than @app.middleware: BaseHTTPMiddleware re-wraps streaming bodies and
+    # would stand between a departing client and the cancellation of its stream.
+    app.add_middleware(_AuthAndCount, api_key=config.api_key, metrics=metrics)
+
+
+class _AuthAndCount:
+    def __init__(self, app, api_key: str, metrics: RouterMetrics):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else b""
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.expected and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.metrics.requests.labels(_endpoint(path), "401").inc()
+                response = _error(APIError(401, "Invalid or missing API key: send "
+                                           "'Authorization: Bearer <key>'",
+                                           code="invalid_api_key"))
+                return await response(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(_endpoint(path), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _endpoint(path: str) -> str:
+    return path if path in _COUNTED_PATHS else "other"
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return _error(validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(APIError(exc.status_code, f"{exc.detail}: {request.method} "
+                               f"{request.url.path}", kind))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s", request.url.path)
+        return _error(APIError(500, f"Internal error: {type(exc).__name__}", "internal_error"))
+
+
+def _error(exc: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.monotonic()
+        body = parse_body(await request.body(), CompletionRequest)
+        prep = prepare_completion(body, request.app.state.model)
+        return await request.app.state.server.respond(prep, request, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.monotonic()
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        prep = prepare_chat(body, request.app.state.model)
+        return await request.app.state.server.respond(prep, request, arrival)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        model = request.app.state.model
+        return {"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": request.app.state.started,
+            "owned_by": "baton", "max_model_len": model.max_model_len}]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        pool: EnginePool = request.app.state.pool
+        engines = {role: len(pool.records(role)) for role in ("normal", "prompt", "completion")}
+        try:
+            request.app.state.server.dispatcher.check_available()
+        except NoEngineError as exc:
+            return JSONResponse({"status": "unavailable", "reason": str(exc), "engines": engines},
+                                status_code=503)
+        return {"status": "ok", "engines": engines}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,48 @@
+"""`baton router`: the OpenAI-compatible HTTP front end."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run the OpenAI-compatible router")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", ""),
+                   help="engine registry; empty = the static --engine list")
+    p.add_argument("--registry-prefix", default="baton")
+    p.add_argument("--engine", action="append", default=[], metavar="ROLE=ADDR[,SIDECHANNEL]",
+                   help="a static engine (repeatable), e.g. normal=tcp://127.0.0.1:7000")
+    p.add_argument("--api-key", default="", help="required bearer key (default $BATON_API_KEY)")
+    p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default SmolLM2)")
+    p.add_argument("--served-model-name", default="", help="name clients use (default: the file's)")
+    p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")
+    p.add_argument("--refresh", type=float, default=1.0, help="registry refresh period, seconds")
+    p.add_argument("--first-token-timeout", type=float, default=120.0,
+                   help="seconds an engine may take to answer a new request")
+    p.add_argument("--token-timeout", type=float, default=60.0,
+                   help="seconds an engine may stay silent in a running request")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    from router.config import RouterConfig
+
+    config = RouterConfig(
+        host=args.host, port=args.port, registry_url=args.redis_url,
+        registry_prefix=args.registry_prefix, engines=args.engine, api_key=args.api_key,
+        model_path=args.model, model_name=args.served_model_name,
+        max_model_len=args.max_model_len, refresh_s=args.refresh,
+        first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout)
+    logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
+    uvicorn.run(create_app(config), host=config.host, port=config.port,
+                log_level=logging.getLogger().getEffectiveLevel(), access_log=False)
+    return 0

@@ -1,0 +1,67 @@
+"""RouterConfig: everything the router process needs, validated once at start-up."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+
+from baton.registry import ROLES
+
+
+@dataclass
+class RouterConfig:
+    # HTTP bind address; loopback by default so nothing is exposed unless asked for.
+    host: str = "127.0.0.1"
+    # HTTP port (0 lets the OS pick one; tests use that).
+    port: int = 8000
+    # redis://host:port/db of the engine registry; empty means the static `engines` list.
+    registry_url: str = ""
+    # Key namespace in Redis, the same as the engines' RegistryConfig.prefix.
+    registry_prefix: str = "baton"
+    # Static engines, `ROLE=ADDRESS[,SIDE_CHANNEL]`, used when registry_url is empty.
+    engines: list[str] = field(default_factory=list)
+    # Bearer key clients must send; empty = no authentication. Falls back to $BATON_API_KEY.
+    api_key: str = ""
+    # GGUF file or Hugging Face folder the tokenizer and chat template come from; empty = SmolLM2.
+    model_path: str = ""
+    # Name served by /v1/models and required in requests; empty = derived from the model.
+    model_name: str = ""
+    # Context length override; 0 = the model's own.
+    max_model_len: int = 0
+    # How often the engine list (and each engine's load) is re-read from the registry.
+    refresh_s: float = 1.0
+    # Longest wait for the first delta of an engine that got a fresh prompt (queueing + prefill).
+    first_token_timeout_s: float = 120.0
+    # Longest wait between two deltas of a running request, KV pull included.
+    token_timeout_s: float = 60.0
+    # Longest wait for an engine's answer to a StatsRequest.
+    stats_timeout_s: float = 2.0
+    # Seconds an engine that failed a request is avoided unless it is the only one left.
+    failure_cooldown_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.api_key:
+            self.api_key = os.environ.get("BATON_API_KEY", "")
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            if self.host != "localhost":
+                raise ValueError(f"host must be an IP address or localhost, got {self.host!r}") from None
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.registry_url and self.engines:
+            raise ValueError("give either registry_url or static engines, not both")
+        if self.registry_url and not self.registry_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"registry_url must be a redis:// URL, got {self.registry_url!r}")
+        for entry in self.engines:
+            role, sep, address = entry.partition("=")
+            if not sep or role not in ROLES or not address:
+                raise ValueError(f"bad engine entry {entry!r}: expected ROLE=ADDRESS[,SIDE], ROLE in {ROLES}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        for name in ("refresh_s", "first_token_timeout_s", "token_timeout_s", "stats_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.failure_cooldown_s < 0:
+            raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")

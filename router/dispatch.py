@@ -1,0 +1,203 @@
+"""One request's trip through the engines, as a stream of TokenDeltas.
+
+Disaggregated (prompt and completion engines registered):
+  1. pick the least-loaded live prompt engine; send GenerateRequest without a handle;
+  2. wait for its single delta (first token + kv_handle, or a finish reason); if it fails first
+     (timeout, connection dropped, vanished from the registry, error delta), abort it there and
+     retry once on another prompt engine;
+  3. pick the least-loaded completion engine; send GenerateRequest with the handle, the first
+     token and its logprob; yield the first token; stream the completion engine's deltas.
+Otherwise a NORMAL engine serves the whole request (same first-token retry).
+
+Whoever stops reading early (client gone, stop string hit) closes the generator; its `finally`
+sends AbortRequest to every engine that may still hold the request. The aborts run as their own
+tasks, because the reader may be a cancelled task whose every further await would be cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from baton.protocol import GenerateRequest, SamplingOptions, TokenDelta
+from baton.registry import EngineRecord
+from router.engine_client import EngineClient
+from router.engine_pool import EnginePool, NoEngineError
+
+logger = logging.getLogger(__name__)
+
+OK_FINISH_REASONS = ("", "stop", "length")
+_WATCH_SLICE_S = 0.25  # how often a waiting request checks its engine is still registered
+
+
+class EngineFailure(Exception):
+    """An engine failed the request (error delta, timeout, gone); `started` = tokens were sent."""
+
+    def __init__(self, message: str, started: bool):
+        super().__init__(message)
+        self.started = started
+
+
+def is_error(delta: TokenDelta) -> bool:
+    return bool(delta.error) or delta.finish_reason not in OK_FINISH_REASONS
+
+
+@dataclass
+class _Leg:
+    """The request on one engine."""
+
+    record: EngineRecord
+    client: EngineClient
+    queue: asyncio.Queue[TokenDelta]
+    is_finished: bool = False
+
+
+class Dispatcher:
+    def __init__(self, pool: EnginePool, metrics, first_token_timeout_s: float,
+                 token_timeout_s: float):
+        self.pool = pool
+        self.metrics = metrics
+        self.first_token_timeout_s = first_token_timeout_s
+        self.token_timeout_s = token_timeout_s
+        self._abort_tasks: set[asyncio.Task] = set()
+
+    def check_available(self) -> None:
+        """Raise NoEngineError (HTTP 503) now if some role the request needs has no live engine."""
+        roles = ("prompt", "completion") if self.pool.is_disaggregated else ("normal",)
+        for role in roles:
+            self.pool.pick(role)
+
+    async def generate(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
+                       arrival: float) -> AsyncIterator[TokenDelta]:
+        """Deltas of one request until one carries a finish reason.
+
+        Raises NoEngineError or EngineFailure; `EngineFailure.started` tells whether tokens
+        were already yielded.
+        """
+        legs: list[_Leg] = []
+        request = GenerateRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
+                                  sampling=sampling)
+        try:
+            disaggregated = self.pool.is_disaggregated
+            self.check_available()
+            first_role = "prompt" if disaggregated else "normal"
+            first_leg, first = await self._first_delta(first_role, request, legs)
+            self.metrics.ttft.observe(time.monotonic() - arrival)
+            if first.finish_reason or not disaggregated:
+                yield first
+                last = time.monotonic()
+                if not first.finish_reason:
+                    async for delta in self._follow(first_leg, started=True, last=last):
+                        yield delta
+                return
+            if not first.token_ids or not first.kv_handle:
+                raise EngineFailure(f"prompt engine {first_leg.record.engine_id} sent no first "
+                                    "token or KV handle", started=False)
+            leg = await self._send("completion", GenerateRequest(
+                req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+                kv_handle=first.kv_handle, first_token_id=first.token_ids[0],
+                first_logprob=first.logprobs[0] if first.logprobs else 0.0), legs)
+            handed_at = time.monotonic()
+            yield TokenDelta(req_id=req_id, token_ids=first.token_ids, logprobs=first.logprobs,
+                             num_prompt_tokens=first.num_prompt_tokens)
+            async for delta in self._follow(leg, started=True, last=handed_at,
+                                            kv_since=handed_at):
+                first_leg.is_finished = True  # the completion engine has claimed the KV lease
+                yield delta
+        finally:
+            self._end(req_id, legs)
+
+    async def _first_delta(self, role: str, request: GenerateRequest,
+                           legs: list[_Leg]) -> tuple[_Leg, TokenDelta]:
+        tried: set[str] = set()
+        last_error = ""
+        for attempt in range(2):
+            try:
+                leg = await self._send(role, request, legs, exclude=tried)
+            except NoEngineError as exc:
+                if not last_error:
+                    raise
+                raise EngineFailure(f"{last_error}; retry impossible: {exc}", started=False) from None
+            tried.add(leg.record.address)
+            delta = await self._wait(leg, self.first_token_timeout_s)
+            if not is_error(delta):
+                return leg, delta
+            last_error = f"{role} engine {leg.record.engine_id} failed: {delta.error or delta.finish_reason}"
+            logger.warning("request %s: %s (attempt %d)", request.req_id, last_error, attempt + 1)
+            self.pool.mark_failed(leg.record.address)
+            self._abort_leg(request.req_id, leg)
+            if attempt == 0:
+                self.metrics.retries.labels(role).inc()
+        raise EngineFailure(last_error, started=False)
+
+    async def _send(self, role: str, request: GenerateRequest, legs: list[_Leg],
+                    exclude: set[str] = frozenset()) -> _Leg:
+        record = self.pool.pick(role, exclude)
+        client = self.pool.client(record.address)
+        self.pool.acquire(record.address)
+        leg = _Leg(record, client, client.open(request.req_id))
+        legs.append(leg)
+        await client.send(request)
+        return leg
+
+    async def _follow(self, leg: _Leg, started: bool, last: float,
+                      kv_since: float | None = None) -> AsyncIterator[TokenDelta]:
+        """Deltas of `leg` until a finish reason; an error delta raises EngineFailure."""
+        while True:
+            timeout = self.first_token_timeout_s if kv_since is not None else self.token_timeout_s
+            delta = await self._wait(leg, timeout)
+            now = time.monotonic()
+            if kv_since is not None:
+                self.metrics.kv_transfer.observe(now - kv_since)
+                kv_since = None
+            if is_error(delta):
+                self.pool.mark_failed(leg.record.address)
+                raise EngineFailure(f"{leg.record.role} engine {leg.record.engine_id} failed: "
+                                    f"{delta.error or delta.finish_reason}", started=started)
+            if delta.token_ids:
+                per_token = (now - last) / len(delta.token_ids)
+                for _ in delta.token_ids:
+                    self.metrics.itl.observe(per_token)
+                last = now
+            if delta.finish_reason:
+                leg.is_finished = True
+            yield delta
+            if delta.finish_reason:
+                return
+
+    async def _wait(self, leg: _Leg, timeout_s: float) -> TokenDelta:
+        """The leg's next delta, or a synthetic error delta on timeout or a vanished engine."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return TokenDelta(req_id="", finish_reason="timeout",
+                                  error=f"no answer within {timeout_s:g}s")
+            try:
+                return await asyncio.wait_for(leg.queue.get(), min(remaining, _WATCH_SLICE_S))
+            except asyncio.TimeoutError:
+                if not self.pool.is_live(leg.record.address):
+                    return TokenDelta(req_id="", finish_reason="engine_gone",
+                                      error="engine left the registry or disconnected")
+
+    def _abort_leg(self, req_id: str, leg: _Leg) -> None:
+        leg.is_finished = True
+        leg.client.close_request(req_id)
+        task = asyncio.get_running_loop().create_task(leg.client.abort(req_id))
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
+
+    def _end(self, req_id: str, legs: list[_Leg]) -> None:
+        for leg in legs:
+            self.pool.release(leg.record.address)
+            if not leg.is_finished:
+                self._abort_leg(req_id, leg)
+            leg.client.close_request(req_id)
+
+    async def drain_aborts(self) -> None:
+        """Let pending AbortRequests leave before the sockets close."""
+        if self._abort_tasks:
+            await asyncio.wait(self._abort_tasks, timeout=1.0)

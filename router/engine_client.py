@@ -1,0 +1,122 @@
+"""One DEALER socket per engine address, with one receive task that demultiplexes by req_id.
+
+Every request the router sends to an engine opens a queue keyed by its req_id; the receive task
+puts each TokenDelta into the queue of its request, and StatsRequest answers resolve a future
+keyed by nonce. A socket monitor notices a dropped connection at once, so requests on a killed
+engine fail in milliseconds instead of waiting for their timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from baton import protocol
+from baton.protocol import AbortRequest, EngineStats, GenerateRequest, StatsRequest, TokenDelta
+
+logger = logging.getLogger(__name__)
+
+# Error finish reason the router puts into a request's queue when its engine's connection drops.
+DISCONNECTED = "engine_disconnected"
+
+
+class EngineClient:
+    """The router's side of one engine: send requests, receive their deltas."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str):
+        self.address = address
+        self.is_connected = False  # set by the monitor; False until the first handshake
+        self.has_dropped = False  # the connection was up once and went down since
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a message: every wait has a timeout
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._sock.connect(address)
+        self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._stats: dict[int, asyncio.Future[EngineStats]] = {}
+        self._nonces = itertools.count(1)
+        self._tasks = [asyncio.create_task(self._recv_loop(), name=f"recv {address}"),
+                       asyncio.create_task(self._monitor_loop(), name=f"monitor {address}")]
+
+    @property
+    def num_open(self) -> int:
+        return len(self._queues)
+
+    def open(self, req_id: str) -> asyncio.Queue[TokenDelta]:
+        assert req_id not in self._queues, f"request {req_id} already open on {self.address}"
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self._queues[req_id] = queue
+        return queue
+
+    def close_request(self, req_id: str) -> None:
+        self._queues.pop(req_id, None)
+
+    async def send(self, request: GenerateRequest) -> None:
+        """Send a request whose queue `open` made; its deltas land in that queue."""
+        await self._sock.send(protocol.encode(request))
+
+    async def abort(self, req_id: str) -> None:
+        self.close_request(req_id)
+        await self._sock.send(protocol.encode(AbortRequest(req_id=req_id)))
+
+    async def stats(self, timeout_s: float) -> EngineStats:
+        """The engine's own counters (free blocks, running, ...); TimeoutError if it is silent."""
+        nonce = next(self._nonces)
+        future: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
+        self._stats[nonce] = future
+        try:
+            await self._sock.send(protocol.encode(StatsRequest(nonce=nonce)))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._stats.pop(nonce, None)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = protocol.decode_to_router(frames[-1])
+            except protocol.ProtocolError as exc:
+                logger.warning("dropping a bad message from %s: %s", self.address, exc)
+                continue
+            if isinstance(msg, TokenDelta):
+                queue = self._queues.get(msg.req_id)
+                if queue is not None:  # else: a late delta of a request already given up
+                    queue.put_nowait(msg)
+            else:
+                future = self._stats.get(msg.nonce)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                self.is_connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.is_connected = False
+                self.has_dropped = True
+                logger.warning("engine %s disconnected; failing its %d open requests",
+                               self.address, len(self._queues))
+                self._fail_open_requests()
+
+    def _fail_open_requests(self) -> None:
+        for req_id, queue in list(self._queues.items()):
+            queue.put_nowait(TokenDelta(req_id=req_id, finish_reason=DISCONNECTED,
+                                        error=f"engine {self.address} disconnected"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        for future in self._stats.values():
+            future.cancel()

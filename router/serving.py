@@ -1,0 +1,189 @@
+"""Turn a prepared request's token deltas into OpenAI responses: one JSON body, or SSE chunks.
+
+The first delta is awaited before any response is started, so a request no engine can take is
+still a proper 503 rather than a stream that breaks. Leaving the delta loop early (stop string,
+client gone) closes the dispatcher's generator, which aborts the request in the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from baton.protocol import TokenDelta
+from router.dispatch import Dispatcher, EngineFailure
+from router.engine_pool import NoEngineError
+from router.metrics import RouterMetrics
+from router.openai_protocol import APIError
+from router.prepare import Prepared
+from router.text import ModelInfo, TextStream
+
+logger = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class _Progress:
+    num_generated: int = 0
+    finish_reason: str | None = None
+
+
+class Server:
+    """Runs prepared requests through the dispatcher."""
+
+    def __init__(self, dispatcher: Dispatcher, info: ModelInfo, metrics: RouterMetrics):
+        self.dispatcher = dispatcher
+        self.info = info
+        self.metrics = metrics
+
+    async def respond(self, prep: Prepared, request: Request, arrival: float):
+        deltas = self.dispatcher.generate(prep.req_id, prep.prompt_token_ids, prep.sampling,
+                                          arrival)
+        try:
+            first = await deltas.__anext__()
+        except NoEngineError as exc:
+            await deltas.aclose()
+            raise APIError(503, f"No engine available: {exc}", "service_unavailable",
+                           code="no_engine") from None
+        except EngineFailure as exc:
+            await deltas.aclose()
+            raise APIError(503, f"Engine failure: {exc}", "service_unavailable",
+                           code="engine_failure") from None
+        except BaseException:
+            await deltas.aclose()
+            raise
+        if prep.stream:
+            body = self._stream(prep, first, deltas, arrival)
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect_unless_gone(prep, first, deltas, request, arrival)
+
+    async def _collect_unless_gone(self, prep, first, deltas, request: Request, arrival):
+        # A non-streaming handler is not cancelled when its client leaves; watch for it, so
+        # the engines stop generating for nobody.
+        collect = asyncio.ensure_future(self._collect(prep, first, deltas, arrival))
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not collect.done():
+                self.metrics.aborts.labels("client_gone").inc()
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
+        if collect.cancelled():
+            return JSONResponse({"error": "client disconnected"}, status_code=499)
+        return collect.result()
+
+    async def _collect(self, prep: Prepared, first: TokenDelta, deltas, arrival: float):
+        text = TextStream(self.info.tokenizer, prep.stop)
+        progress = _Progress()
+        try:
+            async with aclosing(deltas):
+                async for piece in self._text_pieces(first, deltas, text, progress):
+                    del piece  # text.text accumulates it
+        except EngineFailure as exc:
+            raise APIError(502, f"Engine failure: {exc}", "engine_error",
+                           code="engine_failure") from None
+        self._observe_done(prep, progress, arrival)
+        choice = {"index": 0, "logprobs": None, "finish_reason": progress.finish_reason}
+        if prep.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text.text}
+        else:
+            choice["text"] = text.text
+        return JSONResponse({
+            "id": prep.req_id, "object": _OBJECT[prep.kind], "created": prep.created,
+            "model": prep.model, "choices": [choice], "usage": _usage(prep, progress)})
+
+    async def _text_pieces(self, first: TokenDelta, deltas: AsyncIterator[TokenDelta],
+                           text: TextStream, progress: _Progress) -> AsyncIterator[str]:
+        """Text deltas of the request; leaves `progress` with the finish reason."""
+        delta = first
+        while True:
+            progress.num_generated += len(delta.token_ids)
+            piece = text.add(delta.token_ids)
+            if text.is_stopped:
+                progress.finish_reason = "stop"  # returning closes `deltas`: engines abort
+                self.metrics.aborts.labels("stop_string").inc()
+            elif delta.finish_reason:
+                piece += text.flush()
+                progress.finish_reason = delta.finish_reason
+            if piece:
+                yield piece
+            if progress.finish_reason:
+                return
+            try:
+                delta = await deltas.__anext__()
+            except StopAsyncIteration:  # the dispatcher always ends with a finish reason
+                raise EngineFailure("the engine stream ended without a finish reason",
+                                    started=True) from None
+
+    async def _stream(self, prep: Prepared, first: TokenDelta, deltas,
+                      arrival: float) -> AsyncIterator[bytes]:
+        text = TextStream(self.info.tokenizer, prep.stop)
+        progress = _Progress()
+        usage_null = {"usage": None} if prep.include_usage else {}
+        try:
+            async with aclosing(deltas):
+                if prep.kind == "chat":
+                    yield self._chunk(prep, {"role": "assistant", "content": ""}, None, usage_null)
+                async for piece in self._text_pieces(first, deltas, text, progress):
+                    yield self._chunk(prep, piece, None, usage_null)
+            yield self._chunk(prep, "", progress.finish_reason, usage_null)
+            if prep.include_usage:
+                yield _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
+                            "created": prep.created, "model": prep.model, "choices": [],
+                            "usage": _usage(prep, progress)})
+            self._observe_done(prep, progress, arrival)
+        except EngineFailure as exc:
+            logger.warning("request %s failed mid-stream: %s", prep.req_id, exc)
+            yield _sse(APIError(502, f"Engine failure: {exc}", "engine_error",
+                                code="engine_failure").body())
+        except asyncio.CancelledError:
+            self.metrics.aborts.labels("client_gone").inc()
+            raise
+        yield b"data: [DONE]\n\n"
+
+    def _chunk(self, prep: Prepared, content: str | dict, finish_reason: str | None,
+               extra: dict) -> bytes:
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if prep.kind == "chat":
+            choice["delta"] = content if isinstance(content, dict) else (
+                {"content": content} if content else {})
+        else:
+            choice["text"] = content
+        return _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
+                     "created": prep.created, "model": prep.model, "choices": [choice], **extra})
+
+    def _observe_done(self, prep: Prepared, progress: _Progress, arrival: float) -> None:
+        self.metrics.e2e.observe(time.monotonic() - arrival)
+        self.metrics.prompt_tokens.inc(len(prep.prompt_token_ids))
+        self.metrics.generated_tokens.inc(progress.num_generated)
+
+
+_OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
+_CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
+
+
+def _usage(prep: Prepared, progress: _Progress) -> dict:
+    num_prompt = len(prep.prompt_token_ids)
+    return {"prompt_tokens": num_prompt, "completion_tokens": progress.num_generated,
+            "total_tokens": num_prompt + progress.num_generated}
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)

@@ -1,0 +1,119 @@
+"""The model's text side at the router: tokenizer, context length, and streamed output text.
+
+The tokenizer and chat template come from baton/model/tokenizer.py, read from the GGUF metadata
+(or a Hugging Face folder) without loading any weights. `TextStream` turns token ids into text
+deltas: the incremental detokenizer never splits a multi-byte character, and stop strings are
+found here, at the router, holding back any tail that could still become one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from baton.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInfo:
+    name: str  # served name (/v1/models, the `model` field)
+    tokenizer: Tokenizer
+    max_model_len: int  # prompt + completion tokens the engines accept
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+def load_model_info(path: str = "", name: str = "", max_model_len: int = 0) -> ModelInfo:
+    """Tokenizer and limits of the model at `path` (a GGUF file, a folder; empty = SmolLM2)."""
+    from baton.model.loader import ModelLoadError, default_model_path
+
+    resolved = Path(path or default_model_path())
+    if not resolved.exists():
+        raise ModelLoadError(resolved, "no such file or directory")
+    if resolved.is_dir() and (resolved / "config.json").is_file():
+        tokenizer = Tokenizer.from_folder(resolved)
+        raw = json.loads((resolved / "config.json").read_text())
+        context = int(raw.get("max_position_embeddings", 4096))
+    else:
+        if resolved.is_dir():
+            found = sorted(resolved.glob("*.gguf"))
+            if len(found) != 1:
+                raise ModelLoadError(resolved, f"folder holds {len(found)} .gguf files, not 1")
+            resolved = found[0]
+        tokenizer, context = _from_gguf(resolved)
+    if max_model_len > context:
+        logger.warning("max_model_len %d exceeds the model's context %d", max_model_len, context)
+    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    info = ModelInfo(name=name or _default_name(resolved), tokenizer=tokenizer,
+                     max_model_len=max_model_len or context, stop_token_ids=stop_ids)
+    logger.info("model %s from %s: context %d, stop ids %s", info.name, resolved,
+                info.max_model_len, stop_ids)
+    return info
+
+
+def _from_gguf(path: Path) -> tuple[Tokenizer, int]:
+    import gguf
+
+    from baton.model.loader import ModelLoadError, gguf_field
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct errors on a corrupt file
+        raise ModelLoadError(path, f"unreadable GGUF ({type(exc).__name__}: {exc})") from None
+    arch = gguf_field(reader, "general.architecture", "llama")
+    context = int(gguf_field(reader, f"{arch}.context_length", 4096))
+    return Tokenizer.from_gguf(reader), context
+
+
+def _default_name(path: Path) -> str:
+    name = path.stem if path.suffix == ".gguf" else path.name
+    return name.split(".")[0] if path.suffix == ".gguf" else name
+
+
+class TextStream:
+    """Token ids in, text deltas out; stops at the first stop string, which is cut off."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = [s for s in stop if s]
+        self._held = ""  # decoded text that may be the start of a stop string
+        self.text = ""  # everything returned so far
+        self.is_stopped = False  # a stop string was found; nothing more comes out
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        if self.is_stopped:
+            return ""
+        return self._emit(self._held + self._detok.add(list(token_ids)), final=False)
+
+    def flush(self) -> str:
+        """At the end of the request: whatever was held back."""
+        if self.is_stopped:
+            return ""
+        return self._emit(self._held + self._detok.flush(), final=True)
+
+    def _emit(self, pending: str, final: bool) -> str:
+        cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.is_stopped = True
+            out, self._held = pending[:cut], ""
+        elif final:
+            out, self._held = pending, ""
+        else:
+            keep = self._longest_stop_prefix_suffix(pending)
+            out, self._held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        self.text += out
+        return out
+
+    def _longest_stop_prefix_suffix(self, text: str) -> int:
+        """Length of the longest tail of `text` that a stop string starts with."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
