@@ -124,3 +124,65 @@ class PeerProcess:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)
+
+
+def _pull_serve(conn, num_blocks: int, block_bytes: int, cfg: dict, env: dict) -> None:
+    """A completion-engine stand-in: a KVImporter over a numpy pool, driven by the parent."""
+    os.environ.update(env)
+    import time
+
+    from kv_transfer import KVImporter, TransferConfig
+
+    pool = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+    imp = KVImporter(pool, TransferConfig(**cfg), fingerprint(), engine_id="c0")
+    seeds: dict[str, tuple[int, list[int]]] = {}
+    done: dict[str, Any] = {}
+    conn.send(True)
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "start":
+            handle, ids, seed = args
+            seeds[handle.request_id] = (seed, ids)
+            imp.start_pull(handle, ids)
+            conn.send(True)
+        elif cmd == "state":
+            conn.send(done[args[0]].state if args[0] in done else imp.poll(args[0]))
+        elif cmd == "wait":
+            end = time.monotonic() + args[1]
+            while args[0] not in done and time.monotonic() < end:
+                done.update((r.request_id, r) for r in imp.collect())
+                time.sleep(0.002)
+            r = done.pop(args[0], None)
+            if r is None:
+                conn.send(None)
+                continue
+            seed, ids = seeds.pop(args[0])
+            exact = all(np.array_equal(pool[b], pattern(seed, i, block_bytes))
+                        for i, b in enumerate(ids))
+            conn.send((int(r.state), r.reason, r.message, exact, r.num_descs))
+        elif cmd == "stats":
+            conn.send((imp.num_pending(), imp.metrics()))
+        elif cmd == "exit":
+            imp.close()
+            conn.send(True)
+            return
+
+
+class ImporterProcess(PeerProcess):
+    """Handle on one importer process (same call/kill/stop as the exporter's)."""
+
+    def __init__(self, num_blocks: int = 64, block_bytes: int = 16384,
+                 cfg: dict | None = None, env: dict | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self.proc = ctx.Process(target=_pull_serve, daemon=True, args=(
+            child, num_blocks, block_bytes, cfg or {}, {**TEST_ENV, **(env or {})}))
+        self.proc.start()
+        if not self.conn.poll(30):
+            raise RuntimeError("importer process did not start")
+        self.conn.recv()
+
+    def pull(self, handle, ids: list[int], seed: int, timeout: float = 20.0):
+        self.call("start", handle, ids, seed)
+        return self.call("wait", handle.request_id, timeout, timeout=timeout + 5)
