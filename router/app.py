@@ -11,6 +11,7 @@ Every error leaves as an OpenAI error body; FastAPI's 422 is turned into a 400.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -49,8 +50,12 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        model = info or await asyncio.to_thread(
-            load_model_info, config.model_path, config.model_name, config.max_model_len)
+        if info is None:
+            model = await asyncio.to_thread(
+                load_model_info, config.model_path, config.model_name, config.max_model_len)
+        else:  # a tokenizer loaded once (tests, embedding) still obeys this config's limits
+            model = dataclasses.replace(info, name=config.model_name or info.name,
+                                        max_model_len=config.max_model_len or info.max_model_len)
         pool = EnginePool(config, metrics, registry)
         await pool.start()
         dispatcher = Dispatcher(pool, metrics, config.first_token_timeout_s,

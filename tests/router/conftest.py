@@ -1,0 +1,63 @@
+"""Router test fixtures: the model's tokenizer (read once), a router app, a real HTTP server."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from router.config import RouterConfig
+from router.text import ModelInfo, load_model_info
+
+
+@pytest.fixture(scope="session")
+def model_info() -> ModelInfo:
+    """SmolLM2's tokenizer and limits; reading the GGUF takes seconds, so once per session."""
+    return load_model_info()
+
+
+@pytest.fixture
+def make_client(model_info):
+    """`make_client(**RouterConfig fields)` -> a TestClient over a fresh app, lifespan running."""
+    from fastapi.testclient import TestClient
+
+    from router.app import create_app
+
+    clients = []
+
+    def make(**overrides) -> TestClient:
+        client = TestClient(create_app(RouterConfig(**overrides), info=model_info))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def serve_router(config: RouterConfig, info: ModelInfo | None = None) -> Iterator[str]:
+    """Run the router under uvicorn in a thread on a free loopback port; yields its base URL."""
+    import uvicorn
+
+    from baton.redis_server import free_port
+    from router.app import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(config, info=info), host="127.0.0.1",
+                                           port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "router did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

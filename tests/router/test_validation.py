@@ -1,0 +1,164 @@
+"""Bad input is refused before any engine is involved: status, OpenAI error body, a message
+naming the problem. No engine runs here, so a valid request ends in 503."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import RouterConfig
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = [{"role": "user", "content": "Hello"}]
+
+
+def _error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.fixture
+def client(make_client):
+    return make_client(max_model_len=64)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("raw, words", [
+    (b"{not json", "not valid JSON"),
+    (b"", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"prompt": "hi", "messages": []}', "'model'"),
+])
+def test_malformed_bodies(client, path, raw, words):
+    error = _error(client.post(path, content=raw), 400)
+    assert words in error["message"]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": MODEL}, "prompt", "Missing required field 'prompt'"),
+    ({"model": MODEL, "prompt": ""}, "prompt", "must not be empty"),
+    ({"model": MODEL, "prompt": []}, "prompt", "must not be empty"),
+    ({"model": MODEL, "prompt": 5}, "prompt", "Invalid value for 'prompt'"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, "max_tokens", "valid integer"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1, got 0"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens", "got -3"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature", ">= 0, got -0.5"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
+    ({"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k", "got -2"),
+    ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
+    ({"model": MODEL, "prompt": "hi", "stop": 7}, "stop", "Invalid value for 'stop'"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n", "got 2"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "logprobs", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo", "not supported"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "One prompt per request"),
+    ({"model": MODEL, "prompt": [1, 10**6]}, "prompt", "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "valid boolean"),
+])
+def test_completions_bad_input(client, body, param, words):
+    error = _error(client.post("/v1/completions", json=body), 400)
+    assert words.lower() in error["message"].lower()
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": MODEL}, "messages", "Missing required field 'messages'"),
+    ({"model": MODEL, "messages": []}, "messages", "at least one message"),
+    ({"model": MODEL, "messages": "hi"}, "messages", "Invalid value for 'messages'"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role",
+     "robot"),
+    ({"model": MODEL, "messages": [{"content": "x"}]}, "messages.0.role", "Missing"),
+    ({"model": MODEL, "messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
+     "at least 1"),
+    ({"model": MODEL, "messages": CHAT, "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"model": MODEL, "messages": CHAT, "temperature": -1}, "temperature", ">= 0"),
+    ({"model": MODEL, "messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+    ({"model": MODEL, "messages": CHAT, "n": 3}, "n", "got 3"),
+])
+def test_chat_bad_input(client, body, param, words):
+    error = _error(client.post("/v1/chat/completions", json=body), 400)
+    assert words.lower() in error["message"].lower()
+    assert error["param"] == param
+
+
+def test_too_long_names_both_numbers(client, model_info):
+    prompt = "one two three four five six seven eight nine ten"
+    num_prompt = len(model_info.tokenizer.encode(prompt))
+    error = _error(client.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 60}), 400)
+    assert "64" in error["message"] and str(num_prompt) in error["message"]
+    assert "max_tokens=60" in error["message"]
+    error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi " * 80}),
+                   400)
+    assert "maximum context length is 64" in error["message"]
+    # The chat template alone is ~30 tokens: 40 more do not fit in 64.
+    error = _error(client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT, "max_completion_tokens": 40}), 400)
+    assert "max_completion_tokens=40" in error["message"]
+
+
+def test_unknown_model_is_404(client):
+    for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": CHAT})):
+        error = _error(client.post(path, json={"model": "gpt-17", **extra}), 404)
+        assert "gpt-17" in error["message"] and error["code"] == "model_not_found"
+
+
+def test_unknown_path_and_method_use_error_body(client):
+    _error(client.get("/v1/nothing"), 404)
+    _error(client.get("/v1/completions"), 405)
+
+
+def test_no_engine_is_503_with_reason(client):
+    error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 503)
+    assert "no normal engine is registered" in error["message"]
+    error = _error(client.post("/v1/chat/completions",
+                               json={"model": MODEL, "messages": CHAT, "stream": True}), 503)
+    assert "no normal engine" in error["message"]
+    health = client.get("/health")
+    assert health.status_code == 503 and "no normal engine" in health.json()["reason"]
+
+
+def test_models_and_metrics(client):
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 64
+    client.post("/v1/completions", json={"model": MODEL, "prompt": ""})
+    text = client.get("/metrics").text
+    assert 'baton_router_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "kv_transfer_seconds"):
+        assert f"baton_router_{name}_bucket" in text
+
+
+def test_api_key(make_client, monkeypatch):
+    client = make_client(api_key="s3cret")
+    body = {"model": MODEL, "prompt": "hi"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        error = _error(client.post("/v1/completions", json=body, headers=headers), 401)
+        assert "API key" in error["message"] and error["code"] == "invalid_api_key"
+    _error(client.get("/v1/models"), 401)
+    ok = {"Authorization": "Bearer s3cret"}
+    assert client.get("/v1/models", headers=ok).status_code == 200
+    assert client.post("/v1/completions", json=body, headers=ok).status_code == 503
+    assert client.get("/metrics").status_code == 200  # scrapes need no key
+    monkeypatch.setenv("BATON_API_KEY", "from-env")
+    client = make_client()
+    _error(client.get("/v1/models"), 401)
+    assert client.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"host": "example.com"}, "host"),
+    ({"port": 70000}, "port"),
+    ({"registry_url": "redis://x:1/0", "engines": ["normal=tcp://127.0.0.1:1"]}, "not both"),
+    ({"registry_url": "http://x"}, "redis://"),
+    ({"engines": ["decode=tcp://127.0.0.1:1"]}, "decode"),
+    ({"token_timeout_s": 0}, "token_timeout_s"),
+    ({"max_model_len": -1}, "max_model_len"),
+])
+def test_router_config_validation(overrides, words):
+    with pytest.raises(ValueError, match=words):
+        RouterConfig(**overrides)
