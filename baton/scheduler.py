@@ -1,0 +1,261 @@
+"""Typed facade over the compiled scheduler (csrc/, module ``baton._scheduler``).
+
+A request's life in one scheduler (see csrc/scheduler.hpp for the rules S1-S39):
+
+1. ``add_sequence`` puts it in ``waiting``; nothing is allocated yet.
+2. ``schedule()`` admits the head of ``waiting`` on a prompt step, allocating its
+   KV blocks; a long prompt is cut into chunks, one chunk per step.
+3. ``process_outputs()`` books the step: a finished prompt joins ``running``
+   (NORMAL), or leaves with its blocks for the completion engine to pull
+   (PROMPT: ``res.handed_off``, freed by ``release_handed_off``).
+4. Decode steps run ``running`` youngest first; when no block is free the
+   oldest are preempted (terminated, or recomputed from ``waiting``).
+5. A COMPLETION engine gets sequences through ``allocate_prompted`` ->
+   (KV transfer) -> ``commit_prompted``; ``free_prompted`` undoes a failed one.
+
+Array lifetime: every numpy array on ``SchedulerOutputs`` and ``ProcessResult`` is
+a view over a C++ buffer; treat it as valid until the next ``schedule()`` or
+``process_outputs()`` and copy what you keep longer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from baton import _scheduler
+
+logger = logging.getLogger(__name__)
+
+SchedulerOutputs = _scheduler.SchedulerOutputs
+ProcessResult = _scheduler.ProcessResult
+BlockManager = _scheduler.BlockManager
+
+
+class EngineType(enum.IntEnum):
+    NORMAL = 0  # prompts and completions
+    PROMPT = 1  # prompts only: finished prompts are handed off with their blocks
+    COMPLETION = 2  # completions only: KV arrives from a prompt engine
+
+
+class SequenceStatus(enum.IntEnum):
+    # Order matters: is_finished() is `status >= FINISHED_STOPPED` (S6).
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+    FINISHED_PREEMPTED = 7
+    FINISHED_SO_FAILED = 8
+    FINISHED_VE_FAILED = 9
+
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS: dict[SequenceStatus, str] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "ignored",  # "prompt_length_exceeded" when the prompt is too long
+    SequenceStatus.FINISHED_PREEMPTED: "insufficient_system_resource",
+    SequenceStatus.FINISHED_SO_FAILED: "structured_output_failed",
+    SequenceStatus.FINISHED_VE_FAILED: "vision_encoder_failed",
+}
+
+
+class AllocStatus(enum.IntEnum):
+    OK = 0  # allocated now
+    LATER = 1  # not now; retry after blocks are freed
+    NEVER = 2  # can never fit; waiting will not help
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    engine_type: EngineType = EngineType.NORMAL
+    num_blocks: int = 256  # KV blocks including the null block 0
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # running + admitted sequences
+    max_num_batched_tokens: int = 2048  # token budget of one prompt step
+    max_model_len: int = 2048  # prompt + output
+    enable_chunked_prefill: bool = True  # long prompts span several steps
+    stop_preempted_request: bool = False  # preemption terminates instead of recomputing
+    num_state_slots: int = 0  # per-sequence state pool; 0 = the model needs none
+    prefill_max_sum_seqlen_k: int = 0  # sum of K lengths of one prompt step; 0 = unlimited
+    cp_size: int = 1  # context parallel size; chunks align to 2 * cp_size
+    lookahead_tokens: int = 0  # smallest chunk worth scheduling is max(this, 1)
+    watermark: float = 0.9  # prefill is wanted only at or below this cache usage
+    prefill_attempt_interval: int = 70  # ALL vote every this many decode steps
+    prefill_any_attempt_interval: int = 100  # ANY vote every this many decode steps
+    num_speculative_tokens: int = 0  # most draft tokens per sequence and step
+    image_token_id: int = -1  # image start token; -1 = text only
+    image_pad_token_id: int = -1  # image patch token; chunks never split a run of them
+    flops_per_token: float = 0.0  # for the FLOP estimates on SchedulerOutputs
+    attn_flops_per_qk: float = 0.0
+
+    def __post_init__(self) -> None:
+        try:
+            self.engine_type = EngineType(self.engine_type)
+        except ValueError:
+            raise ValueError(f"engine_type={self.engine_type!r} is not an EngineType") from None
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "cp_size", "prefill_attempt_interval",
+                     "prefill_any_attempt_interval"):
+            self._check_int(name, minimum=1)
+        self._check_int("num_blocks", minimum=2)
+        for name in ("num_state_slots", "prefill_max_sum_seqlen_k", "lookahead_tokens",
+                     "num_speculative_tokens"):
+            self._check_int(name, minimum=0)
+        for name in ("image_token_id", "image_pad_token_id"):
+            self._check_int(name, minimum=-1)
+        if not 0.0 < float(self.watermark) <= 1.0:
+            raise ValueError(f"watermark={self.watermark!r} must be in (0, 1]")
+        if self.engine_type == EngineType.COMPLETION and not self.stop_preempted_request:
+            raise ValueError(
+                "stop_preempted_request=False: a COMPLETION engine cannot recompute preempted "
+                "requests (it has no prefill path); build it with stop_preempted_request=True")
+
+    def _check_int(self, name: str, minimum: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name}={value!r} must be an int")
+        if value < minimum:
+            raise ValueError(f"{name}={value!r} must be >= {minimum}")
+
+    def to_native(self) -> _scheduler.SchedulerConfig:
+        native = _scheduler.SchedulerConfig()
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "engine_type":
+                value = _scheduler.EngineType(int(value))
+            setattr(native, field.name, value)
+        native.validate()
+        return native
+
+
+AllReduceMin = Callable[[int], int]
+
+
+class Scheduler:
+    """The compiled scheduler. ``all_reduce_min`` is the data-parallel MIN all-reduce
+    (``int -> int``); ``None`` means a single rank that votes with itself (S37)."""
+
+    def __init__(self, config: SchedulerConfig, all_reduce_min: AllReduceMin | None = None) -> None:
+        self.config = config
+        self._impl = _scheduler.Scheduler(config.to_native(), all_reduce_min)
+        logger.info("scheduler: %s", config)
+        # Hot path: bind straight to the compiled methods.
+        self.schedule: Callable[[], SchedulerOutputs] = self._impl.schedule
+        self.num_free_blocks: Callable[[], int] = self._impl.num_free_blocks
+        self.num_total_blocks: Callable[[], int] = self._impl.num_total_blocks
+
+    def process_outputs(self, outputs: SchedulerOutputs, sampled_token_ids: np.ndarray) -> ProcessResult:
+        """Book a step. ``sampled_token_ids`` is int32 ``[n]``, or ``[n, 1+k]`` with drafts:
+        column 0 is the sampled token, columns 1..k the verified drafts (-1 = rejected)."""
+        return self._impl.process_outputs(outputs, sampled_token_ids)
+
+    def add_sequence(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
+                     max_tokens: int, *, eos_token_ids: Iterable[int] = (),
+                     stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
+                     schedulable: bool = True, chunk_checkpoints: Iterable[int] = (),
+                     structured_output: bool = False) -> int:
+        """Queue a request; returns its stable integer ``seq_id``."""
+        return self._impl.add_sequence(
+            request_id, prompt_token_ids, max_tokens, eos_token_ids=tuple(eos_token_ids),
+            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, schedulable=schedulable,
+            chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output)
+
+    def allocate_prompted(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
+                          first_token_id: int, max_tokens: int, *,
+                          eos_token_ids: Iterable[int] = (), stop_token_ids: Iterable[int] = (),
+                          ignore_eos: bool = False, schedulable: bool = True,
+                          chunk_checkpoints: Iterable[int] = (),
+                          structured_output: bool = False) -> tuple[AllocStatus, np.ndarray]:
+        """COMPLETION engine: allocate the blocks a prompt's KV lands in, all or nothing."""
+        status, block_ids = self._impl.allocate_prompted(
+            request_id, prompt_token_ids, first_token_id, max_tokens,
+            eos_token_ids=tuple(eos_token_ids), stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=ignore_eos, schedulable=schedulable,
+            chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output)
+        return AllocStatus(status), block_ids
+
+    def commit_prompted(self, request_id: str) -> None:
+        """The KV landed: the sequence joins ``prompted``, then ``running``."""
+        self._impl.commit_prompted(request_id)
+
+    def free_prompted(self, request_id: str) -> bool:
+        """The transfer failed or the request was aborted: free everything (idempotent)."""
+        return self._impl.free_prompted(request_id)
+
+    def release_handed_off(self, request_id: str) -> None:
+        """PROMPT engine: the lease on a handed-off prompt ended; its blocks return."""
+        self._impl.release_handed_off(request_id)
+
+    def abort_sequence(self, request_id: str) -> None:
+        """Abort in any state; blocks return once no step in flight can read them."""
+        self._impl.abort_sequence(request_id)
+
+    def fail_sequence(self, request_id: str, status: SequenceStatus) -> None:
+        """Finish a request that failed outside the scheduler (vision encoder, grammar)."""
+        self._impl.fail_sequence(request_id, int(status))
+
+    def set_schedulable(self, request_id: str, schedulable: bool = True) -> None:
+        self._impl.set_schedulable(request_id, schedulable)
+
+    def set_draft_tokens(self, request_id: str, draft_token_ids: Sequence[int]) -> None:
+        """Drafts for the next decode step (at most ``num_speculative_tokens``)."""
+        self._impl.set_draft_tokens(request_id, draft_token_ids)
+
+    def set_structured_output_status(self, request_id: str, status: int) -> None:
+        self._impl.set_structured_output_status(request_id, status)
+
+    def fork_seq(self, parent_request_id: str, child_request_id: str, branch_id: str = "") -> int:
+        """A branch sharing the parent's prefix KV (pinned blocks); returns its seq_id."""
+        return self._impl.fork_seq(parent_request_id, child_request_id, branch_id)
+
+    def num_waiting(self) -> int:
+        return self._impl.num_waiting()
+
+    def num_running(self) -> int:
+        return self._impl.num_running()
+
+    def num_prompted(self) -> int:
+        return self._impl.num_prompted()
+
+    def num_handed_off(self) -> int:
+        return self._impl.num_handed_off()
+
+    def has_unfinished(self) -> bool:
+        return self._impl.has_unfinished()
+
+    def get_gpu_cache_usage(self, n_planned: int = 0) -> float:
+        return self._impl.get_gpu_cache_usage(n_planned)
+
+    def decode_step(self) -> int:
+        return self._impl.decode_step()
+
+    def check_invariants(self) -> None:
+        """Debug: ref counts equal owners, free xor owned, no sequence in two queues."""
+        self._impl.check_invariants()
+
+    def sequence_info(self, request_id: str) -> dict:
+        """Debug snapshot of one live sequence's ledgers."""
+        return self._impl.sequence_info(request_id)
+
+    def __getattr__(self, name: str):
+        # Remaining debug queries (waiting_ids, ref_count, ...) go to the compiled object.
+        if name == "_impl":
+            raise AttributeError(name)
+        return getattr(self._impl, name)
+
+
+__all__ = [
+    "AllocStatus", "BlockManager", "EngineType", "FINISH_REASONS", "ProcessResult", "Scheduler",
+    "SchedulerConfig", "SchedulerOutputs", "SequenceStatus",
+]

@@ -1,0 +1,185 @@
+// Sequence: one request's ledgers (S1-S6).
+//
+// Four books, read and written by the scheduler every step:
+//   SequenceData           committed tokens (drafts are kept apart, S1)
+//   KvCacheState           how many tokens own KV, and where (S2)
+//   SequenceScheduleState  queue status, chunking, tokens in flight (S3)
+//   DraftState / StructuredOutputState  speculative and grammar state (S4)
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace baton {
+
+// Order matters: is_finished() is one comparison (S6), so running states stay first.
+enum class SequenceStatus : int {
+  WAITING = 0,
+  RUNNING,
+  SWAPPED,
+  FINISHED_STOPPED,
+  FINISHED_LENGTH_CAPPED,
+  FINISHED_ABORTED,
+  FINISHED_IGNORED,
+  FINISHED_PREEMPTED,
+  FINISHED_SO_FAILED,
+  FINISHED_VE_FAILED,
+};
+
+inline bool is_finished_status(SequenceStatus s) { return s >= SequenceStatus::FINISHED_STOPPED; }
+
+inline const char *finish_reason_of(SequenceStatus s) {
+  switch (s) {
+    case SequenceStatus::FINISHED_STOPPED: return "stop";
+    case SequenceStatus::FINISHED_LENGTH_CAPPED: return "length";
+    case SequenceStatus::FINISHED_ABORTED: return "abort";
+    case SequenceStatus::FINISHED_IGNORED: return "ignored";
+    case SequenceStatus::FINISHED_PREEMPTED: return "insufficient_system_resource";
+    case SequenceStatus::FINISHED_SO_FAILED: return "structured_output_failed";
+    case SequenceStatus::FINISHED_VE_FAILED: return "vision_encoder_failed";
+    default: return "";
+  }
+}
+
+inline double now_seconds() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double>(clock::now().time_since_epoch()).count();
+}
+
+struct SequenceData {
+  std::vector<int32_t> token_ids;
+  int prompt_len{0};
+
+  int get_len() const { return static_cast<int>(token_ids.size()); }
+  int get_prompt_len() const { return prompt_len; }
+  int get_output_len() const { return get_len() - prompt_len; }
+  int32_t last_token() const { return token_ids.back(); }
+};
+
+struct KvCacheState {
+  int block_size{0};
+  int previous_num_tokens{0};
+  int num_tokens{0};
+  int hit_tokens{0};
+  int swa_valid_start{0};
+  std::vector<int> block_table;
+  int state_id{-1};
+  int last_copy_state_token_idx{0};
+
+  // Booked before the sampled tokens are known, so the next step's block count
+  // already covers them (S2).
+  void advance_optimistically(int q) {
+    previous_num_tokens = num_tokens;
+    num_tokens += q;
+  }
+  // Drafts that were rejected give their KV positions back.
+  void commit_processed_tokens(int accepted) { num_tokens = previous_num_tokens + accepted; }
+};
+
+struct SequenceScheduleState {
+  SequenceStatus status{SequenceStatus::WAITING};
+  bool schedulable{false};
+  std::string branch_id{"default"};
+  int chunked_rest_len{0};
+  std::deque<int> chunk_checkpoints;
+  int total_inflight_tokens{0};
+  int last_inflight_tokens{0};
+
+  // A two-beat pipeline: at most one step in flight besides the one being booked.
+  void start_inflight_step(int n) {
+    total_inflight_tokens += n;
+    last_inflight_tokens = n;
+  }
+  void finish_inflight_step() {
+    if (total_inflight_tokens == last_inflight_tokens) {
+      total_inflight_tokens = 0;
+      last_inflight_tokens = 0;
+    } else {
+      total_inflight_tokens = last_inflight_tokens;
+    }
+  }
+};
+
+struct DraftState {
+  std::vector<int32_t> draft_tokens;     // proposed for the next decode step, not committed
+  std::vector<int32_t> accepted_tokens;  // accepted on the last step
+  int info_slot{-1};                     // one per running sequence (S36)
+  int64_t num_drafted{0};
+  int64_t num_accepted{0};
+
+  int get_nextn_len() const { return static_cast<int>(draft_tokens.size()); }
+};
+
+struct StructuredOutputState {
+  int status{0};  // non-zero: a grammar matcher holds state, so never recompute (S27)
+};
+
+struct Sequence {
+  int64_t seq_id{0};
+  std::string request_id;
+  SequenceData data;
+  KvCacheState cache;
+  SequenceScheduleState schedule;
+  DraftState draft;
+  StructuredOutputState structured_output;
+
+  // Stopping criteria.
+  std::vector<int32_t> eos_token_ids;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos{false};
+  int max_tokens{0};
+
+  // Metrics (S32).
+  double arrival_time{0.0};
+  double first_token_latency{-1.0};
+  int num_pushed_tokens{0};
+
+  // Bookkeeping that is Baton's own, not the article's:
+  int epoch{0};          // bumped by reset_for_recompute; a step booked under an old epoch is void
+  int inflight_steps{0};  // scheduled steps not yet booked: resources may not return before 0 (S8)
+  std::vector<int> zombie_blocks;  // released, waiting for inflight_steps == 0
+  std::vector<int> zombie_states;
+  bool reported{false};  // finish reason already handed to the caller
+  const char *finish_reason_override{nullptr};
+
+  bool is_finished() const { return is_finished_status(schedule.status); }
+  int get_len() const { return data.get_len(); }
+  int get_output_len() const { return data.get_output_len(); }
+
+  // S5: ceil((L + I + D) / P).
+  int get_num_blocks() const {
+    int n = data.get_len() + schedule.total_inflight_tokens + draft.get_nextn_len();
+    return (n + cache.block_size - 1) / cache.block_size;
+  }
+  // S5: capacity reserved on arrival, one spare for drafts and alignment.
+  int block_table_capacity() const {
+    return (data.get_prompt_len() + max_tokens + cache.block_size - 1) / cache.block_size + 1;
+  }
+
+  const char *finish_reason() const {
+    return finish_reason_override ? finish_reason_override : finish_reason_of(schedule.status);
+  }
+
+  // Preempted by recompute: every committed token becomes prompt again.
+  void reset_for_recompute() {
+    cache.previous_num_tokens = 0;
+    cache.num_tokens = 0;
+    cache.hit_tokens = 0;
+    cache.swa_valid_start = 0;
+    cache.last_copy_state_token_idx = 0;
+    schedule.chunked_rest_len = 0;
+    schedule.total_inflight_tokens = 0;
+    schedule.last_inflight_tokens = 0;
+    draft.draft_tokens.clear();
+    draft.accepted_tokens.clear();
+    epoch += 1;
+  }
+};
+
+using SequencePtr = std::shared_ptr<Sequence>;
+
+}  // namespace baton
