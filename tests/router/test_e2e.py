@@ -1,0 +1,246 @@
+"""End to end with real processes: engines (`baton engine | prompt-engine | completion-engine`)
+running the real model, a real Redis registry, the router over HTTP, the official openai client.
+
+Two deployments share one module so the model is loaded once per engine:
+  normal  one NORMAL engine, router with a static engine list
+  pd      two PROMPT engines + one COMPLETION engine, router on the Redis registry
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from baton.cli import _SUBCOMMANDS
+from baton.protocol import SamplingOptions
+from baton.redis_server import free_port
+from router.config import RouterConfig
+from tests.router.conftest import serve_router
+
+_NEEDED = ("engine", "prompt-engine", "completion-engine")
+_MISSING = [c for c in _NEEDED if c not in _SUBCOMMANDS]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(_MISSING), reason="engine services not built yet: `baton "
+                       + ", ".join(_MISSING) + "` missing from baton/cli.py _SUBCOMMANDS"),
+]
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+ENGINE_ARGS = ["--num-threads", "1", "--num-blocks", "512", "--block-size", "16",
+               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64"]
+READY_TIMEOUT_S = 240.0
+
+
+class EngineProcess:
+    def __init__(self, command: str, engine_id: str, log_dir: Path, redis_url: str = "",
+                 prefix: str = "baton"):
+        self.engine_id = engine_id
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.log = log_dir / f"{engine_id}.log"
+        argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
+                "--host", "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
+                "--registry-prefix", prefix, *ENGINE_ARGS]
+        if redis_url:
+            argv += ["--redis-url", redis_url]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        from baton.engine_client import probe_engine
+
+        while probe_engine(self.address, timeout_s=0.5) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"engine {self.engine_id} did not start:\n{tail}")
+            time.sleep(0.2)
+
+    def stats(self):
+        from baton.engine_client import EngineClient
+
+        with EngineClient(self.address) as client:
+            return client.stats(5.0)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def deployments(redis_server, model_info, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("engines")
+    normal = EngineProcess("engine", "normal-0", logs)
+    prompts = [EngineProcess("prompt-engine", f"prompt-{i}", logs, redis_server.url, "pd")
+               for i in range(2)]
+    completion = EngineProcess("completion-engine", "completion-0", logs, redis_server.url, "pd")
+    engines = [normal, *prompts, completion]
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for engine in engines:
+            engine.wait_ready(deadline)
+        normal_config = RouterConfig(engines=[f"normal={normal.address}"],
+                                     max_model_len=MAX_MODEL_LEN)
+        pd_config = RouterConfig(registry_url=redis_server.url, registry_prefix="pd",
+                                 refresh_s=0.2, max_model_len=MAX_MODEL_LEN)
+        with serve_router(normal_config, model_info) as normal_url, \
+                serve_router(pd_config, model_info) as pd_url:
+            _wait_healthy(pd_url, {"prompt": 2, "completion": 1})
+            yield {"normal": normal_url, "pd": pd_url, "normal_engine": normal,
+                   "prompts": prompts, "completion": completion}
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def _wait_healthy(url: str, counts: dict[str, int]) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        health = httpx.get(f"{url}/health")
+        if health.status_code == 200 and all(
+                health.json()["engines"][role] == n for role, n in counts.items()):
+            return
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.2)
+
+
+def _openai(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _engine_text(engine: EngineProcess, info, ids: list[int], max_tokens: int) -> str:
+    from baton.engine_client import EngineClient
+
+    sampling = SamplingOptions(max_tokens=max_tokens, temperature=0.0,
+                               stop_token_ids=list(info.stop_token_ids))
+    with EngineClient(engine.address) as client:
+        result = client.generate(ids, sampling, timeout_s=120)
+    assert result.finish_reason in ("stop", "length"), result.error
+    return info.tokenizer.decode(result.token_ids)
+
+
+def _chat_stream_text(client, messages, max_tokens: int) -> str:
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=max_tokens, stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_openai_client_greedy_matches_the_engine(deployments, model_info, deployment):
+    client = _openai(deployments[deployment])
+    engine = deployments["normal_engine"]
+    prompt = "The capital of France is"
+    expected = _engine_text(engine, model_info, model_info.tokenizer.encode(prompt), 12)
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected
+    assert done.usage.completion_tokens <= 12
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.total_tokens == done.usage.total_tokens
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ids = model_info.tokenizer.apply_chat_template(messages, tokenize=True)
+    expected = _engine_text(engine, model_info, ids, 16)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_completion_tokens=16)
+    assert chat.choices[0].message.content == expected
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert _chat_stream_text(client, messages, 16) == expected
+
+
+def _wait_all_free(engines: list[EngineProcess], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [e.stats() for e in engines]
+        if all(s.num_free_blocks == s.num_total_blocks and s.num_running == 0 for s in stats):
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_disconnect_mid_stream_frees_every_block(deployments, deployment):
+    engines = ([deployments["normal_engine"]] if deployment == "normal"
+               else [*deployments["prompts"], deployments["completion"]])
+    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=deployments[deployment], timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 4:
+                assert any(e.stats().num_running for e in engines)
+                break
+    _wait_all_free(engines)
+
+
+def test_64_concurrent_streams_match_their_whole_text(deployments):
+    from openai import AsyncOpenAI
+
+    prompts = [f"Say something about the number {i}." for i in range(64)]
+
+    async def run(stream: bool) -> list[str]:
+        client = AsyncOpenAI(base_url=f"{deployments['pd']}/v1", api_key="unused",
+                             max_retries=0, timeout=300)
+
+        async def one(prompt: str) -> str:
+            kwargs = dict(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                          temperature=0, max_tokens=8)
+            if not stream:
+                return (await client.chat.completions.create(**kwargs)).choices[0].message.content
+            text = ""
+            async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+            return text
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    streamed = asyncio.run(run(stream=True))
+    whole = asyncio.run(run(stream=False))
+    assert all(streamed) and streamed == whole
+    _wait_all_free([*deployments["prompts"], deployments["completion"]])
+
+
+def test_killed_prompt_engine_requests_go_to_the_other(deployments):
+    # Last in this module: it leaves one prompt engine.
+    victim, survivor = deployments["prompts"]
+    client = _openai(deployments["pd"])
+    before = survivor.stats().num_prompt_tokens
+    victim.stop(signal.SIGKILL)
+    for i in range(4):
+        done = client.completions.create(model=MODEL, prompt=f"Count to {i + 3}:", max_tokens=4,
+                                         temperature=0)
+        assert done.choices[0].finish_reason in ("stop", "length")
+    assert survivor.stats().num_prompt_tokens > before
+    _wait_healthy(deployments["pd"], {"prompt": 1, "completion": 1})  # its record expired
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch):
+    # The openai client honours proxy variables; the router is on loopback.
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
