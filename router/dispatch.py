@@ -150,9 +150,9 @@ class Dispatcher:
             timeout = self.first_token_timeout_s if kv_since is not None else self.token_timeout_s
             delta = await self._wait(leg, timeout)
             now = time.monotonic()
-            if kv_since is not None:
+            if kv_since is not None:  # this gap is the KV pull, not an inter-token latency
                 self.metrics.kv_transfer.observe(now - kv_since)
-                kv_since = None
+                kv_since, last = None, now
             if is_error(delta):
                 self.pool.mark_failed(leg.record.address)
                 raise EngineFailure(f"{leg.record.role} engine {leg.record.engine_id} failed: "

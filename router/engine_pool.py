@@ -22,6 +22,8 @@ from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
+_DEPARTED_CLOSE_S = 60.0  # an engine absent from the registry this long loses its socket
+
 
 class NoEngineError(Exception):
     """No live engine of a role can take the request (HTTP 503)."""
@@ -39,6 +41,7 @@ class EnginePool:
         self._clients: dict[str, EngineClient] = {}
         self._inflight: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
+        self._last_seen: dict[str, float] = {}  # address -> when the registry last listed it
         self._refresh_task: asyncio.Task | None = None
         self.last_refresh_error = ""
 
@@ -71,13 +74,26 @@ class EnginePool:
             return
         self.last_refresh_error = ""
         self._records = records
+        now = time.monotonic()
         for role_records in records.values():
             for record in role_records:
+                self._last_seen[record.address] = now
                 if record.address not in self._clients:
                     logger.info("engine %s (%s) at %s", record.engine_id, record.role, record.address)
                     self._clients[record.address] = EngineClient(self._ctx, record.address)
+        await self._close_departed(now)
         self.metrics.set_engine_loads(
             [(r, self._inflight.get(r.address, 0)) for rs in records.values() for r in rs])
+
+    async def _close_departed(self, now: float) -> None:
+        # An engine gone from the registry for a while (a replaced pod) would otherwise keep a
+        # socket reconnecting forever; one with requests still open waits for them.
+        for address, client in list(self._clients.items()):
+            if now - self._last_seen.get(address, now) > _DEPARTED_CLOSE_S and not client.num_open:
+                logger.info("closing the socket of departed engine %s", address)
+                del self._clients[address]
+                self._last_seen.pop(address, None)
+                await client.close()
 
     def _list_all(self) -> dict[str, list[EngineRecord]]:
         return {role: self.registry.list(role) for role in ("normal", "prompt", "completion")}

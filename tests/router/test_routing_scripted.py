@@ -184,3 +184,13 @@ def test_concurrent_streams_demultiplex(engines, tokens, model_info):
         texts = asyncio.run(main())
         for i, text in enumerate(texts):
             assert text == model_info.tokenizer.decode(tokens[:1 + i % 12])
+
+
+def test_client_gone_during_json_request_aborts(engines, tokens, model_info):
+    normal = engines("normal", tokens, delay_s=0.2)
+    with serve_router(_config(normal), model_info) as url:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(f"{url}/v1/completions", timeout=0.5,
+                       json={"model": MODEL, "prompt": "x", "max_tokens": 12})
+        _wait_for(lambda: normal.aborts == [normal.generates[0].req_id])
+        assert not normal.running
