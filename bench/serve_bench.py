@@ -282,9 +282,14 @@ class Progress:
 
 
 async def _discover(client, cfg: BenchConfig) -> str:
+    import httpx
+
     if cfg.model:
         return cfg.model
-    r = await client.get("/v1/models")
+    try:
+        r = await client.get("/v1/models")
+    except httpx.TransportError as exc:
+        raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 
@@ -558,7 +563,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"serve_bench: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    record = asyncio.run(run_async(bench, workload))
+    try:
+        record = asyncio.run(run_async(bench, workload))
+    except OSError as exc:  # httpx's connection errors are OSErrors underneath, or wrap them
+        print(f"serve_bench: cannot reach {bench.base_url}: {exc}", file=sys.stderr)
+        return 1
     print(format_table(record))
     path = write_result(record, Path(args.results_dir))
     print(f"wrote {path}")
