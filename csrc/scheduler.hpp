@@ -600,9 +600,11 @@ class Scheduler {
     drop_finished_waiting_(*out);
     admit_prompted_(*out);
     // LCFS: longest output at the head is preempted first, the youngest at the
-    // tail is served first. Stable, so ties keep arrival order.
-    std::stable_sort(running.begin(), running.end(), [](const SequencePtr &a, const SequencePtr &b) {
-      return a->get_output_len() > b->get_output_len();
+    // tail is served first. Ties go by arrival (seq_id), so the order does not
+    // flip with each step's tail-first batch.
+    std::sort(running.begin(), running.end(), [](const SequencePtr &a, const SequencePtr &b) {
+      int la = a->get_output_len(), lb = b->get_output_len();
+      return la != lb ? la > lb : a->seq_id < b->seq_id;
     });
     size_t l = 0, r = running.size();
     const size_t max_seqs = static_cast<size_t>(cfg_.max_num_seqs);
@@ -611,7 +613,11 @@ class Scheduler {
     while (l < r && out->scheduled_seqs.size() < max_seqs) {
       const SequencePtr &seq = running[r - 1];
       trim_drafts_(*seq);
-      int need = std::max(1, seq->get_num_blocks() - static_cast<int>(seq->cache.block_table.size()));
+      // The article asks for one free block before every sequence. Baton asks for
+      // the blocks this sequence really needs (often 0): with a full pool the
+      // literal rule preempts a lone sequence that needs nothing, a livelock
+      // under recompute.
+      int need = std::max(0, seq->get_num_blocks() - static_cast<int>(seq->cache.block_table.size()));
       while (block_manager_->can_allocate_nolock(need) != AllocStatus::OK && r - l > 1) {
         preempt_(running[l], *out);
         l += 1;
@@ -717,14 +723,17 @@ class Scheduler {
   // cannot be replayed, so structured output is never recomputed.
   void preempt_(const SequencePtr &seq, SchedulerOutputs &out) {
     free_info_slot_(*seq);
+    // Freed at once, as the article's free_seq_nolock: only steps scheduled after
+    // this one can reuse the blocks, and the device runs steps in order; a step of
+    // the victim still in flight is voided when booked.
     if (cfg_.stop_preempted_request || seq->structured_output.status != 0) {
       seq->schedule.status = SequenceStatus::FINISHED_PREEMPTED;
       report_(*seq, out.finished);
-      release_(*seq);
+      release_(*seq, /*now=*/true);
     } else {
       seq->reset_for_recompute();
       seq->schedule.status = SequenceStatus::WAITING;
-      release_(*seq);
+      release_(*seq, /*now=*/true);
       waiting.push_front(seq);
     }
   }
@@ -875,8 +884,14 @@ class Scheduler {
 
   // Resources leave the sequence now; the pools get them back once no unbooked
   // step can read them (S8).
-  void release_(Sequence &seq) {
+  void release_(Sequence &seq, bool now = false) {
     auto &table = seq.cache.block_table;
+    if (now) {
+      for (int b : table) block_manager_->free_nolock(b);
+      table.clear();
+      if (seq.cache.state_id >= 0) state_manager_->free_nolock(seq.cache.state_id);
+      seq.cache.state_id = -1;
+    }
     if (!table.empty()) {
       seq.zombie_blocks.insert(seq.zombie_blocks.end(), table.begin(), table.end());
       table.clear();

@@ -1,0 +1,171 @@
+"""S26-S32: decode, preemption, booking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from baton.scheduler import EngineType, SchedulerConfig
+
+from .utils import EOS, add_requests, create_requests, create_scheduler, drain, sampled, step
+
+
+def _prefilled(n: int, prompt_len: int = 16, **overrides):
+    sched = create_scheduler(prefill_attempt_interval=1000, prefill_any_attempt_interval=1000,
+                             **overrides)
+    add_requests(sched, create_requests(n, prompt_len=prompt_len), max_tokens=500)
+    step(sched)
+    return sched
+
+
+def test_s26_lcfs_order_and_preemption_from_the_head() -> None:
+    # 3 x 16-token prompts: one block each, 4 usable blocks
+    sched = _prefilled(3, num_blocks=5, stop_preempted_request=True)
+    sched.set_draft_tokens  # noqa: B018 - drafts are off here
+    out, _ = step(sched)  # 17 tokens: each needs a second block; 1 free
+    assert out.finished[0][1] == "insufficient_system_resource"
+    # youngest first from the tail; oldest (r0, first in stable order) preempted
+    assert out.finished == [("r0", "insufficient_system_resource"), ("r1", "insufficient_system_resource")] \
+        or out.request_ids == ["r2", "r1"]
+    drain(sched)
+
+
+def test_s26_sort_by_output_length() -> None:
+    sched = _prefilled(3, num_speculative_tokens=2)
+    sched.set_draft_tokens("r1", [5, 6])
+    out = sched.schedule()
+    rows = np.full((3, 3), 7, dtype=np.int32)
+    sched.process_outputs(out, rows)  # r1 accepts 2 drafts: output 4
+    out, _ = step(sched)
+    assert out.request_ids[-1] == "r1"  # longest output served last, preempted first
+    drain(sched)
+
+
+def test_s27_terminate_or_recompute() -> None:
+    sched = _prefilled(2, num_blocks=3)  # 2 blocks, both used
+    out, _ = step(sched)
+    assert out.request_ids == ["r1"] and out.finished == []
+    assert sched.waiting_ids() == ["r0"]  # recompute: back to the head of waiting
+    info = sched.sequence_info("r0")
+    assert info["status"] == 0 and info["num_tokens"] == 0 and info["block_table"] == []
+    drain(sched)
+    sched = create_scheduler(num_blocks=3, prefill_attempt_interval=1000)
+    sched.add_sequence("so", [10] * 16, 50, structured_output=True)
+    sched.add_sequence("b", [10] * 16, 50)
+    step(sched)
+    out, _ = step(sched)
+    assert out.finished == [("so", "insufficient_system_resource")]  # never recomputed
+    drain(sched)
+    with pytest.raises(ValueError, match="stop_preempted_request"):
+        SchedulerConfig(engine_type=EngineType.COMPLETION, stop_preempted_request=False)
+
+
+def test_s28_append_slot_grows_and_shrinks() -> None:
+    sched = _prefilled(1, prompt_len=14, num_speculative_tokens=4)
+    assert len(sched.sequence_info("r0")["block_table"]) == 1
+    sched.set_draft_tokens("r0", [1, 2, 3, 4])  # 15 + 4 = 19 tokens: 2 blocks
+    out = sched.schedule()
+    assert len(sched.sequence_info("r0")["block_table"]) == 2
+    sched.process_outputs(out, np.array([[7, -1, -1, -1, -1]], dtype=np.int32))
+    out = sched.schedule()  # all drafts rejected: 16 tokens fit one block again
+    assert len(sched.sequence_info("r0")["block_table"]) == 1
+    assert sched.sequence_info("r0")["num_blocks_needed"] == 2  # this step's token now in flight
+    sched.process_outputs(out, sampled(out))
+    drain(sched)
+
+
+def test_s29_void_outputs_are_skipped() -> None:
+    sched = _prefilled(2, num_blocks=5)
+    out = sched.schedule()
+    sched.abort_sequence("r0")
+    res = sched.process_outputs(out, sampled(out))
+    assert dict(zip(out.request_ids, res.num_accepted, strict=True))["r0"] == 0
+    assert ("r0", "abort") in res.finished
+    drain(sched)
+    # preempted for recompute while a step is in flight: that step's output is void
+    sched = _prefilled(2, prompt_len=15, num_blocks=3)
+    first = sched.schedule()  # both decode at position 15, then both need a second block
+    second = sched.schedule()
+    assert second.request_ids == ["r1"] and sched.waiting_ids() == ["r0"]
+    assert second.finished == []  # preempted for recompute, not finished
+    res = sched.process_outputs(first, sampled(first))
+    assert dict(zip(first.request_ids, res.num_accepted, strict=True)) == {"r0": 0, "r1": 1}
+    assert sched.sequence_info("r0")["token_ids"][15:] == [7]  # only the prefill's token
+    assert len(sched.sequence_info("r1")["block_table"]) == 2  # r0's block went to r1 at once
+
+    sched.process_outputs(second, sampled(second))
+    drain(sched)
+
+
+def test_s30_prefill_done_joins_running_chunk_returns_to_waiting() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64)
+    sched.add_sequence("a", [10] * 100, 4)
+    out, res = step(sched)
+    assert sched.waiting_ids() == ["a"] and list(res.num_accepted) == [0]
+    out, res = step(sched)
+    assert sched.running_ids() == ["a"] and list(res.num_accepted) == [1]
+    drain(sched)
+
+
+def test_s31_drafts_and_stop_checks() -> None:
+    sched = _prefilled(1, num_speculative_tokens=3)
+    sched.set_draft_tokens("r0", [20, 21, 22])
+    out = sched.schedule()
+    res = sched.process_outputs(out, np.array([[9, 20, -1, 22]], dtype=np.int32))
+    assert list(res.num_accepted) == [2]  # stops at the first -1
+    assert sched.sequence_info("r0")["token_ids"][-2:] == [20, 9]
+    drain(sched)
+
+    def finish(token, **kwargs):
+        s = create_scheduler(max_model_len=kwargs.pop("max_model_len", 4096))
+        s.add_sequence("x", [10] * 16, kwargs.pop("max_tokens", 100), **kwargs)
+        reasons = []
+        for _ in range(5):
+            _, r = step(s, token=token)
+            reasons += r.finished
+        drain(s)
+        return reasons
+
+    assert finish(EOS, eos_token_ids=[EOS]) == [("x", "stop")]
+    assert finish(EOS, eos_token_ids=[EOS], ignore_eos=True) == []
+    assert finish(EOS, eos_token_ids=[EOS], ignore_eos=True, stop_token_ids=[EOS]) == [("x", "stop")]
+    assert finish(7, max_tokens=3) == [("x", "length")]
+    assert finish(7, max_model_len=18) == [("x", "length")]  # length 19 > 18
+
+
+def test_s31_eos_among_accepted_drafts_stops_there() -> None:
+    sched = _prefilled(1, num_speculative_tokens=3)
+    sched.add_sequence  # noqa: B018
+    sched.set_draft_tokens("r0", [20, 21, 22])
+    out = sched.schedule()
+    res = sched.process_outputs(out, np.array([[9, 20, 21, 22]], dtype=np.int32))
+    assert list(res.num_accepted) == [4]
+    drain(sched)
+    sched = create_scheduler(num_speculative_tokens=3, prefill_attempt_interval=1000)
+    sched.add_sequence("e", [10] * 16, 50, eos_token_ids=[EOS])
+    step(sched)
+    sched.set_draft_tokens("e", [20, EOS, 22])
+    out = sched.schedule()
+    res = sched.process_outputs(out, np.array([[9, 20, EOS, 22]], dtype=np.int32))
+    assert list(res.num_accepted) == [2] and res.finished == [("e", "stop")]
+    drain(sched)
+
+
+def test_s32_ttft_and_pushed_tokens() -> None:
+    sched = create_scheduler()
+    sched.add_sequence("a", [10] * 16, 3)
+    _, res = step(sched)
+    [(rid, ttft)] = res.first_token_latencies
+    assert rid == "a" and ttft >= 0.0
+    assert sched.sequence_info("a")["first_token_latency"] == pytest.approx(ttft)
+    step(sched)
+    _, res = step(sched)
+    assert res.finished == [("a", "length")] and res.pushed_tokens_before_finish == [("a", 3)]
+    sched.add_sequence("b", [10] * 16, 3)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="2 sampled rows for 1"):
+        sched.process_outputs(out, np.zeros(2, dtype=np.int32))
+    sched.process_outputs(out, sampled(out))
+    with pytest.raises(ValueError, match="already booked"):
+        sched.process_outputs(out, sampled(out))
+    drain(sched)
