@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds an engine may take to answer a new request")
     p.add_argument("--token-timeout", type=float, default=60.0,
                    help="seconds an engine may stay silent in a running request")
+    p.add_argument("--graceful-shutdown", type=int, default=10,
+                   help="seconds in-flight requests may still run at shutdown")
     p.set_defaults(func=run)
 
 
@@ -41,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
         registry_prefix=args.registry_prefix, engines=args.engine, api_key=args.api_key,
         model_path=args.model, model_name=args.served_model_name,
         max_model_len=args.max_model_len, refresh_s=args.refresh,
-        first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout)
+        first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout,
+        graceful_shutdown_s=args.graceful_shutdown)
     logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
     uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=logging.getLogger().getEffectiveLevel(), access_log=False)
+                log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
+                timeout_graceful_shutdown=config.graceful_shutdown_s)
     return 0

@@ -39,6 +39,10 @@ class RouterConfig:
     stats_timeout_s: float = 2.0
     # Seconds an engine that failed a request is avoided unless it is the only one left.
     failure_cooldown_s: float = 5.0
+    # An engine socket not connected this long after it was opened counts as down.
+    connect_grace_s: float = 2.0
+    # Shutdown: how long in-flight HTTP requests may still run before they are cut.
+    graceful_shutdown_s: int = 10
 
     def __post_init__(self) -> None:
         if not self.api_key:
@@ -63,5 +67,9 @@ class RouterConfig:
         for name in ("refresh_s", "first_token_timeout_s", "token_timeout_s", "stats_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.connect_grace_s <= 0:
+            raise ValueError(f"connect_grace_s must be > 0, got {self.connect_grace_s}")
+        if self.graceful_shutdown_s < 0:
+            raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
         if self.failure_cooldown_s < 0:
             raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")

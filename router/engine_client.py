@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -31,6 +32,7 @@ class EngineClient:
     def __init__(self, ctx: zmq.asyncio.Context, address: str):
         self.address = address
         self.is_connected = False  # set by the monitor; False until the first handshake
+        self.created_at = time.monotonic()
         self.has_dropped = False  # the connection was up once and went down since
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -44,6 +46,12 @@ class EngineClient:
         self._nonces = itertools.count(1)
         self._tasks = [asyncio.create_task(self._recv_loop(), name=f"recv {address}"),
                        asyncio.create_task(self._monitor_loop(), name=f"monitor {address}")]
+
+    def is_usable(self, connect_grace_s: float) -> bool:
+        """Connected, or still within its first `connect_grace_s` (the handshake takes ms)."""
+        if self.is_connected:
+            return True
+        return not self.has_dropped and time.monotonic() - self.created_at < connect_grace_s
 
     @property
     def num_open(self) -> int:

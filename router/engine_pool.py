@@ -105,9 +105,9 @@ class EnginePool:
         return self._clients[address]
 
     def is_live(self, address: str) -> bool:
-        """In the latest registry snapshot and not known to be disconnected."""
+        """In the latest registry snapshot and connected (or still connecting)."""
         client = self._clients.get(address)
-        if client is None or (client.has_dropped and not client.is_connected):
+        if client is None or not client.is_usable(self.config.connect_grace_s):
             return False
         return any(r.address == address for rs in self._records.values() for r in rs)
 

@@ -48,41 +48,30 @@ class Server:
     async def respond(self, prep: Prepared, request: Request, arrival: float):
         deltas = self.dispatcher.generate(prep.req_id, prep.prompt_token_ids, prep.sampling,
                                           arrival)
+        first: TokenDelta | None = None
         try:
-            first = await deltas.__anext__()
+            first = await _unless_gone(request, deltas.__anext__())
         except NoEngineError as exc:
-            await deltas.aclose()
             raise APIError(503, f"No engine available: {exc}", "service_unavailable",
                            code="no_engine") from None
         except EngineFailure as exc:
-            await deltas.aclose()
             raise APIError(503, f"Engine failure: {exc}", "service_unavailable",
                            code="engine_failure") from None
-        except BaseException:
-            await deltas.aclose()
-            raise
+        except _ClientGone:
+            self.metrics.aborts.labels("client_gone").inc()
+            return JSONResponse({"error": "client disconnected"}, status_code=499)
+        finally:
+            if first is None:  # closing runs the generator's `finally`: engines abort
+                await deltas.aclose()
         if prep.stream:
             body = self._stream(prep, first, deltas, arrival)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._collect_unless_gone(prep, first, deltas, request, arrival)
-
-    async def _collect_unless_gone(self, prep, first, deltas, request: Request, arrival):
-        # A non-streaming handler is not cancelled when its client leaves; watch for it, so
-        # the engines stop generating for nobody.
-        collect = asyncio.ensure_future(self._collect(prep, first, deltas, arrival))
-        watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not collect.done():
-                self.metrics.aborts.labels("client_gone").inc()
-                collect.cancel()
-                await asyncio.gather(collect, return_exceptions=True)
-        if collect.cancelled():
+            return await _unless_gone(request, self._collect(prep, first, deltas, arrival))
+        except _ClientGone:
+            self.metrics.aborts.labels("client_gone").inc()
             return JSONResponse({"error": "client disconnected"}, status_code=499)
-        return collect.result()
 
     async def _collect(self, prep: Prepared, first: TokenDelta, deltas, arrival: float):
         text = TextStream(self.info.tokenizer, prep.stop)
@@ -182,6 +171,30 @@ def _usage(prep: Prepared, progress: _Progress) -> dict:
 
 def _sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected while its request was waiting on the engines."""
+
+
+async def _unless_gone(request: Request, awaitable):
+    """`awaitable`'s result, or _ClientGone once the client disconnects (it is cancelled then).
+
+    A handler is not cancelled when its client leaves (only a streaming body is); watching
+    lets the engines stop generating for nobody.
+    """
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        raise _ClientGone()
+    return work.result()
 
 
 async def _wait_disconnect(request: Request) -> None:

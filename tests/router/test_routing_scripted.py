@@ -194,3 +194,26 @@ def test_client_gone_during_json_request_aborts(engines, tokens, model_info):
                        json={"model": MODEL, "prompt": "x", "max_tokens": 12})
         _wait_for(lambda: normal.aborts == [normal.generates[0].req_id])
         assert not normal.running
+
+
+def test_unreachable_engine_is_503_not_a_hang(model_info):
+    from baton.redis_server import free_port
+
+    config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{free_port()}"], connect_grace_s=0.3)
+    with serve_router(config, model_info) as url:
+        time.sleep(0.4)
+        response = httpx.post(f"{url}/v1/completions", timeout=10,
+                              json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert response.status_code == 503
+        assert "none of the 1 registered normal engines is live" in response.text
+
+
+def test_client_gone_before_first_token_aborts(engines, tokens, model_info):
+    silent = engines("normal", tokens, mode="silent")
+    with serve_router(_config(silent), model_info) as url:
+        for stream in (False, True):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/completions", timeout=0.5, json={
+                    "model": MODEL, "prompt": "x", "max_tokens": 4, "stream": stream})
+        _wait_for(lambda: len(silent.aborts) == 2)
+        assert silent.aborts == [g.req_id for g in silent.generates]
