@@ -35,8 +35,6 @@ class RouterConfig:
     first_token_timeout_s: float = 120.0
     # Longest wait between two deltas of a running request, KV pull included.
     token_timeout_s: float = 60.0
-    # Longest wait for an engine's answer to a StatsRequest.
-    stats_timeout_s: float = 2.0
     # Seconds an engine that failed a request is avoided unless it is the only one left.
     failure_cooldown_s: float = 5.0
     # An engine socket not connected this long after it was opened counts as down.
@@ -64,7 +62,7 @@ class RouterConfig:
                 raise ValueError(f"bad engine entry {entry!r}: expected ROLE=ADDRESS[,SIDE], ROLE in {ROLES}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
-        for name in ("refresh_s", "first_token_timeout_s", "token_timeout_s", "stats_timeout_s"):
+        for name in ("refresh_s", "first_token_timeout_s", "token_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.connect_grace_s <= 0:

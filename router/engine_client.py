@@ -1,15 +1,14 @@
 """One DEALER socket per engine address, with one receive task that demultiplexes by req_id.
 
 Every request the router sends to an engine opens a queue keyed by its req_id; the receive task
-puts each TokenDelta into the queue of its request, and StatsRequest answers resolve a future
-keyed by nonce. A socket monitor notices a dropped connection at once, so requests on a killed
-engine fail in milliseconds instead of waiting for their timeout.
+puts each TokenDelta into the queue of its request. A socket monitor notices a dropped
+connection at once, so requests on a killed engine fail in milliseconds instead of waiting for
+their timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 
@@ -18,7 +17,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from baton import protocol
-from baton.protocol import AbortRequest, EngineStats, GenerateRequest, StatsRequest, TokenDelta
+from baton.protocol import AbortRequest, GenerateRequest, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +41,6 @@ class EngineClient:
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._sock.connect(address)
         self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
-        self._stats: dict[int, asyncio.Future[EngineStats]] = {}
-        self._nonces = itertools.count(1)
         self._tasks = [asyncio.create_task(self._recv_loop(), name=f"recv {address}"),
                        asyncio.create_task(self._monitor_loop(), name=f"monitor {address}")]
 
@@ -74,17 +71,6 @@ class EngineClient:
         self.close_request(req_id)
         await self._sock.send(protocol.encode(AbortRequest(req_id=req_id)))
 
-    async def stats(self, timeout_s: float) -> EngineStats:
-        """The engine's own counters (free blocks, running, ...); TimeoutError if it is silent."""
-        nonce = next(self._nonces)
-        future: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
-        self._stats[nonce] = future
-        try:
-            await self._sock.send(protocol.encode(StatsRequest(nonce=nonce)))
-            return await asyncio.wait_for(future, timeout_s)
-        finally:
-            self._stats.pop(nonce, None)
-
     async def _recv_loop(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
@@ -93,14 +79,10 @@ class EngineClient:
             except protocol.ProtocolError as exc:
                 logger.warning("dropping a bad message from %s: %s", self.address, exc)
                 continue
-            if isinstance(msg, TokenDelta):
+            if isinstance(msg, TokenDelta):  # the router sends no StatsRequest: no stats here
                 queue = self._queues.get(msg.req_id)
                 if queue is not None:  # else: a late delta of a request already given up
                     queue.put_nowait(msg)
-            else:
-                future = self._stats.get(msg.nonce)
-                if future is not None and not future.done():
-                    future.set_result(msg)
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -126,5 +108,3 @@ class EngineClient:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
-        for future in self._stats.values():
-            future.cancel()
