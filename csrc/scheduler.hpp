@@ -242,7 +242,9 @@ class Scheduler {
       decode_step_ = 0;
       if (!out->scheduled_seqs.empty()) outstanding_prompt_steps_ += 1;
     } else {
-      running = out->scheduled_seqs;
+      // The batch is youngest first; running keeps oldest first, so the next
+      // step's LCFS order is usually already in place.
+      running.assign(out->scheduled_seqs.rbegin(), out->scheduled_seqs.rend());
       decode_step_ += 1;
       if (outstanding_prompt_steps_ == 0 && num_used_info_slots_ != static_cast<int>(running.size())) {
         throw std::logic_error("info slots in use " + std::to_string(num_used_info_slots_) +
@@ -485,6 +487,8 @@ class Scheduler {
       // S24: side effects only from here on.
       num_batched += (seqlen_q + cp_align_ - 1) / cp_align_ * cp_align_;
       if (fresh) {
+        // A fork without KV to share: its blocks are its own from now on.
+        if (!seq->schedule.branch_id.empty() && seq->schedule.branch_id[0] == '_') seq->schedule.branch_id.erase(0, 1);
         block_manager_->allocate_nolock(to_allocate, seq->cache.block_table);
         if (state_manager_) seq->cache.state_id = state_manager_->allocate_single_nolock();
         hold_(seq);
@@ -567,12 +571,15 @@ class Scheduler {
     std::vector<int> new_blocks;
     block_manager_->allocate_nolock(to_allocate, new_blocks);
     auto &table = seq.cache.block_table;
+    size_t keep = static_cast<size_t>(num_reserve_blocks);
     if (seq.cache.num_tokens % cfg_.block_size && !new_blocks.empty()) {
-      int src = table[num_reserve_blocks];
+      int src = table[keep];
       out.clone_blocks.push_back(src);
       out.clone_blocks.push_back(new_blocks.front());
       defer_block_(src, out);
+      keep += 1;
     }
+    for (size_t i = keep; i < table.size(); ++i) block_manager_->free_nolock(table[i]);
     table.resize(num_reserve_blocks);
     table.insert(table.end(), new_blocks.begin(), new_blocks.end());
   }
@@ -602,10 +609,13 @@ class Scheduler {
     // LCFS: longest output at the head is preempted first, the youngest at the
     // tail is served first. Ties go by arrival (seq_id), so the order does not
     // flip with each step's tail-first batch.
-    std::sort(running.begin(), running.end(), [](const SequencePtr &a, const SequencePtr &b) {
+    auto lcfs = [](const SequencePtr &a, const SequencePtr &b) {
       int la = a->get_output_len(), lb = b->get_output_len();
       return la != lb ? la > lb : a->seq_id < b->seq_id;
-    });
+    };
+    // Usually sorted already (running keeps the last step's order), and an
+    // O(n) check is far cheaper than sorting 1024 pointers every step.
+    if (!std::is_sorted(running.begin(), running.end(), lcfs)) std::sort(running.begin(), running.end(), lcfs);
     size_t l = 0, r = running.size();
     const size_t max_seqs = static_cast<size_t>(cfg_.max_num_seqs);
     out->scheduled_seqs.reserve(r);
@@ -625,7 +635,7 @@ class Scheduler {
       if (block_manager_->can_allocate_nolock(need) == AllocStatus::OK) {
         append_slot_(*seq);
         out->seqlens_q.push_back(1 + seq->draft.get_nextn_len());
-        out->scheduled_seqs.push_back(seq);
+        out->scheduled_seqs.push_back(std::move(running[r - 1]));  // running is rebuilt below
       } else {
         preempt_(seq, *out);
       }

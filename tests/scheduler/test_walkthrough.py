@@ -60,5 +60,5 @@ def test_article_walkthrough() -> None:
     assert out.request_ids == ["C", "B"]
     assert list(out.seqlens_q) == [1, 1]
     sched.process_outputs(out, sampled(out))
-    assert sched.running_ids() == ["C", "B"]
+    assert sched.running_ids() == ["B", "C"]  # kept oldest first for the next LCFS sort
     drain(sched)

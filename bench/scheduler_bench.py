@@ -1,0 +1,91 @@
+"""Scheduler step cost: median microseconds of schedule() + process_outputs().
+
+Run: .venv/bin/python bench/scheduler_bench.py
+Writes bench/results/scheduler.json.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from baton.scheduler import EngineType, Scheduler, SchedulerConfig
+
+RESULTS = Path(__file__).parent / "results" / "scheduler.json"
+
+
+def _decode_step_us(num_seqs: int, prompt_len: int = 128, iters: int = 1000) -> float:
+    # Enough blocks that nothing is preempted while the sequences grow.
+    blocks_per_seq = (prompt_len + iters + 32) // 16 + 2
+    cfg = SchedulerConfig(num_blocks=num_seqs * blocks_per_seq + 16, block_size=16, max_num_seqs=num_seqs,
+                          max_num_batched_tokens=num_seqs * prompt_len, max_model_len=8192,
+                          prefill_attempt_interval=1 << 30, prefill_any_attempt_interval=1 << 30)
+    sched = Scheduler(cfg)
+    for i in range(num_seqs):
+        sched.add_sequence(f"req-{i}", np.full(prompt_len, 10 + i % 100, dtype=np.int32), 100_000)
+    out = sched.schedule()
+    sched.process_outputs(out, np.full(len(out), 7, dtype=np.int32))
+    assert sched.num_running() == num_seqs
+    tokens = np.full(num_seqs, 7, dtype=np.int32)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        _ = out.block_tables, out.input_ids, out.positions, out.slot_mapping, out.seqlens_k
+        sched.process_outputs(out, tokens)
+        times.append(time.perf_counter() - t0)
+    assert len(out) == num_seqs and not out.prompt_run
+    return statistics.median(times) * 1e6
+
+
+def _prefill_step_us(num_prompts: int = 16, prompt_len: int = 512, iters: int = 300) -> float:
+    cfg = SchedulerConfig(engine_type=EngineType.PROMPT, num_blocks=num_prompts * 40 + 16,
+                          block_size=16, max_num_seqs=num_prompts,
+                          max_num_batched_tokens=num_prompts * prompt_len, max_model_len=8192)
+    sched = Scheduler(cfg)
+    tokens = np.full(num_prompts, 7, dtype=np.int32)
+    prompt = np.full(prompt_len, 11, dtype=np.int32)
+    times = []
+    n = 0
+    for _ in range(iters):
+        ids = []
+        for _ in range(num_prompts):
+            ids.append(f"p-{n}")
+            sched.add_sequence(ids[-1], prompt, 64)
+            n += 1
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        _ = out.block_tables, out.input_ids, out.positions, out.slot_mapping, out.seqlens_k
+        res = sched.process_outputs(out, tokens)
+        times.append(time.perf_counter() - t0)
+        assert len(res.handed_off) == num_prompts
+        for rid in ids:
+            sched.release_handed_off(rid)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    rows = [(f"decode, {n} running", _decode_step_us(n)) for n in (64, 256, 1024)]
+    rows.append(("prefill, 16 x 512-token prompts", _prefill_step_us()))
+    print(f"{'step':<36}{'median us':>12}")
+    for name, us in rows:
+        print(f"{name:<36}{us:>12.1f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "unit": "microseconds, median of schedule() + process_outputs() incl. block tables",
+        "decode_64": round(rows[0][1], 2),
+        "decode_256": round(rows[1][1], 2),
+        "decode_1024": round(rows[2][1], 2),
+        "prefill_16x512": round(rows[3][1], 2),
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+    }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
