@@ -81,13 +81,14 @@ struct KvCacheState {
 };
 
 struct SequenceScheduleState {
+  // Hot fields first: the decode path reads them for every sequence every step.
   SequenceStatus status{SequenceStatus::WAITING};
   bool schedulable{false};
-  std::string branch_id{"default"};
-  int chunked_rest_len{0};
-  std::deque<int> chunk_checkpoints;
   int total_inflight_tokens{0};
   int last_inflight_tokens{0};
+  int chunked_rest_len{0};
+  std::string branch_id{"default"};
+  std::deque<int> chunk_checkpoints;
 
   // A two-beat pipeline: at most one step in flight besides the one being booked.
   void start_inflight_step(int n) {
@@ -119,28 +120,30 @@ struct StructuredOutputState {
 };
 
 struct Sequence {
+  // Members are ordered hot first: a decode step touches these for 1024
+  // sequences, and each cache line saved is a miss saved per sequence.
   int64_t seq_id{0};
-  std::string request_id;
   SequenceData data;
   KvCacheState cache;
   SequenceScheduleState schedule;
-  DraftState draft;
-  StructuredOutputState structured_output;
+  // Bookkeeping that is Baton's own, not the article's:
+  int epoch{0};          // bumped by reset_for_recompute; a step booked under an old epoch is void
+  int inflight_steps{0};  // scheduled steps not yet booked: resources may not return before 0 (S8)
 
   // Stopping criteria.
+  int max_tokens{0};
+  bool ignore_eos{false};
   std::vector<int32_t> eos_token_ids;
   std::vector<int32_t> stop_token_ids;
-  bool ignore_eos{false};
-  int max_tokens{0};
+
+  DraftState draft;
+  StructuredOutputState structured_output;
+  std::string request_id;
 
   // Metrics (S32).
   double arrival_time{0.0};
   double first_token_latency{-1.0};
   int num_pushed_tokens{0};
-
-  // Bookkeeping that is Baton's own, not the article's:
-  int epoch{0};          // bumped by reset_for_recompute; a step booked under an old epoch is void
-  int inflight_steps{0};  // scheduled steps not yet booked: resources may not return before 0 (S8)
   std::vector<int> zombie_blocks;  // released, waiting for inflight_steps == 0
   std::vector<int> zombie_states;
   bool reported{false};  // finish reason already handed to the caller
