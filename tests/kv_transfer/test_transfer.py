@@ -171,3 +171,25 @@ def test_timeouts_are_validated():
         TransferConfig(op="PUSH")
     with pytest.raises(ValueError):
         KVImporter(bytearray(10), TransferConfig(), fingerprint())
+
+
+def test_side_channel_survives_garbage(peer, importer, local_pool):
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(peer.address)
+    try:
+        for junk in [b"", b"\xff\x00garbage", msgspec.msgpack.encode(["claim", 1, 2, 3])]:
+            sock.send(junk)
+            assert sock.poll(2000), "no answer to a malformed frame"
+            assert msgspec.msgpack.decode(sock.recv())[0] == "err"
+        sock.send(msgspec.msgpack.encode(["claim", 1, "r", peer.instance_id, "a", [2**64 - 1]]))
+        assert sock.poll(2000)
+        assert msgspec.msgpack.decode(sock.recv())[:5] == ["claim_ok", 1, "r", False, "bad_handle"]
+        sock.send(b"x" * (9 << 20))  # over max_msg_bytes: the connection is dropped
+    finally:
+        sock.close()
+    result, exact = pull(importer, local_pool, peer.hold("after-junk", [3], seed=4), seed=4)
+    assert result.state == TransferState.DONE and exact
+    assert_whole(peer, importer, local_pool)
