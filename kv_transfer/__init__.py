@@ -8,7 +8,6 @@ from kv_transfer.config import PoolSpec, TransferConfig
 from kv_transfer.errors import (
                                 BadHandleError,
                                 FailReason,
-                                FingerprintMismatchError,
                                 KVTransferError,
                                 PeerGoneError,
                                 TransferState,
@@ -19,7 +18,7 @@ from kv_transfer.protocol import Fingerprint, KVHandle
 from kv_transfer.pulls import TransferResult
 
 __all__ = [
-    "BadHandleError", "FailReason", "Fingerprint", "FingerprintMismatchError", "KVExporter",
+    "BadHandleError", "FailReason", "Fingerprint", "KVExporter",
     "KVHandle", "KVImporter", "KVTransferError", "PeerGoneError", "PoolSpec", "TransferConfig",
     "TransferResult", "TransferState",
 ]

@@ -26,7 +26,8 @@ class TransferConfig:
     transfer_timeout_s: float = 30.0
     # Poll period of the poller thread while work is pending (NIXL progress thread is off).
     poll_interval_s: float = 0.001
-    # NIXL op: READ = the completion side pulls (default); WRITE = agent wrapper pushes.
+    # NIXL op: READ = the completion side pulls (the default, and the only one KVImporter
+    # runs today); WRITE (push) is available through NixlAgent.post, not yet as a flow.
     op: str = "READ"
     # Largest side-channel frame accepted (ids lists and agent metadata are bounded by it).
     max_msg_bytes: int = 8 << 20

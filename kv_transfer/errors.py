@@ -47,9 +47,5 @@ class PeerGoneError(KVTransferError):
     reason = FailReason.PEER_GONE
 
 
-class FingerprintMismatchError(KVTransferError):
-    reason = FailReason.FINGERPRINT_MISMATCH
-
-
 class BadHandleError(KVTransferError):
     reason = FailReason.BAD_HANDLE

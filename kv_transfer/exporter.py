@@ -77,6 +77,8 @@ class KVExporter:
              ttl_s: float | None = None) -> proto.KVHandle:
         """Keep block_ids for request_id until claimed+released, expired or aborted."""
         ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
+        if not ttl > 0:
+            raise ValueError(f"ttl_s={ttl_s} must be > 0")
         with self._lock:
             lease = self._table.hold(request_id, list(block_ids), num_tokens,
                                      time.monotonic() + ttl)
