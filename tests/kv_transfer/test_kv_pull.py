@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from conftest import FAST, NUM_BLOCKS, assert_whole, wait_until
+from kv_helpers import FAST, NUM_BLOCKS, assert_whole, wait_until
 from kv_peer import PeerProcess, fingerprint
 
 from kv_transfer import KVImporter, TransferConfig, TransferState

@@ -6,7 +6,7 @@ import socket
 import time
 
 import pytest
-from conftest import BLOCK_BYTES, FAST, NUM_BLOCKS, assert_whole, wait_until
+from kv_helpers import BLOCK_BYTES, FAST, NUM_BLOCKS, assert_whole, wait_until
 from kv_peer import ImporterProcess, PeerProcess
 
 from kv_transfer import TransferState
