@@ -15,6 +15,7 @@ import sys
 # name -> (module path, function that adds the subparser and sets `func`)
 _SUBCOMMANDS: dict[str, str] = {
     "up": "baton.launcher:add_parser",
+    "generate": "baton.generate_cli:add_parser",
     "bench": "baton.bench_cli:add_parser",
     "router": "router.cli:add_parser",
 }
