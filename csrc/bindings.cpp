@@ -156,8 +156,8 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_property_readonly("num_seqs", &SchedulerOutputs::num_seqs)
       .def("__len__", &SchedulerOutputs::num_seqs)
       .def_property_readonly("request_ids", [](const SchedulerOutputs &o) {
-        py::list ids(o.scheduled_seqs.size());
-        for (size_t i = 0; i < o.scheduled_seqs.size(); ++i) ids[i] = py::str(o.scheduled_seqs[i]->request_id);
+        py::list ids(o.num_seqs());
+        for (int i = 0; i < o.num_seqs(); ++i) ids[i] = py::str(o.scheduled_seqs[i]->request_id);
         return ids;
       })
       .def_property_readonly("seq_ids", [](py::object self) {

@@ -1,13 +1,17 @@
 // SchedulerOutputs: one step's work shape for the model runner (S38), and
 // ProcessResult: what booking that step produced (S29-S32).
 //
-// Each schedule() returns a fresh SchedulerOutputs that owns its buffers; the
-// binding hands them to numpy without copying (S39) and documents them as valid
-// until the next schedule()/process_outputs() so that a later version may reuse
-// them. Only this step's sequences are kept, as shared pointers, so booking
-// still finds a sequence that was aborted or preempted meanwhile.
+// The scheduler keeps a few of each and reuses one only once nobody else holds
+// it (no Python object, no numpy view over its buffers): a reused object keeps
+// its buffers' capacity, and its shared pointers usually already point at the
+// same sequences, so refilling it costs no allocation and no refcount traffic.
+// The binding hands the buffers to numpy without copying (S39) and documents
+// them as valid until the next schedule()/process_outputs(). This step's
+// sequences are kept as shared pointers, so booking still finds a sequence that
+// was aborted or preempted meanwhile.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -55,11 +59,74 @@ struct SchedulerOutputs {
   std::vector<int> release_states_after_step;
   bool booked{false};
 
-  int num_seqs() const { return static_cast<int>(scheduled_seqs.size()); }
+  // What each row of block_tables held when this object was last filled, so a
+  // reuse only writes the blocks appended since (see Scheduler::fill_block_row_).
+  struct RowCache {
+    int64_t seq_id{-1};
+    uint32_t table_version{0};
+    int32_t len{0};
+  };
+  std::vector<RowCache> row_cache;
+  int table_stride{0};  // the row width block_tables and row_cache were filled with
+  int num_scheduled{0};
+  int num_tokens_q{0};  // sum of seqlens_q
+
+  int num_seqs() const { return num_scheduled; }
+
+  // Slot i keeps its old pointer until overwritten: assigning the same sequence
+  // again (the usual case in decode) touches no reference count.
+  void add_seq(const SequencePtr &seq, int seqlen_q) {
+    if (num_scheduled < static_cast<int>(scheduled_seqs.size())) {
+      scheduled_seqs[num_scheduled] = seq;
+    } else {
+      scheduled_seqs.push_back(seq);
+    }
+    seqlens_q.push_back(seqlen_q);
+    num_scheduled += 1;
+    num_tokens_q += seqlen_q;
+    max_seqlen_q = std::max(max_seqlen_q, seqlen_q);
+    max_blocks = std::max(max_blocks, static_cast<int>(seq->cache.block_table.size()));
+  }
+
+  // Everything but the buffers' capacity, the sequence slots and the row cache.
+  // The per-sequence and per-token arrays keep their size too: build_metadata_
+  // resizes and overwrites them all, and shrinking them first would make that
+  // resize zero-fill every element again.
+  void reset() {
+    prompt_run = false;
+    num_batched_tokens = 0;
+    finished.clear();
+    ignored.clear();
+    seqlens_q.clear();
+    max_blocks = 0;
+    sum_seqlen_qxk = 0;
+    max_seqlen_q = max_seqlen_k = min_seqlen_k = 0;
+    attn_tflops = total_tflops = 0.0;
+    clone_states.clear();
+    clone_blocks.clear();
+    zero_states.clear();
+    release_blocks_after_step.clear();
+    release_states_after_step.clear();
+    booked = false;
+    num_scheduled = 0;
+    num_tokens_q = 0;
+  }
+
+  // Drops the slots this step did not refill.
+  void trim() { scheduled_seqs.resize(num_scheduled); }
 };
 
 struct ProcessResult {
   std::vector<int32_t> num_accepted;
+
+  void reset() {
+    num_accepted.clear();
+    finished.clear();
+    handed_off.clear();
+    first_token_latencies.clear();
+    pushed_tokens_before_finish.clear();
+  }
+
   FinishedList finished;
   std::vector<std::pair<std::string, std::vector<int32_t>>> handed_off;
   std::vector<std::pair<std::string, double>> first_token_latencies;  // TTFT, seconds

@@ -133,6 +133,7 @@ class Scheduler {
     int num_kv_blocks = (parent->cache.num_tokens + bs - 1) / bs;
     child->cache.block_table.assign(parent->cache.block_table.begin(),
                                     parent->cache.block_table.begin() + num_kv_blocks);
+    child->cache.table_version += 1;
     for (int b : child->cache.block_table) block_manager_->pin_block_nolock(b);
     if (parent->cache.state_id >= 0 && num_kv_blocks > 0) {
       state_manager_->pin_block_nolock(parent->cache.state_id);
@@ -240,11 +241,8 @@ class Scheduler {
     for (auto &f : swept) out->finished.push_back(std::move(f));
     if (out->prompt_run) {
       decode_step_ = 0;
-      if (!out->scheduled_seqs.empty()) outstanding_prompt_steps_ += 1;
+      if (out->num_seqs() > 0) outstanding_prompt_steps_ += 1;
     } else {
-      // The batch is youngest first; running keeps oldest first, so the next
-      // step's LCFS order is usually already in place.
-      running.assign(out->scheduled_seqs.rbegin(), out->scheduled_seqs.rend());
       decode_step_ += 1;
       if (outstanding_prompt_steps_ == 0 && num_used_info_slots_ != static_cast<int>(running.size())) {
         throw std::logic_error("info slots in use " + std::to_string(num_used_info_slots_) +
@@ -265,7 +263,7 @@ class Scheduler {
     }
     PoolGuard guard(*this);
     out.booked = true;
-    auto res = std::make_shared<ProcessResult>();
+    auto res = acquire_(result_pool_);
     res->num_accepted.assign(n, 0);
     std::vector<SequencePtr> chunks;
     for (int i = 0; i < n; ++i) {
@@ -409,9 +407,24 @@ class Scheduler {
     bool any_scheduled = all_reduce_min_or_self_(outputs ? 0 : 1) == 0;
     if (!any_scheduled) return schedule_decode_();
     if (outputs) return outputs;
-    auto empty = std::make_shared<SchedulerOutputs>();
+    auto empty = acquire_(output_pool_);
     empty->prompt_run = true;
     return empty;
+  }
+
+  // An object is reused only when the pool holds its last reference: no Python
+  // object and no numpy view can see the buffers being refilled.
+  template <typename T>
+  static std::shared_ptr<T> acquire_(std::vector<std::shared_ptr<T>> &pool) {
+    for (auto &p : pool) {
+      if (p.use_count() == 1) {
+        p->reset();
+        return p;
+      }
+    }
+    auto p = std::make_shared<T>();
+    if (pool.size() < kPoolSize) pool.push_back(p);
+    return p;
   }
 
   int all_reduce_min_or_self_(int value) { return all_reduce_min_ ? all_reduce_min_(value) : value; }
@@ -429,7 +442,7 @@ class Scheduler {
   // ---- _schedule_prefill (S15-S25) --------------------------------------------
 
   std::shared_ptr<SchedulerOutputs> schedule_prefill_() {
-    auto out = std::make_shared<SchedulerOutputs>();
+    auto out = acquire_(output_pool_);
     out->prompt_run = true;
     int num_curr_seqs = static_cast<int>(running.size());
     int64_t sum_k_remain = cfg_.prefill_max_sum_seqlen_k > 0 ? cfg_.prefill_max_sum_seqlen_k
@@ -502,14 +515,13 @@ class Scheduler {
         seq->schedule.status = SequenceStatus::RUNNING;
         allocate_info_slot_(*seq);
       }
-      out->scheduled_seqs.push_back(seq);
-      out->seqlens_q.push_back(seqlen_q);
+      out->add_seq(seq, seqlen_q);
       seq->schedule.chunked_rest_len = is_chunked ? rest - seqlen_q : 0;
       waiting.pop_front();
       if (is_chunked && cfg_.engine_type == EngineType::NORMAL) break;  // one chunk per step
     }
     out->num_batched_tokens = num_batched;
-    if (cfg_.engine_type != EngineType::NORMAL || !out->scheduled_seqs.empty() || !out->ignored.empty()) return out;
+    if (cfg_.engine_type != EngineType::NORMAL || out->num_seqs() > 0 || !out->ignored.empty()) return out;
     return nullptr;
   }
 
@@ -581,6 +593,7 @@ class Scheduler {
     }
     for (size_t i = keep; i < table.size(); ++i) block_manager_->free_nolock(table[i]);
     table.resize(num_reserve_blocks);
+    seq.cache.table_version += 1;
     table.insert(table.end(), new_blocks.begin(), new_blocks.end());
   }
 
@@ -601,26 +614,21 @@ class Scheduler {
   // ---- _schedule_decode (S26-S28) ---------------------------------------------
 
   std::shared_ptr<SchedulerOutputs> schedule_decode_() {
-    auto out = std::make_shared<SchedulerOutputs>();
+    auto out = acquire_(output_pool_);
     out->prompt_run = false;
-    drop_finished_running_(*out);
+    bool sorted = drop_finished_running_(*out);
     drop_finished_waiting_(*out);
-    admit_prompted_(*out);
-    // LCFS: longest output at the head is preempted first, the youngest at the
-    // tail is served first. Ties go by arrival (seq_id), so the order does not
-    // flip with each step's tail-first batch.
-    auto lcfs = [](const SequencePtr &a, const SequencePtr &b) {
-      int la = a->get_output_len(), lb = b->get_output_len();
-      return la != lb ? la > lb : a->seq_id < b->seq_id;
-    };
-    // Usually sorted already (running keeps the last step's order), and an
-    // O(n) check is far cheaper than sorting 1024 pointers every step.
-    if (!std::is_sorted(running.begin(), running.end(), lcfs)) std::sort(running.begin(), running.end(), lcfs);
+    if (!prompted.empty()) {
+      admit_prompted_(*out);
+      sorted = false;
+    }
+    // Usually sorted already (running keeps the last step's order), and the
+    // O(n) check rides along the pass that drops finished sequences.
+    if (!sorted) std::sort(running.begin(), running.end(), lcfs_before_);
     size_t l = 0, r = running.size();
-    const size_t max_seqs = static_cast<size_t>(cfg_.max_num_seqs);
-    out->scheduled_seqs.reserve(r);
-    out->seqlens_q.reserve(r);
-    while (l < r && out->scheduled_seqs.size() < max_seqs) {
+    size_t first_scheduled = r;
+    const int max_seqs = cfg_.max_num_seqs;
+    while (l < r && out->num_seqs() < max_seqs) {
       const SequencePtr &seq = running[r - 1];
       trim_drafts_(*seq);
       // The article asks for one free block before every sequence. Baton asks for
@@ -634,29 +642,45 @@ class Scheduler {
       }
       if (block_manager_->can_allocate_nolock(need) == AllocStatus::OK) {
         append_slot_(*seq);
-        out->seqlens_q.push_back(1 + seq->draft.get_nextn_len());
-        out->scheduled_seqs.push_back(std::move(running[r - 1]));  // running is rebuilt below
+        out->add_seq(seq, 1 + seq->draft.get_nextn_len());
+        first_scheduled = r - 1;
       } else {
         preempt_(seq, *out);
       }
       r -= 1;
     }
+    // The batch is youngest first and running keeps oldest first, so running is
+    // the batch reversed: the tail it was taken from. The next step's LCFS order
+    // is then usually already in place.
+    running.erase(running.begin(), running.begin() + first_scheduled);
     return out;
   }
 
-  void drop_finished_running_(SchedulerOutputs &out) {
+  // LCFS: longest output at the head is preempted first, the youngest at the
+  // tail is served first. Ties go by arrival (seq_id), so the order does not
+  // flip with each step's tail-first batch.
+  static bool lcfs_before_(const SequencePtr &a, const SequencePtr &b) {
+    int la = a->get_output_len(), lb = b->get_output_len();
+    return la != lb ? la > lb : a->seq_id < b->seq_id;
+  }
+
+  // Returns whether the survivors are in LCFS order already.
+  bool drop_finished_running_(SchedulerOutputs &out) {
     size_t kept = 0;
+    bool sorted = true;
     for (size_t i = 0; i < running.size(); ++i) {
       SequencePtr &seq = running[i];
       if (seq->is_finished()) {
         report_(*seq, out.finished);
         release_(*seq);
       } else {
+        if (kept > 0 && sorted && lcfs_before_(seq, running[kept - 1])) sorted = false;
         if (kept != i) running[kept] = std::move(seq);
         ++kept;
       }
     }
     running.resize(kept);
+    return sorted;
   }
 
   // So that a rank holding only dead requests does not want prefill forever (S7).
@@ -696,6 +720,7 @@ class Scheduler {
           out.clone_blocks.push_back(new_block);
           defer_block_(src, out);
           table.back() = new_block;
+          seq->cache.table_version += 1;
         } else {
           table.push_back(new_block);
         }
@@ -726,6 +751,7 @@ class Scheduler {
     while (static_cast<int>(table.size()) > n) {
       block_manager_->free_nolock(table.back());
       table.pop_back();
+      seq.cache.table_version += 1;
     }
   }
 
@@ -751,20 +777,15 @@ class Scheduler {
   // ---- metadata for the model runner (S36, S38) -------------------------------
 
   void build_metadata_(SchedulerOutputs &out) {
+    out.trim();
     const int n = out.num_seqs();
     const int bs = cfg_.block_size;
     out.epochs.resize(n);
     out.seq_ids.resize(n);
     out.seqlens_k.resize(n);
-    int total_q = 0, max_blocks = 0, max_q = 0;
-    for (int i = 0; i < n; ++i) {
-      total_q += out.seqlens_q[i];
-      max_q = std::max(max_q, static_cast<int>(out.seqlens_q[i]));
-      max_blocks = std::max(max_blocks, static_cast<int>(out.scheduled_seqs[i]->cache.block_table.size()));
-    }
-    out.max_blocks = max_blocks;
-    out.max_seqlen_q = max_q;
-    out.block_tables.assign(static_cast<size_t>(n) * max_blocks, 0);
+    // add_seq kept the widths: no sequence's table changes once it is in the batch.
+    const int total_q = out.num_tokens_q, max_q = out.max_seqlen_q;
+    prepare_block_tables_(out, n, out.max_blocks);
     out.input_ids.resize(total_q);
     out.positions.resize(total_q);
     out.slot_mapping.resize(total_q);
@@ -789,8 +810,8 @@ class Scheduler {
       sum_qk += static_cast<int64_t>(q) * k;
       min_k = std::min(min_k, k);
       max_k = std::max(max_k, k);
-      const auto &table = seq.cache.block_table;
-      std::copy(table.begin(), table.end(), out.block_tables.begin() + static_cast<size_t>(i) * max_blocks);
+      fill_block_row_(out, i, seq);
+      const int *table = seq.cache.block_table.data();
       const auto &tok = seq.data.token_ids;
       const int len = static_cast<int>(tok.size());
       for (int j = 0; j < q; ++j, ++t) {
@@ -817,6 +838,35 @@ class Scheduler {
     out.min_seqlen_k = n ? min_k : 0;
     out.attn_tflops = cfg_.attn_flops_per_qk * static_cast<double>(sum_qk) * 1e-12;
     out.total_tflops = out.attn_tflops + cfg_.flops_per_token * total_q * 1e-12;
+  }
+
+  // block_tables is [n, max_blocks]; a reused object keeps its rows when the
+  // width is unchanged, so most rows need only their newest block written.
+  static void prepare_block_tables_(SchedulerOutputs &out, int n, int max_blocks) {
+    if (out.table_stride != max_blocks) {
+      out.row_cache.clear();  // every row is rewritten in the new layout
+      out.table_stride = max_blocks;
+    }
+    out.row_cache.resize(n);  // rows past n lose their cache: resize does not keep their contents
+    out.block_tables.resize(static_cast<size_t>(n) * max_blocks);
+  }
+
+  static void fill_block_row_(SchedulerOutputs &out, int i, const Sequence &seq) {
+    const int stride = out.table_stride;
+    int32_t *row = out.block_tables.data() + static_cast<size_t>(i) * stride;
+    const auto &table = seq.cache.block_table;
+    const int len = static_cast<int>(table.size());
+    auto &rc = out.row_cache[i];
+    int from = 0;
+    if (rc.seq_id == seq.seq_id && rc.table_version == seq.cache.table_version && rc.len <= len) {
+      from = rc.len;  // [0, from) still holds this table's prefix, [len, stride) is still 0
+    } else {
+      std::fill(row + len, row + stride, 0);
+      rc.seq_id = seq.seq_id;
+      rc.table_version = seq.cache.table_version;
+    }
+    std::copy(table.begin() + from, table.end(), row + from);
+    rc.len = len;
   }
 
   // ---- booking (S29-S32) ------------------------------------------------------
@@ -899,12 +949,14 @@ class Scheduler {
     if (now) {
       for (int b : table) block_manager_->free_nolock(b);
       table.clear();
+      seq.cache.table_version += 1;
       if (seq.cache.state_id >= 0) state_manager_->free_nolock(seq.cache.state_id);
       seq.cache.state_id = -1;
     }
     if (!table.empty()) {
       seq.zombie_blocks.insert(seq.zombie_blocks.end(), table.begin(), table.end());
       table.clear();
+      seq.cache.table_version += 1;
     }
     if (seq.cache.state_id >= 0) {
       seq.zombie_states.push_back(seq.cache.state_id);
@@ -1069,6 +1121,9 @@ class Scheduler {
   std::vector<int> free_info_slots_;
   int next_info_slot_{0};
   int num_used_info_slots_{0};
+  static constexpr size_t kPoolSize = 4;  // two steps in flight, plus what a caller keeps a while
+  std::vector<std::shared_ptr<SchedulerOutputs>> output_pool_;
+  std::vector<std::shared_ptr<ProcessResult>> result_pool_;
 };
 
 }  // namespace baton

@@ -67,6 +67,7 @@ struct KvCacheState {
   int hit_tokens{0};
   int swa_valid_start{0};
   std::vector<int> block_table;
+  uint32_t table_version{0};  // bumped by every edit that is not an append (row cache key)
   int state_id{-1};
   int last_copy_state_token_idx{0};
 
@@ -121,11 +122,12 @@ struct StructuredOutputState {
 
 struct Sequence {
   // Members are ordered hot first: a decode step touches these for 1024
-  // sequences, and each cache line saved is a miss saved per sequence.
+  // sequences, and each cache line saved is a miss saved per sequence. The
+  // schedule ledger comes last of the hot ones because its own tail (branch id,
+  // checkpoints) is cold.
   int64_t seq_id{0};
   SequenceData data;
   KvCacheState cache;
-  SequenceScheduleState schedule;
   // Bookkeeping that is Baton's own, not the article's:
   int epoch{0};          // bumped by reset_for_recompute; a step booked under an old epoch is void
   int inflight_steps{0};  // scheduled steps not yet booked: resources may not return before 0 (S8)
@@ -133,20 +135,21 @@ struct Sequence {
   // Stopping criteria.
   int max_tokens{0};
   bool ignore_eos{false};
+  bool reported{false};  // finish reason already handed to the caller
+  int num_pushed_tokens{0};
   std::vector<int32_t> eos_token_ids;
   std::vector<int32_t> stop_token_ids;
 
   DraftState draft;
+  SequenceScheduleState schedule;
   StructuredOutputState structured_output;
   std::string request_id;
 
   // Metrics (S32).
   double arrival_time{0.0};
   double first_token_latency{-1.0};
-  int num_pushed_tokens{0};
   std::vector<int> zombie_blocks;  // released, waiting for inflight_steps == 0
   std::vector<int> zombie_states;
-  bool reported{false};  // finish reason already handed to the caller
   const char *finish_reason_override{nullptr};
 
   bool is_finished() const { return is_finished_status(schedule.status); }
