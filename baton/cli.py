@@ -16,6 +16,10 @@ import sys
 _SUBCOMMANDS: dict[str, str] = {
     "up": "baton.launcher:add_parser",
     "generate": "baton.generate_cli:add_parser",
+    "engine": "baton.engine_cli:add_normal_parser",
+    "prompt-engine": "baton.engine_cli:add_prompt_parser",
+    "completion-engine": "baton.engine_cli:add_completion_parser",
+    "probe": "baton.engine_cli:add_probe_parser",
     "bench": "baton.bench_cli:add_parser",
     "router": "router.cli:add_parser",
 }

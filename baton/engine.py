@@ -16,8 +16,9 @@ A request's life in the engine:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,9 +27,13 @@ from baton.model import IncrementalDetokenizer, KVCacheSpec, allocate_kv_cache, 
 from baton.model.config import resolve_dtype
 from baton.model.loader import LoadedModel
 from baton.sampler import Sampler, SamplingParams
-from baton.scheduler import EngineType, Scheduler, SchedulerConfig
+from baton.scheduler import AllocStatus, EngineType, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+
+
+_ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
+                 "completion": EngineType.COMPLETION}
 
 
 @dataclass
@@ -52,6 +57,9 @@ class EngineConfig:
     prefill_any_attempt_interval: int = 1
     watermark: float = 0.9  # prefill only at or below this cache usage
     num_threads: int = 2  # torch intra-op threads; 0 = leave torch's default (all cores)
+    # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
+    # completion: decode only, prompts arrive with KV pulled from a prompt engine.
+    engine_type: str = "normal"
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -62,6 +70,9 @@ class EngineConfig:
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.engine_type not in _ENGINE_TYPES:
+            raise ValueError(f"EngineConfig.engine_type must be one of {sorted(_ENGINE_TYPES)}, "
+                             f"got {self.engine_type!r}")
         if self.num_blocks == 1:
             raise ValueError("EngineConfig.num_blocks must be 0 (auto) or >= 2, got 1")
 
@@ -76,6 +87,10 @@ class RequestOutput:
     new_logprobs: list[float] | None
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | prompt_length_exceeded | ...
+    # PROMPT engine: the prompt is done and its KV blocks stay allocated for a completion
+    # engine to pull (released later with `release_handed_off`).
+    handed_off_block_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -111,8 +126,9 @@ class LLMEngine:
     """Offline `generate`, and `add_request` / `step` / `abort_request` for a service loop."""
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 ) -> None:
-        """`loaded` reuses an already loaded model (tests, benchmarks); it must match `config`."""
+                 all_reduce_min: Callable[[int], int] | None = None) -> None:
+        """`loaded` reuses an already loaded model (tests, benchmarks); it must match `config`.
+        `all_reduce_min` joins a data-parallel group's step-type votes (baton/dp.py)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -127,12 +143,16 @@ class LLMEngine:
         max_len = min(config.max_model_len or self.model_config.max_position,
                       self.model_config.max_position, (num_blocks - 1) * config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
-            engine_type=EngineType.NORMAL, num_blocks=num_blocks, block_size=config.block_size,
+            engine_type=_ENGINE_TYPES[config.engine_type], num_blocks=num_blocks,
+            block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            stop_preempted_request=False, watermark=config.watermark,
+            # A completion engine cannot recompute (it has no prefill path): a preempted
+            # request finishes with insufficient_system_resource instead.
+            stop_preempted_request=config.engine_type == "completion", watermark=config.watermark,
             prefill_attempt_interval=config.prefill_attempt_interval,
-            prefill_any_attempt_interval=config.prefill_any_attempt_interval))
+            prefill_any_attempt_interval=config.prefill_any_attempt_interval),
+            all_reduce_min=all_reduce_min)
         self.max_model_len = max_len
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
@@ -140,6 +160,11 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # final deltas of aborted requests
         self._next_id = 0
         self.num_recomputed = 0  # prompt steps that re-prefilled generated tokens (preemption)
+        self.num_prompt_tokens = 0  # tokens run through prefill
+        self.num_generated_tokens = 0  # tokens sampled
+        self.num_steps = 0
+        self.step_kinds: list[str] = []  # "prompt"/"decode"/"empty" per step, when recorded
+        self.record_step_kinds = False
         logger.info("engine: %s, model %s, %d KV blocks, max_model_len %d", config,
                     self.model_path, num_blocks, max_len)
 
@@ -168,14 +193,8 @@ class LLMEngine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: empty prompt")
-        if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
-            raise ValueError(f"request {request_id!r}: token id out of range "
-                             f"[0, {self.model_config.vocab_size})")
-        req = _Request(request_id, ids, params, params.make_generator(self.model.device),
-                       IncrementalDetokenizer(self.tokenizer))
+        ids = self._check_prompt(request_id, prompt)
+        req = self._new_request(request_id, ids, params)
         seq_id = self.scheduler.add_sequence(
             request_id, np.asarray(ids, dtype=np.int32), params.max_tokens,
             eos_token_ids=self.model_config.eos_token_ids, stop_token_ids=params.stop_token_ids,
@@ -184,6 +203,19 @@ class LLMEngine:
         self._requests[request_id] = req
         self._by_seq[req.seq_id] = req
         return request_id
+
+    def _check_prompt(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
+            raise ValueError(f"request {request_id!r}: token id out of range "
+                             f"[0, {self.model_config.vocab_size})")
+        return ids
+
+    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams) -> _Request:
+        return _Request(request_id, ids, params, params.make_generator(self.model.device),
+                        IncrementalDetokenizer(self.tokenizer))
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; its final delta comes with the next
@@ -202,31 +234,112 @@ class LLMEngine:
         return RequestOutput(req.request_id, [], req.detok.flush(),
                              [] if req.params.logprobs else None, True, reason)
 
+    # ------------------------------------------------------------------ disaggregation
+    @property
+    def fingerprint(self) -> str:
+        """Model and KV layout identity, published in the registry."""
+        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}"
+
+    def kv_fingerprint(self):
+        """What two engines must share to exchange KV blocks byte for byte (kv_transfer)."""
+        from kv_transfer.protocol import Fingerprint
+
+        spec = self.kv_spec
+        return Fingerprint(model=Path(self.model_path).name,
+                           dtype=str(spec.dtype).removeprefix("torch."),
+                           num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                           head_dim=spec.head_dim, block_size=spec.block_size)
+
+    def release_handed_off(self, request_id: str) -> None:
+        """PROMPT engine: the lease on a handed-off prompt ended; its blocks return."""
+        self.scheduler.release_handed_off(request_id)
+
+    def add_prompted_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                             first_token_id: int, first_logprob: float,
+                             params: SamplingParams) -> tuple[AllocStatus, np.ndarray]:
+        """COMPLETION engine: allocate the blocks a prompt's KV will be pulled into.
+
+        OK registers the request (its first token, sampled by the prompt engine, is output 1)
+        and returns the block ids; LATER and NEVER change nothing. Then `commit_prompted` once
+        the KV landed, or `free_prompted` if it never will."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        ids = self._check_prompt(request_id, prompt_token_ids)
+        status, block_ids = self.scheduler.allocate_prompted(
+            request_id, np.asarray(ids, dtype=np.int32), int(first_token_id), params.max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids, stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos)
+        if status != AllocStatus.OK:
+            return status, block_ids
+        req = self._new_request(request_id, ids, params)
+        req.token_ids.append(int(first_token_id))
+        if params.logprobs:
+            req.logprobs.append(float(first_logprob))
+        req.detok.add(int(first_token_id))  # the router already streamed its text
+        if req.generator is not None:
+            # The prompt engine drew once for the first token: draw once here too, so a seeded
+            # request samples the same tokens as on a single engine.
+            torch.multinomial(torch.ones(self.model_config.vocab_size), 1, generator=req.generator)
+        req.seq_id = int(self.scheduler.sequence_info(request_id)["seq_id"])
+        self._requests[request_id] = req
+        self._by_seq[req.seq_id] = req
+        return status, np.array(block_ids, copy=True)
+
+    def commit_prompted(self, request_id: str) -> None:
+        self.scheduler.commit_prompted(request_id)
+
+    def free_prompted(self, request_id: str) -> None:
+        """The KV never landed (transfer failed, aborted): forget the request, free its blocks."""
+        self.scheduler.free_prompted(request_id)
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._by_seq.pop(req.seq_id, None)
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One schedule -> forward -> sample -> process_outputs round; the deltas it produced."""
         outputs, self._pending = self._pending, []
         sched_out = self.scheduler.schedule()
+        self.num_steps += 1
         for request_id, reason in [*sched_out.ignored, *sched_out.finished]:
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
         seq_ids = np.array(sched_out.seq_ids, copy=True)
+        if self.record_step_kinds:
+            self.step_kinds.append("prompt" if sched_out.prompt_run else
+                                   "decode" if len(seq_ids) else "empty")
         if len(seq_ids) == 0:
             return outputs
         reqs = [self._by_seq[int(s)] for s in seq_ids]
         logits = self.model(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
                             sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
                             self.kv_cache)
+        seqlens_q = np.asarray(sched_out.seqlens_q)
         if sched_out.prompt_run:
-            self.num_recomputed += sum(1 for r, q in zip(reqs, np.asarray(sched_out.seqlens_q), strict=False)
-                                       if r.token_ids and q > 1)
+            self.num_prompt_tokens += int(seqlens_q.sum())
+            self.num_recomputed += sum(1 for r, q in zip(reqs, seqlens_q, strict=True) if r.token_ids and q > 1)
         sampled, logprobs = self._sample(reqs, logits, np.asarray(sched_out.seqlens_k))
         result = self.scheduler.process_outputs(sched_out, sampled)
         for req, accepted, token, logprob in zip(reqs, np.asarray(result.num_accepted),
-                                                 sampled, logprobs, strict=False):
+                                                 sampled, logprobs, strict=True):
             if accepted > 0:
                 outputs.append(self._append(req, int(token), float(logprob)))
-        finished = dict(result.finished)
+        self._hand_off(outputs, result.handed_off)
+        self._book_finished(outputs, dict(result.finished))
+        return outputs
+
+    def _hand_off(self, outputs: list[RequestOutput], handed_off) -> None:
+        """PROMPT mode: prompts that left the scheduler with their blocks leave the engine too;
+        their delta carries the first token and the block ids for the lease."""
+        by_id = {out.request_id: out for out in outputs}
+        for request_id, block_ids in handed_off:
+            req = self._requests.pop(request_id)
+            self._by_seq.pop(req.seq_id, None)
+            out = by_id[request_id]
+            out.handed_off_block_ids = [int(b) for b in block_ids]
+            out.num_prompt_tokens = len(req.prompt_token_ids)
+
+    def _book_finished(self, outputs: list[RequestOutput], finished: dict[str, str]) -> None:
         for out in outputs:
             reason = finished.pop(out.request_id, None)
             if reason is not None and out.request_id in self._requests:
@@ -236,7 +349,6 @@ class LLMEngine:
         for request_id, reason in finished.items():  # finished without a token this step
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
-        return outputs
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor,
                 seqlens_k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -254,6 +366,7 @@ class LLMEngine:
         return sampled, logprobs
 
     def _append(self, req: _Request, token: int, logprob: float) -> RequestOutput:
+        self.num_generated_tokens += 1
         req.token_ids.append(token)
         if req.params.logprobs:
             req.logprobs.append(logprob)

@@ -63,13 +63,14 @@ class EngineClient:
                 return msg
 
     def stream(self, req: GenerateRequest, timeout_s: float = 60.0) -> Iterator[TokenDelta]:
-        """Yields the request's deltas until one carries a finish reason."""
+        """Yields the request's deltas until one carries a finish reason or a KV handle (a
+        prompt engine's only answer)."""
         self.send(req)
         while True:
             msg = self.recv(timeout_s)
             if isinstance(msg, TokenDelta) and msg.req_id == req.req_id:
                 yield msg
-                if msg.finish_reason:
+                if msg.finish_reason or msg.kv_handle:
                     return
 
     def generate(self, prompt_token_ids: list[int], sampling: SamplingOptions,

@@ -1,23 +1,248 @@
-"""`baton up`: start every Baton service on this host.
+"""`baton up`: start Redis, the engines and the router on this host, and stop them together.
 
-Until the engine services exist this runs an offline demo of what does exist.
+Every child is a separate process (`python -m baton.cli ROLE ...`) that dies with the launcher
+(PR_SET_PDEATHSIG), so a launcher killed at 3 a.m. leaves no orphan holding a port or a pool.
+Start-up waits for each engine to answer a stats request and for the router's /health; any
+child that exits or a wait that times out stops everything with one clear message.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from baton.redis_server import RedisServer, RedisStartError, free_port, port_is_free
 
 logger = logging.getLogger(__name__)
 
 
+class LaunchError(RuntimeError):
+    """A child failed to start; the message names it and why."""
+
+
+@dataclass
+class LaunchConfig:
+    host: str = "127.0.0.1"
+    router_port: int = 8000
+    num_prompt_engines: int = 1
+    num_completion_engines: int = 1
+    num_normal_engines: int = 0  # > 0 with no prompt/completion engines: co-located serving
+    model: str = ""  # "" = the default model
+    redis_url: str = ""  # "" = start a local redis-server
+    api_key: str = ""
+    ready_timeout_s: float = 300.0
+    engine_args: list[str] = field(default_factory=list)  # passed through to every engine
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        disagg = self.num_prompt_engines + self.num_completion_engines
+        if self.num_normal_engines == 0 and (self.num_prompt_engines == 0
+                                             or self.num_completion_engines == 0):
+            raise ValueError("need at least one prompt and one completion engine, "
+                             f"or a normal engine (got {self.num_prompt_engines} prompt, "
+                             f"{self.num_completion_engines} completion)")
+        if self.num_normal_engines and disagg:
+            raise ValueError("run either normal engines or prompt+completion engines, not both")
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the launcher dies, however it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = argv
+        self.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent,
+                                     env={**os.environ, **(env or {})})
+
+    def check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise LaunchError(f"{self.name} exited with status {code} during start-up "
+                              f"(command: {' '.join(self.argv)})")
+
+    def stop(self, timeout_s: float) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def engine_threads(num_engines: int) -> int:
+    """Each engine's share of the cores, so two engines on two cores do not fight."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_engines))
+
+
+def wait_engine_ready(address: str, deadline: float, child: Child) -> None:
+    from baton.engine_client import probe_engine
+
+    while time.monotonic() < deadline:
+        child.check_alive()
+        if probe_engine(address, timeout_s=0.5) is not None:
+            return
+    raise LaunchError(f"{child.name} at {address} not ready in time")
+
+
+def wait_http_ready(url: str, deadline: float, child: Child) -> None:
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        child.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise LaunchError(f"{child.name} at {url} not ready in time")
+
+
+class Launcher:
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.children: list[Child] = []
+        self.redis: RedisServer | None = None
+        self.redis_url = config.redis_url
+        self.engine_addresses: dict[str, str] = {}
+        self._stopping = False
+
+    def start(self) -> None:
+        cfg = self.config
+        if not port_is_free(cfg.host, cfg.router_port):
+            raise LaunchError(f"router port {cfg.host}:{cfg.router_port} is already in use "
+                              "(pass --port to choose another)")
+        if not self.redis_url:
+            self.redis = RedisServer(cfg.host).start()
+            self.redis_url = self.redis.url
+        deadline = time.monotonic() + cfg.ready_timeout_s
+        roles = ([("engine", "normal")] * cfg.num_normal_engines
+                 + [("prompt-engine", "prompt")] * cfg.num_prompt_engines
+                 + [("completion-engine", "completion")] * cfg.num_completion_engines)
+        threads = engine_threads(len(roles))
+        counts: dict[str, int] = {}
+        for command, role in roles:
+            idx = counts[role] = counts.get(role, -1) + 1
+            self._start_engine(command, f"{role}-{idx}", threads)
+        for child in self.children:
+            wait_engine_ready(self.engine_addresses[child.name], deadline, child)
+        self._start_router(deadline)
+
+    def _model_args(self) -> list[str]:
+        return ["--model", self.config.model] if self.config.model else []
+
+    def _start_engine(self, command: str, engine_id: str, threads: int) -> None:
+        cfg = self.config
+        port = free_port(cfg.host)
+        argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
+                "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
+                "--num-threads", str(threads), *self._model_args(), *cfg.engine_args]
+        self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
+        self.children.append(Child(engine_id, argv))
+
+    def _start_router(self, deadline: float) -> None:
+        cfg = self.config
+        argv = [sys.executable, "-m", "baton.cli", "router", "--host", cfg.host,
+                "--port", str(cfg.router_port), "--redis-url", self.redis_url,
+                *self._model_args()]
+        env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
+        router = Child("router", argv, env)
+        self.children.append(router)
+        wait_http_ready(f"http://{cfg.host}:{cfg.router_port}/health", deadline, router)
+
+    def wait(self) -> int:
+        """Until a signal (returns 0) or a child dies (returns 1)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "_stopping", True))
+        while not self._stopping:
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    logger.error("%s exited with status %s; stopping Baton", child.name,
+                                 child.proc.returncode)
+                    return 1
+            time.sleep(0.5)
+        return 0
+
+    def stop(self, timeout_s: float = 40.0) -> None:
+        for child in reversed(self.children):  # router first: no new work reaches the engines
+            child.stop(timeout_s)
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def banner(self) -> str:
+        cfg = self.config
+        base = f"http://{cfg.host}:{cfg.router_port}"
+        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
+        lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
+        lines += [f"  {name:<14} {addr}" for name, addr in self.engine_addresses.items()]
+        lines += ["Try:",
+                  f"  curl -s {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
+                  "    -d '{\"model\": \"baton\", \"messages\": [{\"role\": \"user\", "
+                  "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'",
+                  "Ctrl-C stops every process."]
+        return "\n".join(lines)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start Baton on this host")
+    p = sub.add_parser("up", help="start Redis, the engines and the router on this host")
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds to")
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    p.add_argument("--prompt-engines", type=int, default=1)
+    p.add_argument("--completion-engines", type=int, default=1)
+    p.add_argument("--normal-engines", type=int, default=0,
+                   help="co-located engines instead of prompt+completion (sets those to 0)")
+    p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("engine_args", nargs=argparse.REMAINDER,
+                   help="after --: extra flags for every engine")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from baton import _scheduler
-
-    print(f"Baton: compiled scheduler loaded ({_scheduler.__name__}); services not built yet.")
-    return 0
+    normal = args.normal_engines
+    try:
+        config = LaunchConfig(
+            host=args.host, router_port=args.port, model=args.model, redis_url=args.redis_url,
+            num_prompt_engines=0 if normal else args.prompt_engines,
+            num_completion_engines=0 if normal else args.completion_engines,
+            num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
+            engine_args=[a for a in args.engine_args if a != "--"])
+    except ValueError as exc:
+        print(f"baton up: {exc}", file=sys.stderr)
+        return 2
+    launcher = Launcher(config)
+    try:
+        launcher.start()
+    except (LaunchError, RedisStartError) as exc:
+        print(f"baton up: {exc}", file=sys.stderr)
+        launcher.stop(timeout_s=5.0)
+        return 1
+    except KeyboardInterrupt:
+        launcher.stop(timeout_s=5.0)
+        return 130
+    print(launcher.banner(), flush=True)
+    code = launcher.wait()
+    launcher.stop()
+    return code

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import zmq
 
+from baton.dp import DPGroup
 from baton.protocol import (
     AbortRequest,
     EngineStats,
@@ -49,7 +50,9 @@ class RoleWorker(Protocol):
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]: ...
     def abort_request(self, req_id: str) -> list[TokenDelta]: ...
     def step(self) -> list[TokenDelta]: ...
-    def has_work(self) -> bool: ...
+    def tick(self) -> list[TokenDelta]: ...  # every iteration: transfers, leases, admission
+    def has_work(self) -> bool: ...  # steps to run now
+    def has_pending(self) -> bool: ...  # waiting on others (KV pulls); the loop polls briefly
     def fill_stats(self, stats: EngineStats) -> None: ...
     def fill_record(self, record: EngineRecord) -> None: ...
     def close(self) -> None: ...
@@ -59,6 +62,7 @@ class RoleWorker(Protocol):
 class ServiceConfig:
     engine_id: str
     host: str = "127.0.0.1"  # bind address of the request socket; never 0.0.0.0 by default
+    advertise_host: str = ""  # the address others dial (registry); default: host
     port: int = 0  # 0 = an ephemeral port (printed at start-up)
     idle_poll_ms: int = 20  # how long an idle loop blocks in poll
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight work may still run
@@ -70,6 +74,9 @@ class ServiceConfig:
             raise ValueError("engine_id must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.host in ("0.0.0.0", "::", "*") and not self.advertise_host:
+            raise ValueError(f"binding {self.host} needs an advertise host (--advertise-host): "
+                             "other processes cannot dial a wildcard address")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
@@ -85,8 +92,10 @@ class _Counters:
 
 class EngineService:
     def __init__(self, worker: RoleWorker, config: ServiceConfig,
-                 registry: Registry | None = None, ctx: zmq.Context | None = None):
+                 registry: Registry | None = None, ctx: zmq.Context | None = None,
+                 dp: DPGroup | None = None):
         self.worker = worker
+        self.dp = dp if dp is not None and dp.size > 1 else None
         self.config = config
         self.registry = registry
         self.ctx = ctx or zmq.Context.instance()
@@ -97,7 +106,9 @@ class EngineService:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
         else:
             self.sock.bind_to_random_port(f"tcp://{config.host}")
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        port = bound.rsplit(":", 1)[1]
+        self.address = f"tcp://{config.advertise_host or config.host}:{port}"
         self.req_to_identity: dict[str, bytes] = {}
         self.counters = _Counters()
         self._stop = threading.Event()  # set by signals or stop(): begin draining
@@ -140,16 +151,24 @@ class EngineService:
     def _drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_timeout_s
         logger.info("draining: %d requests in flight", len(self.req_to_identity))
-        while self.worker.has_work() and time.monotonic() < deadline:
+        while self._busy() and time.monotonic() < deadline:
             self._iterate()
         for req_id in list(self.req_to_identity):
             self._send_all(self.worker.abort_request(req_id))
-        while self.worker.has_work() and time.monotonic() < deadline + 5.0:
-            self._send_all(self.worker.step())  # let aborted sequences free their blocks
+        while self._busy() and time.monotonic() < deadline + 5.0:
+            self._iterate()  # let aborted sequences and pulls free their blocks
+
+    def _busy(self) -> bool:
+        return self.worker.has_work() or self.worker.has_pending()
 
     # --- one iteration ---------------------------------------------------------------------
     def _iterate(self) -> None:
-        timeout = 0 if self.worker.has_work() else self.config.idle_poll_ms
+        if self.worker.has_work():
+            timeout = 0
+        elif self.worker.has_pending():
+            timeout = 1
+        else:
+            timeout = self.config.idle_poll_ms
         if self.sock.poll(timeout, zmq.POLLIN):
             for _ in range(self.config.max_messages_per_step):
                 try:
@@ -158,7 +177,13 @@ class EngineService:
                     break
                 if identity is not None:
                     self._handle(identity, payload)
-        if self.worker.has_work():
+        self._send_all(self.worker.tick())
+        has_work = self.worker.has_work()
+        if self.dp is not None:
+            # Ranks step in lockstep: while any rank has work every rank steps (possibly an
+            # empty prompt step), so the scheduler's votes meet the same collectives everywhere.
+            has_work = self.dp.any(has_work)
+        if has_work:
             self.counters.num_steps += 1
             self._send_all(self.worker.step())
         now = time.monotonic()

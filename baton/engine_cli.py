@@ -1,0 +1,99 @@
+"""`baton engine | prompt-engine | completion-engine | probe`: the engine processes' flags.
+
+One flag set for all three roles (plus a few per role), so deployment manifests and the local
+launcher pass the same names everywhere; tests/deploy checks the manifests against this parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engine": "completion"}
+
+
+def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
+    g = p.add_argument_group("service")
+    g.add_argument("--engine-id", default=f"{role}-{os.getpid()}", help="unique engine name")
+    g.add_argument("--host", default="127.0.0.1", help="bind address of the request socket")
+    g.add_argument("--port", type=int, default=0, help="request socket port (0 = ephemeral)")
+    g.add_argument("--advertise-host", default="",
+                   help="address other hosts use to reach this engine (default: --host)")
+    g.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", ""),
+                   help="registry; empty = no registry (static configuration)")
+    g.add_argument("--registry-prefix", default="baton")
+    g.add_argument("--registry-ttl", type=float, default=3.0, help="seconds a record lives")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="SIGTERM: seconds in-flight work may still run")
+    g.add_argument("--num-threads", type=int, default=0,
+                   help="torch threads (0 = this engine's share of the cores)")
+    m = p.add_argument_group("model and cache")
+    m.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
+    m.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    m.add_argument("--num-blocks", type=int, default=0,
+                   help="KV blocks in the pool (0 = from --kv-cache-gb)")
+    m.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size when --num-blocks 0")
+    m.add_argument("--max-num-seqs", type=int, default=64)
+    m.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    m.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")
+    if role in ("normal", "prompt"):
+        m.add_argument("--data-parallel-size", type=int, default=1,
+                       help="ranks, one scheduler each, voting on the step type over gloo")
+        m.add_argument("--data-parallel-master-port", type=int, default=0,
+                       help="gloo rendezvous port on --host (needed when size > 1)")
+        m.add_argument("--data-parallel-rank", type=int, default=0, help=argparse.SUPPRESS)
+    if role == "prompt":
+        k = p.add_argument_group("kv transfer")
+        k.add_argument("--side-channel-port", type=int, default=0,
+                       help="KV side channel port (0 = ephemeral)")
+        k.add_argument("--lease-ttl", type=float, default=30.0,
+                       help="seconds a prompt's KV waits for its completion engine")
+    if role == "completion":
+        k = p.add_argument_group("kv transfer")
+        k.add_argument("--kv-timeout", type=float, default=30.0,
+                       help="seconds one KV pull may take before the request fails")
+
+
+def add_parser_for(command: str):
+    def add_parser(sub: argparse._SubParsersAction) -> None:
+        role = ROLE_COMMANDS[command]
+        p = sub.add_parser(command, help=f"run a {role} engine")
+        add_common_args(p, role)
+        p.set_defaults(func=run_engine, role=role)
+    return add_parser
+
+
+add_normal_parser = add_parser_for("engine")
+add_prompt_parser = add_parser_for("prompt-engine")
+add_completion_parser = add_parser_for("completion-engine")
+
+
+def add_probe_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="exit 0 when the engine at ADDRESS answers and is healthy")
+    p.add_argument("--address", required=True, help="e.g. tcp://127.0.0.1:7000")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.set_defaults(func=run_probe)
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    from baton.engine_client import probe_engine
+
+    stats = probe_engine(args.address, args.timeout)
+    if stats is None:
+        print(f"no answer from {args.address} within {args.timeout}s", file=sys.stderr)
+        return 1
+    print(f"{stats.role} {stats.engine_id}: free {stats.num_free_blocks}/{stats.num_total_blocks}"
+          f" blocks, running {stats.num_running}, waiting {stats.num_waiting}")
+    return 0 if stats.healthy and not stats.draining else 1
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from baton.engine_main import main as engine_main
+
+    return engine_main(args)

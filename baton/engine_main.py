@@ -1,0 +1,128 @@
+"""Build and run one engine process from its command-line flags (see baton/engine_cli.py).
+
+With `--data-parallel-size N` (NORMAL and PROMPT roles) this process is rank 0 and starts ranks
+1..N-1 as child processes; each rank is a whole engine service with its own socket (port + rank)
+and registry record, and the ranks' schedulers vote on the step type through a gloo group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+from baton.dp import DPConfig, DPGroup
+from baton.registry import RegistryConfig, make_registry
+from baton.service import EngineService, ServiceConfig
+
+logger = logging.getLogger(__name__)
+
+
+def engine_config(args: argparse.Namespace, role: str):
+    from baton.engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model or None, dtype=args.dtype, device=args.device or None,
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        num_threads=args.num_threads or default_threads(), engine_type=role)
+
+
+def default_threads() -> int:
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def transfer_config(args: argparse.Namespace, role: str):
+    from kv_transfer.config import TransferConfig
+
+    if role == "prompt":
+        return TransferConfig(host=args.host, side_channel_port=args.side_channel_port,
+                              lease_ttl_s=args.lease_ttl)
+    return TransferConfig(host=args.host, transfer_timeout_s=args.kv_timeout,
+                          claim_ttl_s=max(60.0, 2 * args.kv_timeout))
+
+
+def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: str):
+    from baton.engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min)
+    if role == "normal":
+        from baton.normal_worker import NormalWorker
+
+        return NormalWorker(engine)
+    if role == "prompt":
+        from prompt_engine.worker import PromptWorker
+
+        return PromptWorker(engine, transfer_config(args, role), engine_id)
+    from completion_engine.worker import CompletionWorker
+
+    return CompletionWorker(engine, transfer_config(args, role), engine_id)
+
+
+def spawn_other_ranks(args: argparse.Namespace, argv: list[str]) -> list[subprocess.Popen]:
+    from baton.launcher import _die_with_parent
+
+    procs = []
+    for rank in range(1, args.data_parallel_size):
+        extra = ["--data-parallel-rank", str(rank)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "baton.cli", *argv, *extra],
+                                      preexec_fn=_die_with_parent))
+    return procs
+
+
+def install_signal_handlers(service: EngineService, children: list[subprocess.Popen]) -> None:
+    """SIGTERM/SIGINT drain this rank and are passed on to the other ranks, which drain too
+    (their collectives need every rank until the end)."""
+    def handler(signum, _frame) -> None:
+        service.stop()
+        for proc in children:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def main(args: argparse.Namespace) -> int:
+    role = args.role
+    dp_size = getattr(args, "data_parallel_size", 1)
+    rank = getattr(args, "data_parallel_rank", 0)
+    children = []
+    if dp_size > 1 and rank == 0:
+        if not args.port or not args.data_parallel_master_port:
+            print("--data-parallel-size > 1 needs --port and --data-parallel-master-port",
+                  file=sys.stderr)
+            return 2
+        children = spawn_other_ranks(args, sys.argv[1:])
+    engine_id = args.engine_id if dp_size == 1 else f"{args.engine_id}-dp{rank}"
+    port = args.port + rank if args.port else 0
+    try:
+        dp = DPGroup(DPConfig(rank=rank, size=dp_size, master_addr=args.host,
+                              master_port=getattr(args, "data_parallel_master_port", 0)))
+        worker = build_worker(args, role, dp, engine_id)
+        registry = None
+        if args.redis_url:
+            registry = make_registry(RegistryConfig(
+                url=args.redis_url, prefix=args.registry_prefix, ttl_s=args.registry_ttl,
+                heartbeat_s=args.registry_ttl / 3))
+        service = EngineService(worker, ServiceConfig(
+            engine_id=engine_id, host=args.host, port=port,
+            drain_timeout_s=args.drain_timeout, heartbeat_s=args.registry_ttl / 3,
+            advertise_host=args.advertise_host), registry=registry, dp=dp)
+    except (ValueError, OSError) as exc:  # model not found, port in use, bad flag values
+        print(f"baton {role} engine: {exc}", file=sys.stderr)
+        return 1
+    service.side_channel = getattr(worker, "side_channel", "")
+    install_signal_handlers(service, children)
+    logger.info("torch threads: %d", torch.get_num_threads())
+    service.run()
+    dp.close()
+    for proc in children:
+        proc.wait(timeout=args.drain_timeout + 10)
+    return 0

@@ -1,0 +1,97 @@
+"""The NORMAL role: whole requests (prefill and decode) in one engine.
+
+1. `GenerateRequest` -> sampling options checked -> `LLMEngine.add_request` (`waiting`).
+2. Each `step()` turns the engine's `RequestOutput`s into `TokenDelta`s for the router.
+3. Abort: the engine finishes the request and its final delta (reason `abort`) follows.
+This is the co-located baseline that every disaggregation figure is compared with, and a
+fallback when no prompt/completion pair is up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from baton.engine import LLMEngine, RequestOutput
+from baton.protocol import EngineStats, GenerateRequest, SamplingOptions, TokenDelta
+from baton.registry import EngineRecord
+from baton.sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
+    """Wire options -> engine params; ValueError (with the bad value) on nonsense."""
+    return SamplingParams(
+        temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
+        seed=opts.seed, max_tokens=int(opts.max_tokens),
+        stop_token_ids=tuple(int(t) for t in opts.stop_token_ids),
+        ignore_eos=bool(opts.ignore_eos), logprobs=bool(opts.logprobs))
+
+
+def to_delta(out: RequestOutput) -> TokenDelta:
+    return TokenDelta(out.request_id, list(out.new_token_ids), list(out.new_logprobs or []),
+                      (out.finish_reason or "") if out.finished else "")
+
+
+def error_delta(req_id: str, message: str, reason: str = "error") -> TokenDelta:
+    return TokenDelta(req_id, finish_reason=reason, error=message)
+
+
+def fill_engine_stats(engine: LLMEngine, stats: EngineStats) -> None:
+    sched = engine.scheduler
+    stats.num_free_blocks = sched.num_free_blocks()
+    stats.num_total_blocks = sched.num_total_blocks()
+    stats.num_running = sched.num_running()
+    stats.num_waiting = sched.num_waiting()
+    stats.num_prompt_tokens = engine.num_prompt_tokens
+    stats.num_generated_tokens = engine.num_generated_tokens
+
+
+def fill_engine_record(engine: LLMEngine, record: EngineRecord) -> None:
+    sched = engine.scheduler
+    record.model_fingerprint = engine.fingerprint
+    record.block_size = engine.config.block_size
+    record.num_free_blocks = sched.num_free_blocks()
+    record.num_total_blocks = sched.num_total_blocks()
+    record.num_running = sched.num_running()
+    record.num_waiting = sched.num_waiting()
+
+
+class NormalWorker:
+    role = "normal"
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
+        try:
+            params = to_sampling_params(req.sampling)
+            self.engine.add_request(req.req_id, req.prompt_token_ids, params)
+        except ValueError as exc:
+            return [error_delta(req.req_id, str(exc))]
+        return []
+
+    def abort_request(self, req_id: str) -> list[TokenDelta]:
+        self.engine.abort_request(req_id)
+        return []  # the final delta comes with the next step
+
+    def step(self) -> list[TokenDelta]:
+        return [to_delta(out) for out in self.engine.step()]
+
+    def tick(self) -> list[TokenDelta]:
+        return []
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def has_pending(self) -> bool:
+        return False
+
+    def fill_stats(self, stats: EngineStats) -> None:
+        fill_engine_stats(self.engine, stats)
+
+    def fill_record(self, record: EngineRecord) -> None:
+        fill_engine_record(self.engine, record)
+
+    def close(self) -> None:
+        pass
