@@ -152,9 +152,12 @@ class Scheduler:
         logger.info("scheduler: %s", config)
         # Hot path: bind straight to the compiled methods.
         self.schedule: Callable[[], SchedulerOutputs] = self._impl.schedule
+        self.process_outputs: Callable[[SchedulerOutputs, np.ndarray], ProcessResult] = (
+            self._impl.process_outputs)
         self.num_free_blocks: Callable[[], int] = self._impl.num_free_blocks
         self.num_total_blocks: Callable[[], int] = self._impl.num_total_blocks
 
+    # __init__ binds each instance straight to the compiled method; this one documents it.
     def process_outputs(self, outputs: SchedulerOutputs, sampled_token_ids: np.ndarray) -> ProcessResult:
         """Book a step. ``sampled_token_ids`` is int32 ``[n]``, or ``[n, 1+k]`` with drafts:
         column 0 is the sampled token, columns 1..k the verified drafts (-1 = rejected)."""

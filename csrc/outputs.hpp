@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,7 +46,7 @@ struct SchedulerOutputs {
   int64_t sum_seqlen_qxk{0};
   int max_seqlen_q{0};
   int max_seqlen_k{0};
-  int min_seqlen_k{0};
+  int min_seqlen_k{std::numeric_limits<int>::max()};
   double attn_tflops{0.0};
   double total_tflops{0.0};
 
@@ -88,10 +89,10 @@ struct SchedulerOutputs {
     max_blocks = std::max(max_blocks, static_cast<int>(seq->cache.block_table.size()));
   }
 
-  // Everything but the buffers' capacity, the sequence slots and the row cache.
-  // The per-sequence and per-token arrays keep their size too: build_metadata_
-  // resizes and overwrites them all, and shrinking them first would make that
-  // resize zero-fill every element again.
+  // Everything but the buffers, the sequence slots and the row cache. The
+  // per-sequence and per-token arrays keep their size as well: the next fill
+  // overwrites every element, and shrinking them here would make it zero-fill
+  // them all first.
   void reset() {
     prompt_run = false;
     num_batched_tokens = 0;
@@ -100,7 +101,8 @@ struct SchedulerOutputs {
     seqlens_q.clear();
     max_blocks = 0;
     sum_seqlen_qxk = 0;
-    max_seqlen_q = max_seqlen_k = min_seqlen_k = 0;
+    max_seqlen_q = max_seqlen_k = 0;
+    min_seqlen_k = std::numeric_limits<int>::max();  // 0 once finished with no sequence
     attn_tflops = total_tflops = 0.0;
     clone_states.clear();
     clone_blocks.clear();

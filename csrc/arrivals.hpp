@@ -1,0 +1,197 @@
+// Scheduler arrivals and departures outside the step: add, fork, abort, and the
+// two disaggregated hand-overs (COMPLETION: KV arrives; PROMPT: prompts leave with their blocks). (S7, S14, S16, S30)
+//
+// Member definitions of Scheduler; include scheduler.hpp, not this file.
+#pragma once
+
+#include "scheduler.hpp"
+
+namespace baton {
+
+inline int64_t Scheduler::add_sequence(const std::string &request_id, std::vector<int32_t> prompt, int max_tokens,
+                                       const AddOptions &opts) {
+  auto seq = make_sequence_(request_id, std::move(prompt), max_tokens, opts);
+  seq->arrival_time = now_seconds();
+  // Reserve, don't allocate: admission happens in schedule() (S14).
+  seq->data.token_ids.reserve(seq->data.prompt_len + max_tokens);
+  seq->cache.block_table.reserve(seq->block_table_capacity());
+  registry_[request_id] = seq;
+  waiting.push_back(seq);
+  return seq->seq_id;
+}
+
+inline void Scheduler::set_draft_tokens(const std::string &request_id, const std::vector<int32_t> &tokens) {
+  auto &seq = lookup_(request_id);
+  if (static_cast<int>(tokens.size()) > cfg_.num_speculative_tokens) {
+    throw std::invalid_argument("set_draft_tokens: " + std::to_string(tokens.size()) +
+                                " drafts for " + request_id + " exceed num_speculative_tokens=" +
+                                std::to_string(cfg_.num_speculative_tokens));
+  }
+  seq->draft.draft_tokens = tokens;
+}
+
+// Marks a request failed outside the scheduler (vision encoder, grammar);
+// the queues drop it like an abort.
+inline void Scheduler::fail_sequence(const std::string &request_id, SequenceStatus status) {
+  if (!is_finished_status(status)) {
+    throw std::invalid_argument("fail_sequence: status " + std::to_string(static_cast<int>(status)) +
+                                " is not a finished status");
+  }
+  auto seq = lookup_(request_id);
+  if (seq->is_finished()) return;
+  if (release_detached_(seq)) return;
+  seq->schedule.status = status;
+  pending_sweep_ = true;
+}
+
+// S16: a new branch sharing the parent's prefix KV. Blocks and state are
+// pinned, not copied; the possibly half-written tail block is cloned on admission.
+inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::string &child_id,
+                                   const std::string &branch_id) {
+  PoolGuard guard(*this);
+  auto parent = lookup_(parent_id);
+  if (parent->is_finished()) throw std::invalid_argument("fork_seq: parent " + parent_id + " is finished");
+  if (parent->inflight_steps > 0) {
+    throw std::invalid_argument("fork_seq: parent " + parent_id + " has a step in flight; book it first");
+  }
+  if (registry_.count(child_id)) throw std::invalid_argument("fork_seq: duplicate request id " + child_id);
+  auto child = std::make_shared<Sequence>(*parent);
+  child->seq_id = next_seq_id_++;
+  child->request_id = child_id;
+  child->arrival_time = now_seconds();
+  child->first_token_latency = -1.0;
+  child->num_pushed_tokens = 0;
+  child->epoch = 0;
+  child->inflight_steps = 0;
+  child->zombie_blocks.clear();
+  child->zombie_states.clear();
+  child->reported = false;
+  child->draft = DraftState{};
+  child->schedule.chunked_rest_len = 0;
+  child->schedule.total_inflight_tokens = 0;
+  child->schedule.last_inflight_tokens = 0;
+  // Only the blocks that hold KV are shared; the rest are the child's own business.
+  int bs = cfg_.block_size;
+  int num_kv_blocks = (parent->cache.num_tokens + bs - 1) / bs;
+  child->cache.block_table.assign(parent->cache.block_table.begin(),
+                                  parent->cache.block_table.begin() + num_kv_blocks);
+  child->cache.table_version += 1;
+  for (int b : child->cache.block_table) block_manager_->pin_block_nolock(b);
+  if (parent->cache.state_id >= 0 && num_kv_blocks > 0) {
+    state_manager_->pin_block_nolock(parent->cache.state_id);
+  } else {
+    child->cache.state_id = -1;
+  }
+  if (!child->cache.block_table.empty() || child->cache.state_id >= 0) hold_(child);
+  registry_[child_id] = child;
+  bool prompt_done = parent->cache.num_tokens >= parent->get_len() - 1 && parent->get_output_len() > 0;
+  if (prompt_done) {
+    child->schedule.status = SequenceStatus::WAITING;  // RUNNING once admitted from `prompted`
+    child->schedule.branch_id = branch_id.empty() ? "fork" : branch_id;
+    prompted.emplace_back(child, true);
+  } else {
+    child->schedule.status = SequenceStatus::WAITING;
+    child->schedule.branch_id = "_" + (branch_id.empty() ? std::string("fork") : branch_id);
+    waiting.push_front(child);
+  }
+  return child->seq_id;
+}
+
+inline std::pair<AllocStatus, std::vector<int32_t>> Scheduler::allocate_prompted(
+    const std::string &request_id, std::vector<int32_t> prompt, int32_t first_token_id, int max_tokens,
+    const AddOptions &opts) {
+  PoolGuard guard(*this);
+  auto seq = make_sequence_(request_id, std::move(prompt), max_tokens, opts);
+  int prompt_len = seq->data.prompt_len;
+  if (prompt_len + 1 > cfg_.max_model_len) return {AllocStatus::NEVER, {}};
+  int bs = cfg_.block_size;
+  int n = (prompt_len + bs - 1) / bs;  // the blocks the prompt KV lands in
+  AllocStatus st = can_allocate_with_state_(n);
+  if (st != AllocStatus::OK) return {st, {}};
+  seq->arrival_time = now_seconds();
+  seq->data.token_ids.reserve(prompt_len + max_tokens);
+  seq->data.token_ids.push_back(first_token_id);
+  seq->cache.num_tokens = prompt_len;  // KV covers the prompt; the first token is fed next
+  seq->cache.block_table.reserve(seq->block_table_capacity());
+  block_manager_->allocate_nolock(n, seq->cache.block_table);
+  if (state_manager_) seq->cache.state_id = state_manager_->allocate_single_nolock();
+  hold_(seq);
+  registry_[request_id] = seq;
+  allocated_[request_id] = seq;
+  return {AllocStatus::OK, std::vector<int32_t>(seq->cache.block_table.begin(), seq->cache.block_table.end())};
+}
+
+inline void Scheduler::commit_prompted(const std::string &request_id) {
+  auto it = allocated_.find(request_id);
+  if (it == allocated_.end()) {
+    throw std::out_of_range("commit_prompted: no allocated-but-uncommitted request " + request_id);
+  }
+  auto seq = it->second;
+  allocated_.erase(it);
+  check_stop_(*seq);  // the first token may already end it; the decode branch then drops it
+  prompted.emplace_back(seq, false);
+}
+
+inline bool Scheduler::free_prompted(const std::string &request_id) {
+  auto it = allocated_.find(request_id);
+  if (it == allocated_.end()) return false;  // idempotent: an abort may have freed it already
+  auto seq = it->second;
+  PoolGuard guard(*this);
+  seq->schedule.status = SequenceStatus::FINISHED_ABORTED;
+  seq->reported = true;
+  allocated_.erase(it);
+  unregister_(*seq);
+  release_(*seq);
+  return true;
+}
+
+inline void Scheduler::release_handed_off(const std::string &request_id) {
+  auto it = handed_off_.find(request_id);
+  if (it == handed_off_.end()) throw std::out_of_range("release_handed_off: unknown request id " + request_id);
+  auto seq = it->second;
+  PoolGuard guard(*this);
+  handed_off_.erase(it);
+  seq->schedule.status = SequenceStatus::FINISHED_STOPPED;
+  seq->reported = true;
+  unregister_(*seq);
+  release_(*seq);
+}
+
+// S7: only marks; the queues drop it and its resources return after the last
+// step that may read them. Detached sequences (handed off, allocated but not
+// committed) sit in no queue, so they are freed here.
+inline void Scheduler::abort_sequence(const std::string &request_id) {
+  auto seq = lookup_(request_id);
+  if (seq->is_finished()) return;
+  if (release_detached_(seq)) return;
+  seq->schedule.status = SequenceStatus::FINISHED_ABORTED;
+  pending_sweep_ = true;
+}
+
+inline SequencePtr Scheduler::make_sequence_(const std::string &request_id, std::vector<int32_t> prompt,
+                                             int max_tokens, const AddOptions &opts) {
+  if (registry_.count(request_id)) throw std::invalid_argument("duplicate request id " + request_id);
+  if (prompt.empty()) throw std::invalid_argument("empty prompt for request " + request_id);
+  if (max_tokens < 1) {
+    throw std::invalid_argument("max_tokens=" + std::to_string(max_tokens) + " for request " + request_id +
+                                " must be >= 1");
+  }
+  auto seq = std::make_shared<Sequence>();
+  seq->seq_id = next_seq_id_++;
+  seq->request_id = request_id;
+  seq->data.prompt_len = static_cast<int>(prompt.size());
+  seq->data.token_ids = std::move(prompt);
+  seq->cache.block_size = cfg_.block_size;
+  seq->max_tokens = max_tokens;
+  seq->eos_token_ids = opts.eos_token_ids;
+  seq->stop_token_ids = opts.stop_token_ids;
+  seq->ignore_eos = opts.ignore_eos;
+  seq->schedule.schedulable = opts.schedulable;
+  seq->structured_output.status = opts.structured_output ? 1 : 0;
+  std::vector<int> cps = opts.chunk_checkpoints;
+  std::sort(cps.begin(), cps.end());
+  seq->schedule.chunk_checkpoints.assign(cps.begin(), cps.end());
+  return seq;
+}
+
+}  // namespace baton

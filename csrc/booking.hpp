@@ -1,0 +1,137 @@
+// Scheduler::process_outputs: sampled tokens are appended, stops checked, and
+// finished sequences reported and released. (S29-S32)
+//
+// Member definitions of Scheduler; include scheduler.hpp, not this file.
+#pragma once
+
+#include "scheduler.hpp"
+
+namespace baton {
+
+inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutputs &out, const int32_t *tokens,
+                                                                 int rows, int width) {
+  if (out.booked) throw std::invalid_argument("process_outputs: this step was already booked");
+  int n = out.num_seqs();
+  // S32: exactly one output position per scheduled sequence.
+  if (rows != n) {
+    throw std::invalid_argument("process_outputs: " + std::to_string(rows) + " sampled rows for " +
+                                std::to_string(n) + " scheduled sequences");
+  }
+  PoolGuard guard(*this);
+  out.booked = true;
+  auto res = acquire_(result_pool_);
+  res->num_accepted.assign(n, 0);
+  std::vector<SequencePtr> chunks;
+  for (int i = 0; i < n; ++i) {
+    const SequencePtr &seq = out.scheduled_seqs[i];
+    const int32_t *row = tokens + static_cast<int64_t>(i) * width;
+    seq->inflight_steps -= 1;
+    if (seq->epoch != out.epochs[i]) {  // preempted for recompute while in flight: void (S29)
+      flush_(*seq);
+      continue;
+    }
+    seq->schedule.finish_inflight_step();
+    seq->cache.advance_optimistically(out.seqlens_q[i]);
+    if (seq->is_finished()) {  // aborted while in flight
+      report_(*seq, res->finished);
+      release_(*seq);
+      continue;
+    }
+    if (out.prompt_run) {
+      if (seq->cache.num_tokens >= seq->get_len()) {
+        res->num_accepted[i] = 1;
+        append_token_(*seq, row[0], *res);
+        finish_prefill_(seq, *res);
+      } else {
+        if (seq->schedule.status != SequenceStatus::WAITING) {
+          throw std::logic_error("process_outputs: chunked prefill of " + seq->request_id + " is not WAITING");
+        }
+        chunks.push_back(seq);
+      }
+    } else {
+      res->num_accepted[i] = book_decode_(*seq, row, width, out.seqlens_q[i] - 1, *res);
+    }
+  }
+  for (auto it = chunks.rbegin(); it != chunks.rend(); ++it) waiting.push_front(*it);
+  if (out.prompt_run && n > 0) outstanding_prompt_steps_ -= 1;
+  for (int b : out.release_blocks_after_step) {
+    deferred_blocks_[b] -= 1;
+    block_manager_->free_nolock(b);
+  }
+  for (int s : out.release_states_after_step) {
+    deferred_states_[s] -= 1;
+    state_manager_->free_nolock(s);
+  }
+  return res;
+}
+
+inline void Scheduler::finish_prefill_(const SequencePtr &seq, ProcessResult &res) {
+  if (seq->is_finished()) {
+    free_info_slot_(*seq);
+    report_(*seq, res.finished);
+    res.pushed_tokens_before_finish.emplace_back(seq->request_id, seq->num_pushed_tokens);
+    release_(*seq);
+  } else if (cfg_.engine_type == EngineType::PROMPT) {
+    // S30: the prompt leaves with its blocks; the lease decides when they return.
+    free_info_slot_(*seq);
+    handed_off_[seq->request_id] = seq;
+    const auto &table = seq->cache.block_table;
+    res.handed_off.emplace_back(seq->request_id, std::vector<int32_t>(table.begin(), table.end()));
+  } else {
+    running.push_back(seq);
+  }
+}
+
+inline int Scheduler::book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res) {
+  int accepted = 0;
+  seq.draft.accepted_tokens.clear();
+  // Verified drafts first (a contiguous prefix), then the sampled token.
+  for (int j = 1; j <= num_drafts && j < width && !seq.is_finished(); ++j) {
+    if (row[j] < 0) break;
+    seq.draft.accepted_tokens.push_back(row[j]);
+    append_token_(seq, row[j], res);
+    accepted += 1;
+  }
+  seq.draft.num_accepted += accepted;
+  if (!seq.is_finished()) {
+    append_token_(seq, row[0], res);
+    accepted += 1;
+  }
+  seq.cache.commit_processed_tokens(accepted);
+  if (seq.is_finished()) {
+    free_info_slot_(seq);
+    report_(seq, res.finished);
+    res.pushed_tokens_before_finish.emplace_back(seq.request_id, seq.num_pushed_tokens);
+    release_(seq);  // stays in `running` until the next decode branch drops it
+  }
+  return accepted;
+}
+
+inline void Scheduler::append_token_(Sequence &seq, int32_t token, ProcessResult &res) {
+  seq.data.token_ids.push_back(token);
+  seq.num_pushed_tokens += 1;
+  if (seq.get_output_len() == 1) {
+    seq.first_token_latency = now_seconds() - seq.arrival_time;
+    res.first_token_latencies.emplace_back(seq.request_id, seq.first_token_latency);
+  }
+  check_stop_(seq);
+}
+
+inline void Scheduler::check_stop_(Sequence &seq) const {
+  const int32_t token = seq.data.last_token();
+  if (!seq.ignore_eos && std::find(seq.eos_token_ids.begin(), seq.eos_token_ids.end(), token) != seq.eos_token_ids.end()) {
+    seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
+    return;
+  }
+  if (std::find(seq.stop_token_ids.begin(), seq.stop_token_ids.end(), token) != seq.stop_token_ids.end()) {
+    seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
+    return;
+  }
+  if (seq.get_len() > cfg_.max_model_len) {
+    seq.schedule.status = SequenceStatus::FINISHED_LENGTH_CAPPED;
+    return;
+  }
+  if (seq.get_output_len() >= seq.max_tokens) seq.schedule.status = SequenceStatus::FINISHED_LENGTH_CAPPED;
+}
+
+}  // namespace baton

@@ -1,0 +1,172 @@
+// Scheduler::_schedule_decode: every running sequence youngest first, LCFS
+// preemption when blocks run out, admission from `prompted`. (S26-S28)
+//
+// Member definitions of Scheduler; include scheduler.hpp, not this file.
+#pragma once
+
+#include "scheduler.hpp"
+
+namespace baton {
+
+inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
+  auto out = acquire_(output_pool_);
+  out->prompt_run = false;
+  bool sorted = drop_finished_running_(*out);
+  drop_finished_waiting_(*out);
+  if (!prompted.empty()) {
+    admit_prompted_(*out);
+    sorted = false;
+  }
+  // Usually sorted already (running keeps the last step's order), and the
+  // O(n) check rides along the pass that drops finished sequences.
+  if (!sorted) std::sort(running.begin(), running.end(), lcfs_before_);
+  size_t l = 0, r = running.size();
+  size_t first_scheduled = r;
+  const int max_seqs = cfg_.max_num_seqs;
+  while (l < r && out->num_seqs() < max_seqs) {
+    const SequencePtr &seq = running[r - 1];
+    trim_drafts_(*seq);
+    // The article asks for one free block before every sequence. Baton asks for
+    // the blocks this sequence really needs (often 0): with a full pool the
+    // literal rule preempts a lone sequence that needs nothing, a livelock
+    // under recompute.
+    const int num_blocks = seq->get_num_blocks();
+    const int need = std::max(0, num_blocks - static_cast<int>(seq->cache.block_table.size()));
+    while (block_manager_->can_allocate_nolock(need) != AllocStatus::OK && r - l > 1) {
+      preempt_(running[l], *out);
+      l += 1;
+    }
+    if (block_manager_->can_allocate_nolock(need) == AllocStatus::OK) {
+      append_slot_(*seq, num_blocks);
+      out->add_seq(seq, 1 + seq->draft.get_nextn_len());
+      first_scheduled = r - 1;
+    } else {
+      preempt_(seq, *out);
+    }
+    r -= 1;
+  }
+  // The batch is youngest first and running keeps oldest first, so running is
+  // the batch reversed: the tail it was taken from. The next step's LCFS order
+  // is then usually already in place.
+  running.erase(running.begin(), running.begin() + first_scheduled);
+  return out;
+}
+
+// LCFS: longest output at the head is preempted first, the youngest at the
+// tail is served first. Ties go by arrival (seq_id), so the order does not
+// flip with each step's tail-first batch.
+inline bool Scheduler::lcfs_before_(const SequencePtr &a, const SequencePtr &b) {
+  int la = a->get_output_len(), lb = b->get_output_len();
+  return la != lb ? la > lb : a->seq_id < b->seq_id;
+}
+
+// Returns whether the survivors are in LCFS order already.
+inline bool Scheduler::drop_finished_running_(SchedulerOutputs &out) {
+  size_t kept = 0;
+  bool sorted = true;
+  for (size_t i = 0; i < running.size(); ++i) {
+    SequencePtr &seq = running[i];
+    if (seq->is_finished()) {
+      report_(*seq, out.finished);
+      release_(*seq);
+    } else {
+      if (kept > 0 && sorted && lcfs_before_(seq, running[kept - 1])) sorted = false;
+      if (kept != i) running[kept] = std::move(seq);
+      ++kept;
+    }
+  }
+  running.resize(kept);
+  return sorted;
+}
+
+// So that a rank holding only dead requests does not want prefill forever (S7).
+inline void Scheduler::drop_finished_waiting_(SchedulerOutputs &out) {
+  if (!pending_sweep_) return;
+  for (auto it = waiting.begin(); it != waiting.end();) {
+    if ((*it)->is_finished()) {
+      report_(**it, out.finished);
+      release_(**it);
+      it = waiting.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+inline void Scheduler::admit_prompted_(SchedulerOutputs &out) {
+  while (!prompted.empty() && static_cast<int>(running.size()) < cfg_.max_num_seqs) {
+    auto [seq, forked] = prompted.front();
+    if (seq->is_finished()) {
+      report_(*seq, out.finished);
+      release_(*seq);
+      prompted.pop_front();
+      continue;
+    }
+    if (forked) {
+      if ((state_manager_ && !state_manager_->can_allocate_single_nolock()) ||
+          !block_manager_->can_allocate_single_nolock()) {
+        break;
+      }
+      clone_state_(*seq, out);
+      int new_block = block_manager_->allocate_single_nolock();
+      auto &table = seq->cache.block_table;
+      if (seq->cache.num_tokens % cfg_.block_size && !table.empty()) {
+        int src = table.back();  // half written: parent and child would both write it
+        out.clone_blocks.push_back(src);
+        out.clone_blocks.push_back(new_block);
+        defer_block_(src, out);
+        table.back() = new_block;
+        seq->cache.table_version += 1;
+      } else {
+        table.push_back(new_block);
+      }
+      hold_(seq);
+    }
+    seq->schedule.status = SequenceStatus::RUNNING;
+    allocate_info_slot_(*seq);
+    running.push_back(seq);
+    prompted.pop_front();
+  }
+}
+
+// Drafts may not push positions past the model length.
+inline void Scheduler::trim_drafts_(Sequence &seq) const {
+  auto &d = seq.draft.draft_tokens;
+  if (d.empty()) return;
+  int start = seq.cache.num_tokens + seq.schedule.total_inflight_tokens;
+  int room = std::max(0, cfg_.max_model_len - (start + 1));
+  if (static_cast<int>(d.size()) > room) d.resize(room);
+}
+
+// S28: the table grows to cover the step's tokens and shrinks when rejected
+// drafts gave positions back.
+inline void Scheduler::append_slot_(Sequence &seq, int n) {
+  auto &table = seq.cache.block_table;
+  while (static_cast<int>(table.size()) < n) table.push_back(block_manager_->allocate_single_nolock());
+  while (static_cast<int>(table.size()) > n) {
+    block_manager_->free_nolock(table.back());
+    table.pop_back();
+    seq.cache.table_version += 1;
+  }
+}
+
+// S27: terminate, or recompute from the head of `waiting`. A grammar matcher
+// cannot be replayed, so structured output is never recomputed.
+inline void Scheduler::preempt_(const SequencePtr &seq, SchedulerOutputs &out) {
+  free_info_slot_(*seq);
+  // Freed at once, as the article's free_seq_nolock: only steps scheduled after
+  // this one can reuse the blocks, and the device runs steps in order; a step of
+  // the victim still in flight is voided when booked.
+  if (cfg_.stop_preempted_request || seq->structured_output.status != 0) {
+    seq->schedule.status = SequenceStatus::FINISHED_PREEMPTED;
+    report_(*seq, out.finished);
+    release_(*seq, /*now=*/true);
+  } else {
+    seq->reset_for_recompute();
+    seq->schedule.status = SequenceStatus::WAITING;
+    release_(*seq, /*now=*/true);
+    waiting.push_front(seq);
+  }
+}
+
+}  // namespace baton
