@@ -162,9 +162,11 @@ class LLMEngine:
         self.num_recomputed = 0  # prompt steps that re-prefilled generated tokens (preemption)
         self.num_prompt_tokens = 0  # tokens run through prefill
         self.num_generated_tokens = 0  # tokens sampled
-        self.num_steps = 0
-        self.step_kinds: list[str] = []  # "prompt"/"decode"/"empty" per step, when recorded
-        self.record_step_kinds = False
+        # Step types, so a data-parallel group can be seen to agree (S35): a rank with nothing
+        # to prefill runs an empty prompt step while another prefills.
+        self.num_prompt_steps = 0
+        self.num_empty_prompt_steps = 0
+        self.num_decode_steps = 0
         logger.info("engine: %s, model %s, %d KV blocks, max_model_len %d", config,
                     self.model_path, num_blocks, max_len)
 
@@ -181,7 +183,12 @@ class LLMEngine:
         return self.scheduler.num_total_blocks()
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        """Work for `step()`: final deltas to send, or sequences in the scheduler's queues
+        (finished ones too, until a step drops them). Prompts whose KV is still being pulled
+        (COMPLETION) or has been handed off (PROMPT) need no step."""
+        sched = self.scheduler
+        return (bool(self._pending) or sched.num_waiting() > 0 or sched.num_running() > 0
+                or sched.num_prompted() > 0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
@@ -300,14 +307,15 @@ class LLMEngine:
         """One schedule -> forward -> sample -> process_outputs round; the deltas it produced."""
         outputs, self._pending = self._pending, []
         sched_out = self.scheduler.schedule()
-        self.num_steps += 1
         for request_id, reason in [*sched_out.ignored, *sched_out.finished]:
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
         seq_ids = np.array(sched_out.seq_ids, copy=True)
-        if self.record_step_kinds:
-            self.step_kinds.append("prompt" if sched_out.prompt_run else
-                                   "decode" if len(seq_ids) else "empty")
+        if sched_out.prompt_run:
+            self.num_prompt_steps += 1
+            self.num_empty_prompt_steps += len(seq_ids) == 0
+        else:
+            self.num_decode_steps += 1
         if len(seq_ids) == 0:
             return outputs
         reqs = [self._by_seq[int(s)] for s in seq_ids]

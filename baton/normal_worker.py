@@ -45,6 +45,9 @@ def fill_engine_stats(engine: LLMEngine, stats: EngineStats) -> None:
     stats.num_waiting = sched.num_waiting()
     stats.num_prompt_tokens = engine.num_prompt_tokens
     stats.num_generated_tokens = engine.num_generated_tokens
+    stats.extra["num_prompt_steps"] = float(engine.num_prompt_steps)
+    stats.extra["num_empty_prompt_steps"] = float(engine.num_empty_prompt_steps)
+    stats.extra["num_decode_steps"] = float(engine.num_decode_steps)
 
 
 def fill_engine_record(engine: LLMEngine, record: EngineRecord) -> None:

@@ -208,8 +208,13 @@ class EngineService:
         if isinstance(msg, GenerateRequest):
             self._on_generate(identity, msg)
         elif isinstance(msg, AbortRequest):
-            if msg.req_id in self.req_to_identity:
-                self._send_all(self.worker.abort_request(msg.req_id))
+            # A handed-off prompt is no longer tracked here but may still hold a KV lease:
+            # the worker decides; replies for untracked requests go to whoever aborted.
+            for delta in self.worker.abort_request(msg.req_id):
+                if delta.req_id in self.req_to_identity:
+                    self._send_all([delta])
+                else:
+                    self._send(identity, delta)
         elif isinstance(msg, StatsRequest):
             self._send(identity, self.stats(msg.nonce))
 
@@ -232,7 +237,7 @@ class EngineService:
             identity = self.req_to_identity.get(delta.req_id)
             if identity is None:
                 continue  # the request was already finished and forgotten
-            if delta.finish_reason:
+            if delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
                 del self.req_to_identity[delta.req_id]
                 self.counters.num_requests_finished += 1
             self._send(identity, delta)

@@ -70,8 +70,9 @@ class PromptWorker:
         if self.engine.abort_request(req_id):
             return []  # still prefilling: the final delta comes with the next step
         # Already handed off: drop the lease (a claimed one ends when its reader releases).
-        self.exporter.abort(req_id)
-        return [TokenDelta(req_id, finish_reason="abort")]
+        if self.exporter.abort(req_id):
+            return [TokenDelta(req_id, finish_reason="abort")]
+        return []  # unknown, finished, or claimed (freed once its reader is done)
 
     def step(self) -> list[TokenDelta]:
         deltas = []

@@ -11,18 +11,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from baton.cli import _SUBCOMMANDS
 from baton.protocol import SamplingOptions
-from baton.redis_server import free_port
 from router.config import RouterConfig
+from tests.cluster import EngineProcess
 from tests.router.conftest import serve_router
 
 _NEEDED = ("engine", "prompt-engine", "completion-engine")
@@ -35,58 +32,19 @@ pytestmark = [
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
-ENGINE_ARGS = ["--num-threads", "1", "--num-blocks", "512", "--block-size", "16",
-               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64"]
+ENGINE_ARGS = ["--num-blocks", "512", "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-seqs", "64"]
 READY_TIMEOUT_S = 240.0
-
-
-class EngineProcess:
-    def __init__(self, command: str, engine_id: str, log_dir: Path, redis_url: str = "",
-                 prefix: str = "baton"):
-        self.engine_id = engine_id
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.log = log_dir / f"{engine_id}.log"
-        argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
-                "--host", "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
-                "--registry-prefix", prefix, *ENGINE_ARGS]
-        if redis_url:
-            argv += ["--redis-url", redis_url]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def wait_ready(self, deadline: float) -> None:
-        from baton.engine_client import probe_engine
-
-        while probe_engine(self.address, timeout_s=0.5) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"engine {self.engine_id} did not start:\n{tail}")
-            time.sleep(0.2)
-
-    def stats(self):
-        from baton.engine_client import EngineClient
-
-        with EngineClient(self.address) as client:
-            return client.stats(5.0)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")
 def deployments(redis_server, model_info, tmp_path_factory):
     logs = tmp_path_factory.mktemp("engines")
-    normal = EngineProcess("engine", "normal-0", logs)
-    prompts = [EngineProcess("prompt-engine", f"prompt-{i}", logs, redis_server.url, "pd")
-               for i in range(2)]
-    completion = EngineProcess("completion-engine", "completion-0", logs, redis_server.url, "pd")
+    normal = EngineProcess("engine", "normal-0", logs, args=ENGINE_ARGS)
+    prompts = [EngineProcess("prompt-engine", f"prompt-{i}", logs, redis_server.url, "pd",
+                             ENGINE_ARGS) for i in range(2)]
+    completion = EngineProcess("completion-engine", "completion-0", logs, redis_server.url, "pd",
+                               ENGINE_ARGS)
     engines = [normal, *prompts, completion]
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -1,0 +1,85 @@
+"""Real engine processes for integration tests: `python -m baton.cli ROLE ...` on loopback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from baton.engine_client import EngineClient, probe_engine
+from baton.protocol import EngineStats
+from baton.redis_server import free_port
+
+# Small pools and one thread each: several engines share this machine's two cores.
+BASE_ARGS = ["--num-threads", "1", "--block-size", "16"]
+
+
+class EngineProcess:
+    def __init__(self, command: str, engine_id: str, log_dir: Path, redis_url: str = "",
+                 prefix: str = "baton", args: list[str] | None = None, port: int = 0):
+        self.command, self.engine_id = command, engine_id
+        self.port = port or free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.log = log_dir / f"{engine_id}-{time.monotonic_ns()}.log"
+        self.argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
+                     "--host", "127.0.0.1", "--port", str(self.port),
+                     "--registry-prefix", prefix, *BASE_ARGS, *(args or [])]
+        if redis_url:
+            self.argv += ["--redis-url", redis_url]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> EngineProcess:
+        while probe_engine(self.address, timeout_s=0.5) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"engine {self.engine_id} did not start:\n{self.tail()}")
+            time.sleep(0.2)
+        return self
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def client(self) -> EngineClient:
+        return EngineClient(self.address)
+
+    def stats(self) -> EngineStats:
+        with self.client() as client:
+            return client.stats(5.0)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def start_all(engines: list[EngineProcess], timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        engine.wait_ready(deadline)
+
+
+def is_whole(stats: EngineStats) -> bool:
+    """Every block free, nothing running or queued, no KV lease or pull left."""
+    return (stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+            and stats.num_waiting == 0 and stats.extra.get("kv_leases_active", 0) == 0
+            and stats.extra.get("kv_pulls_active", 0) == 0)
+
+
+def wait_whole(engines: list[EngineProcess], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [e.stats() for e in engines]
+        if all(is_whole(s) for s in stats):
+            return
+        assert time.monotonic() < deadline, f"pools not whole: {stats}"
+        time.sleep(0.1)

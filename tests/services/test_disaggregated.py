@@ -1,0 +1,268 @@
+"""Prompt engine -> completion engine, as separate processes with NIXL between them, against the
+NORMAL engine as the reference: exact tokens, aborts at every stage, dead peers, queueing.
+
+One module-scoped deployment (the model loads once per engine); tests that kill an engine start
+their own. After every test both pools are whole: free == total, no lease, no pull.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+import uuid
+
+import pytest
+
+from baton.protocol import AbortRequest, GenerateRequest, SamplingOptions, TokenDelta
+from baton.registry import RedisRegistry, RegistryConfig
+from tests.cluster import EngineProcess, start_all, wait_whole
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "svc"
+# A 64-token budget cuts the 300-token prompt into five prefill chunks.
+PROMPT_ARGS = ["--num-blocks", "160", "--max-num-batched-tokens", "64", "--lease-ttl", "8"]
+COMPLETION_ARGS = ["--num-blocks", "48", "--kv-timeout", "10"]
+NORMAL_ARGS = ["--num-blocks", "160"]
+GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("svc")
+    url = redis_server.url
+    engines = {
+        "normal": EngineProcess("engine", "normal-0", logs, args=NORMAL_ARGS),
+        "prompt": EngineProcess("prompt-engine", "prompt-0", logs, url, PREFIX, PROMPT_ARGS),
+        "completion": EngineProcess("completion-engine", "completion-0", logs, url, PREFIX,
+                                    COMPLETION_ARGS),
+    }
+    engines["logs"] = logs
+    try:
+        start_all([e for k, e in engines.items() if k != "logs"])
+        yield engines
+    finally:
+        for key, engine in engines.items():
+            if key != "logs":
+                engine.stop()
+
+
+@pytest.fixture(autouse=True)
+def pools_whole_after(cluster):
+    yield
+    wait_whole([cluster["normal"], cluster["prompt"], cluster["completion"]])
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    # Ordinary token ids (no specials): words of the vocabulary, deterministic.
+    return [300 + (i * 7919 + seed * 104729) % 40000 for i in range(n)]
+
+
+def _normal(cluster, ids: list[int], opts: SamplingOptions = GREEDY) -> list[int]:
+    with cluster["normal"].client() as c:
+        out = c.generate(ids, opts, timeout_s=120)
+    assert out.finish_reason in ("stop", "length"), out.error
+    return out.token_ids
+
+
+def _prefill(prompt: EngineProcess, ids, req_id: str, opts=GREEDY) -> TokenDelta:
+    with prompt.client() as c:
+        first = c.generate(ids, opts, req_id=req_id, timeout_s=120)
+    assert first.kv_handle and len(first.token_ids) == 1, first
+    return first
+
+
+def _decode(completion: EngineProcess, ids, first: TokenDelta, opts=GREEDY) -> TokenDelta:
+    with completion.client() as c:
+        return c.generate(ids, opts, req_id=first.req_id, timeout_s=120,
+                          kv_handle=first.kv_handle, first_token_id=first.token_ids[0])
+
+
+def _disaggregated(cluster, ids, opts=GREEDY) -> list[int]:
+    first = _prefill(cluster["prompt"], ids, uuid.uuid4().hex, opts)
+    rest = _decode(cluster["completion"], ids, first, opts)
+    assert rest.finish_reason in ("stop", "length"), rest.error
+    return first.token_ids + rest.token_ids
+
+
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 300])
+def test_disaggregated_equals_normal(cluster, num_tokens):
+    ids = _ids(num_tokens, seed=num_tokens)
+    assert _disaggregated(cluster, ids) == _normal(cluster, ids)
+
+
+def test_16_concurrent_requests_equal_normal(cluster):
+    prompts = [_ids(5 + 3 * i, seed=i) for i in range(16)]
+    with cf.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda ids: _disaggregated(cluster, ids), prompts))
+        want = list(pool.map(lambda ids: _normal(cluster, ids), prompts))
+    assert got == want
+
+
+def test_completion_engine_queues_when_out_of_blocks(cluster):
+    """Three 250-token prompts need 16-17 blocks each; the completion engine has 47: the third
+    waits (LATER) until one finishes, then is served, with the right tokens."""
+    prompts = [_ids(250, seed=40 + i) for i in range(3)]
+    opts = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with cf.ThreadPoolExecutor(3) as pool:
+        firsts = list(pool.map(lambda i: _prefill(cluster["prompt"], prompts[i], f"q{i}", opts),
+                               range(3)))
+        rests = list(pool.map(lambda a: _decode(cluster["completion"], *a, opts),
+                              zip(prompts, firsts, strict=True)))
+    for ids, first, rest in zip(prompts, firsts, rests, strict=True):
+        assert rest.finish_reason == "length", rest.error
+        assert first.token_ids + rest.token_ids == _normal(cluster, ids, opts)
+
+
+# --- aborts at every stage -------------------------------------------------------------------
+
+def _collect(client, req_id: str, timeout_s: float = 60.0) -> TokenDelta:
+    merged = TokenDelta(req_id)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = client.recv(deadline - time.monotonic())
+        if isinstance(msg, TokenDelta) and msg.req_id == req_id:
+            merged.token_ids += msg.token_ids
+            merged.kv_handle = msg.kv_handle or merged.kv_handle
+            if msg.finish_reason:
+                merged.finish_reason, merged.error = msg.finish_reason, msg.error
+                return merged
+            if msg.kv_handle:
+                return merged
+    raise AssertionError(f"{req_id}: no final delta")
+
+
+def test_abort_before_prefill(cluster):
+    with cluster["prompt"].client() as c:
+        c.send(GenerateRequest("ab0", _ids(300), GREEDY))
+        c.send(AbortRequest("ab0"))
+        out = _collect(c, "ab0")
+    if out.kv_handle:  # the prefill won the race: abort the lease instead
+        with cluster["prompt"].client() as c:
+            c.send(AbortRequest("ab0"))
+    else:
+        assert out.finish_reason == "abort"
+
+
+def test_abort_during_prefill(cluster):
+    with cluster["prompt"].client() as c:
+        c.send(GenerateRequest("ab1", _ids(300, seed=1), GREEDY))
+        time.sleep(0.3)  # one or two of its five chunks
+        c.send(AbortRequest("ab1"))
+        out = _collect(c, "ab1")
+        if out.kv_handle:
+            c.send(AbortRequest("ab1"))
+        else:
+            assert out.finish_reason == "abort"
+
+
+def test_abort_between_prefill_and_decode_drops_the_lease(cluster):
+    first = _prefill(cluster["prompt"], _ids(40), "ab2")
+    assert cluster["prompt"].stats().extra["kv_leases_active"] == 1
+    with cluster["prompt"].client() as c:
+        c.send(AbortRequest("ab2"))
+        assert _collect(c, "ab2").finish_reason == "abort"
+    # A completion engine that still gets the handle fails cleanly: the lease is gone.
+    rest = _decode(cluster["completion"], _ids(40), first)
+    assert rest.finish_reason == "kv_transfer_failed" and "no lease" in rest.error
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5])
+def test_abort_during_pull_or_decode(cluster, delay_s):
+    ids = _ids(120, seed=9)
+    opts = SamplingOptions(max_tokens=200, temperature=0.0, ignore_eos=True)
+    first = _prefill(cluster["prompt"], ids, f"ab3-{delay_s}", opts)
+    with cluster["completion"].client() as c:
+        c.send(GenerateRequest(first.req_id, ids, opts, kv_handle=first.kv_handle,
+                               first_token_id=first.token_ids[0]))
+        time.sleep(delay_s)  # 0: the pull is starting; 0.5: decoding
+        c.send(AbortRequest(first.req_id))
+        out = _collect(c, first.req_id)
+    assert out.finish_reason == "abort"
+    assert len(out.token_ids) < 199
+
+
+def test_bad_handle_is_refused(cluster):
+    first = _prefill(cluster["prompt"], _ids(40, seed=3), "bad0")
+    with cluster["completion"].client() as c:
+        out = c.generate(_ids(41, seed=3), GREEDY, req_id="bad0", kv_handle=first.kv_handle,
+                         first_token_id=first.token_ids[0])
+        assert out.finish_reason == "bad_request" and "covers 40 tokens" in out.error
+        out = c.generate(_ids(40, seed=3), GREEDY, req_id="bad1", kv_handle=b"\x93junk",
+                         first_token_id=1)
+        assert out.finish_reason == "bad_request"
+    with cluster["prompt"].client() as c:
+        c.send(AbortRequest("bad0"))
+
+
+# --- dead peers --------------------------------------------------------------------------------
+
+def test_prompt_engine_killed_before_the_pull(cluster):
+    doomed = EngineProcess("prompt-engine", "prompt-doomed", cluster["logs"], args=PROMPT_ARGS)
+    try:
+        start_all([doomed])
+        ids = _ids(60, seed=11)
+        first = _prefill(doomed, ids, "dead0")
+        doomed.kill()
+        t0 = time.monotonic()
+        rest = _decode(cluster["completion"], ids, first)
+        assert rest.finish_reason == "kv_transfer_failed", rest
+        assert "peer_gone" in rest.error
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        doomed.kill()
+    # The completion engine serves the next request as usual.
+    ids = _ids(30, seed=12)
+    assert _disaggregated(cluster, ids) == _normal(cluster, ids)
+
+
+def test_completion_engine_killed_mid_decode(cluster, redis_server):
+    doomed = EngineProcess("completion-engine", "completion-doomed", cluster["logs"],
+                           redis_server.url, PREFIX, COMPLETION_ARGS + ["--registry-ttl", "1.5"])
+    registry = RedisRegistry(RegistryConfig(url=redis_server.url, prefix=PREFIX, ttl_s=1.5,
+                                            heartbeat_s=0.5))
+    try:
+        start_all([doomed])
+        assert "completion-doomed" in [r.engine_id for r in registry.list("completion")]
+        ids = _ids(50, seed=13)
+        opts = SamplingOptions(max_tokens=300, temperature=0.0, ignore_eos=True)
+        first = _prefill(cluster["prompt"], ids, "dead1", opts)
+        with doomed.client() as c:
+            c.send(GenerateRequest("dead1", ids, opts, kv_handle=first.kv_handle,
+                                   first_token_id=first.token_ids[0]))
+            c.recv(60)  # decoding has begun: the pull is done
+            doomed.kill()
+        # The lease was released by the pull; an unclaimed one expires (--lease-ttl 8).
+        lone = _prefill(cluster["prompt"], _ids(20, seed=14), "dead2")
+        assert lone.kv_handle
+        time.sleep(9.0)
+        stats = cluster["prompt"].stats()
+        assert stats.extra["kv_leases_active"] == 0 and stats.extra["kv_leases_expired"] >= 1
+        # The registry forgets the dead engine within its TTL.
+        assert "completion-doomed" not in [r.engine_id for r in registry.list("completion")]
+    finally:
+        doomed.kill()
+        registry.close()
+
+
+def test_registry_shows_live_engines_and_a_restarted_one(cluster, redis_server):
+    registry = RedisRegistry(RegistryConfig(url=redis_server.url, prefix=PREFIX))
+    try:
+        records = {r.engine_id: r for role in ("prompt", "completion")
+                   for r in registry.list(role)}
+        assert {"prompt-0", "completion-0"} <= set(records)
+        prompt = records["prompt-0"]
+        assert prompt.side_channel.startswith("tcp://127.0.0.1:")
+        assert prompt.num_total_blocks == 159 and prompt.block_size == 16
+        assert prompt.model_fingerprint == records["completion-0"].model_fingerprint
+        again = EngineProcess("completion-engine", "completion-doomed", cluster["logs"],
+                              redis_server.url, PREFIX, COMPLETION_ARGS)
+        try:
+            start_all([again])
+            assert "completion-doomed" in [r.engine_id for r in registry.list("completion")]
+        finally:
+            again.stop()
+        # SIGTERM deregisters at once.
+        assert "completion-doomed" not in [r.engine_id for r in registry.list("completion")]
+    finally:
+        registry.close()
