@@ -189,16 +189,32 @@ class Launcher:
             self.redis.stop()
             self.redis = None
 
+    def served_model(self) -> str:
+        """The model id the router serves (clients must name it), or a placeholder."""
+        import json
+        import urllib.request
+
+        url = f"http://{self.config.host}:{self.config.router_port}/v1/models"
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                        timeout=5.0) as resp:
+                return json.load(resp)["data"][0]["id"]
+        except (OSError, KeyError, IndexError, ValueError):
+            return "MODEL"
+
     def banner(self) -> str:
         cfg = self.config
         base = f"http://{cfg.host}:{cfg.router_port}"
+        model = self.served_model()
         auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
         lines += [f"  {name:<14} {addr}" for name, addr in self.engine_addresses.items()]
         lines += ["Try:",
                   f"  curl -s {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
-                  "    -d '{\"model\": \"baton\", \"messages\": [{\"role\": \"user\", "
-                  "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'",
+                  f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+                  "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 32, "
+                  "\"temperature\": 0}'",
                   "Ctrl-C stops every process."]
         return "\n".join(lines)
 
