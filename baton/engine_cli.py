@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 logger = logging.getLogger(__name__)
@@ -18,7 +19,8 @@ ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engi
 
 def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     g = p.add_argument_group("service")
-    g.add_argument("--engine-id", default=f"{role}-{os.getpid()}", help="unique engine name")
+    g.add_argument("--engine-id", default=f"{role}-{socket.gethostname()}-{os.getpid()}",
+                   help="unique engine name (default: role-hostname-pid)")
     g.add_argument("--host", default="127.0.0.1", help="bind address of the request socket")
     g.add_argument("--port", type=int, default=0, help="request socket port (0 = ephemeral)")
     g.add_argument("--advertise-host", default="",
