@@ -84,7 +84,7 @@ inline void Scheduler::finish_prefill_(const SequencePtr &seq, ProcessResult &re
 
 inline int Scheduler::book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res) {
   int accepted = 0;
-  seq.draft.accepted_tokens.clear();
+  if (!seq.draft.accepted_tokens.empty()) seq.draft.accepted_tokens.clear();
   // Verified drafts first (a contiguous prefix), then the sampled token.
   for (int j = 1; j <= num_drafts && j < width && !seq.is_finished(); ++j) {
     if (row[j] < 0) break;
@@ -119,11 +119,11 @@ inline void Scheduler::append_token_(Sequence &seq, int32_t token, ProcessResult
 
 inline void Scheduler::check_stop_(Sequence &seq) const {
   const int32_t token = seq.data.last_token();
-  if (!seq.ignore_eos && std::find(seq.eos_token_ids.begin(), seq.eos_token_ids.end(), token) != seq.eos_token_ids.end()) {
+  if (!seq.ignore_eos && contains_(seq.eos_token_ids, token)) {
     seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
     return;
   }
-  if (std::find(seq.stop_token_ids.begin(), seq.stop_token_ids.end(), token) != seq.stop_token_ids.end()) {
+  if (contains_(seq.stop_token_ids, token)) {
     seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
     return;
   }

@@ -25,24 +25,29 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
   const int max_seqs = cfg_.max_num_seqs;
   while (l < r && out->num_seqs() < max_seqs) {
     const SequencePtr &seq = running[r - 1];
-    trim_drafts_(*seq);
+    Sequence &sq = *seq;
+    trim_drafts_(sq);
     // The article asks for one free block before every sequence. Baton asks for
     // the blocks this sequence really needs (often 0): with a full pool the
     // literal rule preempts a lone sequence that needs nothing, a livelock
     // under recompute.
-    const int num_blocks = seq->get_num_blocks();
-    const int need = std::max(0, num_blocks - static_cast<int>(seq->cache.block_table.size()));
-    while (block_manager_->can_allocate_nolock(need) != AllocStatus::OK && r - l > 1) {
-      preempt_(running[l], *out);
-      l += 1;
+    const int nextn = sq.draft.get_nextn_len();
+    const int num_blocks = blocks_for_(sq.get_len() + sq.schedule.total_inflight_tokens + nextn);
+    const int need = num_blocks - static_cast<int>(sq.cache.block_table.size());
+    if (need > 0) {
+      while (block_manager_->can_allocate_nolock(need) != AllocStatus::OK && r - l > 1) {
+        preempt_(running[l], *out);
+        l += 1;
+      }
+      if (block_manager_->can_allocate_nolock(need) != AllocStatus::OK) {
+        preempt_(seq, *out);
+        r -= 1;
+        continue;
+      }
     }
-    if (block_manager_->can_allocate_nolock(need) == AllocStatus::OK) {
-      append_slot_(*seq, num_blocks);
-      out->add_seq(seq, 1 + seq->draft.get_nextn_len());
-      first_scheduled = r - 1;
-    } else {
-      preempt_(seq, *out);
-    }
+    if (need != 0) append_slot_(sq, num_blocks);
+    out->add_seq(seq, 1 + nextn);
+    first_scheduled = r - 1;
     r -= 1;
   }
   // The batch is youngest first and running keeps oldest first, so running is

@@ -9,19 +9,34 @@
 namespace baton {
 
 // One pass over the batch; add_seq already kept the widths (no sequence's
-// table changes once it is in the batch).
-inline void Scheduler::build_metadata_(SchedulerOutputs &out) {
+// table changes once it is in the batch). Returns the row whose position end
+// is the largest (S38 checks only that one), -1 for an empty batch.
+inline int Scheduler::build_metadata_(SchedulerOutputs &out) {
   out.trim();
   const int n = out.num_seqs();
   size_metadata_(out, n, out.num_tokens_q);
   prepare_block_tables_(out, n, out.max_blocks);
+  int worst = -1, worst_end = std::numeric_limits<int>::min();
+  const SequencePtr *seqs = out.scheduled_seqs.data();
+  const int32_t *seqlens_q = out.seqlens_q.data();
   for (int i = 0, t = 0; i < n; ++i) {
-    Sequence &seq = *out.scheduled_seqs[i];
-    const int q = out.seqlens_q[i];
-    emit_seq_(out, i, t, seq, q);
+    Sequence &seq = *seqs[i];
+    const int q = seqlens_q[i];
+    if (q == 1 && !out.prompt_run) {
+      emit_decode_(out, i, t, seq);
+    } else {
+      emit_seq_(out, i, t, seq, q);
+    }
     fill_block_row_(out, i, seq);
+    // A prompt step ends at k, a decode step at k - q + max_seqlen_q + nextn.
+    const int end = out.prompt_run ? out.seqlens_k[i] : out.seqlens_k[i] - q;
+    if (end > worst_end) {
+      worst_end = end;
+      worst = i;
+    }
     t += q;
   }
+  return worst;
 }
 
 // Sizes only move the vectors' ends: a reused output of the same shape pays nothing.
@@ -36,7 +51,6 @@ inline void Scheduler::size_metadata_(SchedulerOutputs &out, int n, int num_toke
 
 // Row i and tokens [t, t + q) of the arrays; also starts the sequence's step in flight.
 inline void Scheduler::emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &seq, int q) {
-  const int bs = cfg_.block_size;
   const int start = seq.cache.num_tokens + seq.schedule.total_inflight_tokens;
   const int k = start + q;
   out.epochs[i] = seq.epoch;
@@ -51,36 +65,63 @@ inline void Scheduler::emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &
   int32_t *input_ids = out.input_ids.data() + t;
   int32_t *positions = out.positions.data() + t;
   int64_t *slots = out.slot_mapping.data() + t;
-  for (int j = 0; j < q; ++j) {
+  // Token 0 (a prompt step: every token) is committed, or -1: sampled by a step still in flight.
+  const int num_committed = out.prompt_run ? q : 1;
+  for (int j = 0; j < num_committed; ++j) {
     const int pos = start + j;
-    if (out.prompt_run || j == 0) {
-      input_ids[j] = pos < len ? tok[pos] : -1;  // -1: sampled by a step still in flight
-    } else {
-      input_ids[j] = seq.draft.draft_tokens[j - 1];
-    }
+    input_ids[j] = pos < len ? tok[pos] : -1;
     positions[j] = pos;
-    slots[j] = static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+    slots[j] = slot_of_(table, pos);
+  }
+  for (int j = num_committed; j < q; ++j) {  // drafts
+    const int pos = start + j;
+    input_ids[j] = seq.draft.draft_tokens[j - 1];
+    positions[j] = pos;
+    slots[j] = slot_of_(table, pos);
   }
   seq.schedule.start_inflight_step(q);
   seq.inflight_steps += 1;
-  if (!out.prompt_run) {
+  if (!out.prompt_run && q > 1) {
     seq.draft.num_drafted += q - 1;
     seq.draft.draft_tokens.clear();  // consumed: now counted as tokens in flight
   }
 }
 
-// After all rows: the position-end check (S38) and the FLOP estimates.
-inline void Scheduler::finish_metadata_(SchedulerOutputs &out) {
+// emit_seq_ for the usual decode row: one token, no drafts.
+inline void Scheduler::emit_decode_(SchedulerOutputs &out, int i, int t, Sequence &seq) {
+  const int pos = seq.cache.num_tokens + seq.schedule.total_inflight_tokens;
+  const int k = pos + 1;
+  out.epochs[i] = seq.epoch;
+  out.seq_ids[i] = seq.seq_id;
+  out.seqlens_k[i] = k;
+  out.sum_seqlen_qxk += k;
+  if (k < out.min_seqlen_k) out.min_seqlen_k = k;
+  if (k > out.max_seqlen_k) out.max_seqlen_k = k;
+  const auto &tok = seq.data.token_ids;
+  out.input_ids[t] = pos < static_cast<int>(tok.size()) ? tok[pos] : -1;
+  out.positions[t] = pos;
+  out.slot_mapping[t] = slot_of_(seq.cache.block_table.data(), pos);
+  seq.schedule.start_inflight_step(1);
+  seq.inflight_steps += 1;
+}
+
+// After all rows: the position-end check (S38) and the FLOP estimates. Only the
+// worst row can fail; when it does, the first failing row is reported.
+inline void Scheduler::finish_metadata_(SchedulerOutputs &out, int worst) {
   const int n = out.num_seqs();
   const int nextn = cfg_.num_speculative_tokens;
   const int runtime_max_model_len = cfg_.max_model_len + 2 * nextn;
-  for (int i = 0; i < n; ++i) {
+  auto position_end = [&](int i) {
     const int k = out.seqlens_k[i], q = out.seqlens_q[i];
-    const int position_end = out.prompt_run ? k : k - q + out.max_seqlen_q + nextn;
-    if (position_end > runtime_max_model_len) {
-      throw std::logic_error("position end " + std::to_string(position_end) + " of " +
-                             out.scheduled_seqs[i]->request_id + " exceeds the model length " +
-                             std::to_string(runtime_max_model_len));
+    return out.prompt_run ? k : k - q + out.max_seqlen_q + nextn;
+  };
+  if (worst >= 0 && position_end(worst) > runtime_max_model_len) {
+    for (int i = 0; i < n; ++i) {
+      if (position_end(i) > runtime_max_model_len) {
+        throw std::logic_error("position end " + std::to_string(position_end(i)) + " of " +
+                               out.scheduled_seqs[i]->request_id + " exceeds the model length " +
+                               std::to_string(runtime_max_model_len));
+      }
     }
   }
   if (n == 0) out.min_seqlen_k = 0;

@@ -48,6 +48,7 @@ class Scheduler {
   Scheduler(const SchedulerConfig &cfg, AllReduceMin all_reduce_min)
       : cfg_((cfg.validate(), cfg)),
         cp_align_(cfg.cp_size > 1 ? 2 * cfg.cp_size : 1),
+        bs_shift_((cfg.block_size & (cfg.block_size - 1)) == 0 ? __builtin_ctz(cfg.block_size) : -1),
         block_manager_(std::make_unique<BlockManager>(cfg.num_blocks)),
         all_reduce_min_(std::move(all_reduce_min)) {
     if (cfg.num_state_slots > 0) state_manager_ = std::make_unique<BlockManager>(cfg.num_state_slots + 1);
@@ -177,6 +178,17 @@ class Scheduler {
   void admit_prefix_hit_(Sequence &seq, int num_reserve_blocks, int to_allocate, SchedulerOutputs &out);
   void clone_state_(Sequence &seq, SchedulerOutputs &out);
 
+  // S5 and the slot of a position, by shifts when block_size is a power of two.
+  int blocks_for_(int num_tokens) const {
+    const int bs = cfg_.block_size;
+    return bs_shift_ >= 0 ? (num_tokens + bs - 1) >> bs_shift_ : (num_tokens + bs - 1) / bs;
+  }
+  int64_t slot_of_(const int *table, int pos) const {
+    const int bs = cfg_.block_size;
+    if (bs_shift_ >= 0) return (static_cast<int64_t>(table[pos >> bs_shift_]) << bs_shift_) | (pos & (bs - 1));
+    return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+  }
+
   // ---- _schedule_decode (S26-S28) ---------------------------------------------
 
   std::shared_ptr<SchedulerOutputs> schedule_decode_();
@@ -190,10 +202,11 @@ class Scheduler {
 
   // ---- metadata for the model runner (S36, S38) -------------------------------
 
-  void build_metadata_(SchedulerOutputs &out);
+  int build_metadata_(SchedulerOutputs &out);
   void size_metadata_(SchedulerOutputs &out, int n, int num_tokens);
   void emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &seq, int q);
-  void finish_metadata_(SchedulerOutputs &out);
+  void emit_decode_(SchedulerOutputs &out, int i, int t, Sequence &seq);
+  void finish_metadata_(SchedulerOutputs &out, int worst);
   static void prepare_block_tables_(SchedulerOutputs &out, int n, int max_blocks);
   static void fill_block_row_(SchedulerOutputs &out, int i, const Sequence &seq);
 
@@ -203,6 +216,12 @@ class Scheduler {
   int book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res);
   void append_token_(Sequence &seq, int32_t token, ProcessResult &res);
   void check_stop_(Sequence &seq) const;
+  static bool contains_(const std::vector<int32_t> &ids, int32_t token) {
+    for (int32_t id : ids) {
+      if (id == token) return true;
+    }
+    return false;
+  }
 
   // ---- resources ----------------------------------------------------------------
 
@@ -224,6 +243,7 @@ class Scheduler {
   static void check_pool_(const BlockManager &pool, const std::vector<int> &owners, const char *what);
   const SchedulerConfig cfg_;
   const int cp_align_;
+  const int bs_shift_;  // log2(block_size) when it is a power of two (the usual case), else -1
   std::unique_ptr<BlockManager> block_manager_;
   std::unique_ptr<BlockManager> state_manager_;
   AllReduceMin all_reduce_min_;

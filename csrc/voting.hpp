@@ -24,8 +24,7 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule() {
                              " != running " + std::to_string(running.size()));
     }
   }
-  build_metadata_(*out);
-  finish_metadata_(*out);
+  finish_metadata_(*out, build_metadata_(*out));
   return out;
 }
 
