@@ -22,8 +22,13 @@ inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutput
   auto res = acquire_(result_pool_);
   res->num_accepted.assign(n, 0);
   std::vector<SequencePtr> chunks;
+  int32_t *num_accepted = res->num_accepted.data();
   for (int i = 0; i < n; ++i) {
     const SequencePtr &seq = out.scheduled_seqs[i];
+    if (!out.prompt_run && width == 1 && out.seqlens_q[i] == 1 && seq->epoch == out.epochs[i]) {
+      num_accepted[i] = book_plain_(*seq, tokens[i], *res);
+      continue;
+    }
     const int32_t *row = tokens + static_cast<int64_t>(i) * width;
     seq->inflight_steps -= 1;
     if (seq->epoch != out.epochs[i]) {  // preempted for recompute while in flight: void (S29)
@@ -105,6 +110,42 @@ inline int Scheduler::book_decode_(Sequence &seq, const int32_t *row, int width,
     release_(seq);  // stays in `running` until the next decode branch drops it
   }
   return accepted;
+}
+
+// process_outputs for the usual decode row: one token in flight, no drafts,
+// not voided; the same steps as the general path, without its loops.
+inline int Scheduler::book_plain_(Sequence &seq, int32_t token, ProcessResult &res) {
+  seq.inflight_steps -= 1;
+  seq.schedule.finish_inflight_step();
+  seq.cache.advance_optimistically(1);
+  if (seq.is_finished()) {  // aborted while in flight
+    report_(seq, res.finished);
+    release_(seq);
+    return 0;
+  }
+  if (!seq.draft.accepted_tokens.empty()) seq.draft.accepted_tokens.clear();
+  auto &ids = seq.data.token_ids;
+  ids.push_back(token);
+  seq.num_pushed_tokens += 1;
+  const int len = static_cast<int>(ids.size());
+  const int output_len = len - seq.data.prompt_len;
+  if (output_len == 1) {
+    seq.first_token_latency = now_seconds() - seq.arrival_time;
+    res.first_token_latencies.emplace_back(seq.request_id, seq.first_token_latency);
+  }
+  if ((!seq.ignore_eos && contains_(seq.eos_token_ids, token)) || contains_(seq.stop_token_ids, token)) {
+    seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
+  } else if (len > cfg_.max_model_len || output_len >= seq.max_tokens) {
+    seq.schedule.status = SequenceStatus::FINISHED_LENGTH_CAPPED;
+  }
+  seq.cache.commit_processed_tokens(1);
+  if (seq.is_finished()) {
+    free_info_slot_(seq);
+    report_(seq, res.finished);
+    res.pushed_tokens_before_finish.emplace_back(seq.request_id, seq.num_pushed_tokens);
+    release_(seq);
+  }
+  return 1;
 }
 
 inline void Scheduler::append_token_(Sequence &seq, int32_t token, ProcessResult &res) {

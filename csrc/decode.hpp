@@ -65,22 +65,30 @@ inline bool Scheduler::lcfs_before_(const SequencePtr &a, const SequencePtr &b) 
   return la != lb ? la > lb : a->seq_id < b->seq_id;
 }
 
-// Returns whether the survivors are in LCFS order already.
+// Returns whether the survivors are in LCFS order already (lcfs_before_ on
+// each neighbour pair, with the previous survivor's key carried along).
 inline bool Scheduler::drop_finished_running_(SchedulerOutputs &out) {
+  const size_t n = running.size();
+  SequencePtr *run = running.data();
   size_t kept = 0;
   bool sorted = true;
-  for (size_t i = 0; i < running.size(); ++i) {
-    SequencePtr &seq = running[i];
-    if (seq->is_finished()) {
-      report_(*seq, out.finished);
-      release_(*seq);
-    } else {
-      if (kept > 0 && sorted && lcfs_before_(seq, running[kept - 1])) sorted = false;
-      if (kept != i) running[kept] = std::move(seq);
-      ++kept;
+  int prev_len = 0;
+  int64_t prev_id = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Sequence &seq = *run[i];
+    if (seq.is_finished()) {
+      report_(seq, out.finished);
+      release_(seq);
+      continue;
     }
+    const int len = seq.get_output_len();
+    if (kept > 0 && (len != prev_len ? len > prev_len : seq.seq_id < prev_id)) sorted = false;
+    prev_len = len;
+    prev_id = seq.seq_id;
+    if (kept != i) run[kept] = std::move(run[i]);
+    ++kept;
   }
-  running.resize(kept);
+  if (kept != n) running.resize(kept);
   return sorted;
 }
 

@@ -214,6 +214,7 @@ class Scheduler {
 
   void finish_prefill_(const SequencePtr &seq, ProcessResult &res);
   int book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res);
+  int book_plain_(Sequence &seq, int32_t token, ProcessResult &res);
   void append_token_(Sequence &seq, int32_t token, ProcessResult &res);
   void check_stop_(Sequence &seq) const;
   static bool contains_(const std::vector<int32_t> &ids, int32_t token) {
