@@ -19,14 +19,11 @@ inline int Scheduler::build_metadata_(SchedulerOutputs &out) {
   int worst = -1, worst_end = std::numeric_limits<int>::min();
   const SequencePtr *seqs = out.scheduled_seqs.data();
   const int32_t *seqlens_q = out.seqlens_q.data();
+  if (!out.prompt_run && out.num_tokens_q == n) return build_decode_rows_(out, n);
   for (int i = 0, t = 0; i < n; ++i) {
     Sequence &seq = *seqs[i];
     const int q = seqlens_q[i];
-    if (q == 1 && !out.prompt_run) {
-      emit_decode_(out, i, t, seq);
-    } else {
-      emit_seq_(out, i, t, seq, q);
-    }
+    emit_seq_(out, i, t, seq, q);
     fill_block_row_(out, i, seq);
     // A prompt step ends at k, a decode step at k - q + max_seqlen_q + nextn.
     const int end = out.prompt_run ? out.seqlens_k[i] : out.seqlens_k[i] - q;
@@ -87,22 +84,43 @@ inline void Scheduler::emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &
   }
 }
 
-// emit_seq_ for the usual decode row: one token, no drafts.
-inline void Scheduler::emit_decode_(SchedulerOutputs &out, int i, int t, Sequence &seq) {
-  const int pos = seq.cache.num_tokens + seq.schedule.total_inflight_tokens;
-  const int k = pos + 1;
-  out.epochs[i] = seq.epoch;
-  out.seq_ids[i] = seq.seq_id;
-  out.seqlens_k[i] = k;
-  out.sum_seqlen_qxk += k;
-  if (k < out.min_seqlen_k) out.min_seqlen_k = k;
-  if (k > out.max_seqlen_k) out.max_seqlen_k = k;
-  const auto &tok = seq.data.token_ids;
-  out.input_ids[t] = pos < static_cast<int>(tok.size()) ? tok[pos] : -1;
-  out.positions[t] = pos;
-  out.slot_mapping[t] = slot_of_(seq.cache.block_table.data(), pos);
-  seq.schedule.start_inflight_step(1);
-  seq.inflight_steps += 1;
+// build_metadata_ for the usual decode step: one token per row, no drafts.
+// The arrays and running extremes live in locals, so nothing is reloaded per row.
+inline int Scheduler::build_decode_rows_(SchedulerOutputs &out, int n) {
+  const SequencePtr *seqs = out.scheduled_seqs.data();
+  int *epochs = out.epochs.data();
+  int64_t *seq_ids = out.seq_ids.data();
+  int32_t *seqlens_k = out.seqlens_k.data();
+  int32_t *input_ids = out.input_ids.data();
+  int32_t *positions = out.positions.data();
+  int64_t *slots = out.slot_mapping.data();
+  int64_t sum_qxk = 0;
+  int min_k = out.min_seqlen_k, max_k = out.max_seqlen_k, worst = -1;
+  for (int i = 0; i < n; ++i) {
+    Sequence &seq = *seqs[i];
+    const int pos = seq.cache.num_tokens + seq.schedule.total_inflight_tokens;
+    const int k = pos + 1;
+    epochs[i] = seq.epoch;
+    seq_ids[i] = seq.seq_id;
+    seqlens_k[i] = k;
+    sum_qxk += k;
+    min_k = std::min(min_k, k);
+    if (k > max_k) {
+      max_k = k;
+      worst = i;  // the first row of the largest k - q
+    }
+    const auto &tok = seq.data.token_ids;
+    input_ids[i] = pos < static_cast<int>(tok.size()) ? tok[pos] : -1;
+    positions[i] = pos;
+    slots[i] = slot_of_(seq.cache.block_table.data(), pos);
+    seq.schedule.start_inflight_step(1);
+    seq.inflight_steps += 1;
+    fill_block_row_(out, i, seq);
+  }
+  out.sum_seqlen_qxk += sum_qxk;
+  out.min_seqlen_k = min_k;
+  out.max_seqlen_k = max_k;
+  return n > 0 && worst < 0 ? 0 : worst;
 }
 
 // After all rows: the position-end check (S38) and the FLOP estimates. Only the

@@ -205,7 +205,7 @@ class Scheduler {
   int build_metadata_(SchedulerOutputs &out);
   void size_metadata_(SchedulerOutputs &out, int n, int num_tokens);
   void emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &seq, int q);
-  void emit_decode_(SchedulerOutputs &out, int i, int t, Sequence &seq);
+  int build_decode_rows_(SchedulerOutputs &out, int n);
   void finish_metadata_(SchedulerOutputs &out, int worst);
   static void prepare_block_tables_(SchedulerOutputs &out, int n, int max_blocks);
   static void fill_block_row_(SchedulerOutputs &out, int i, const Sequence &seq);
