@@ -1,10 +1,14 @@
 """Llama-family decoder over a paged KV pool: one forward for prefill chunks and batched decode.
 
 The batch is flat: the tokens of all scheduled sequences one after another, as the scheduler's
-`SchedulerOutputs` gives them. Per layer, every new token's K/V is first written into the pool at
-its slot, then attention reads the pool through the block tables:
-  * sequences with one query token (decode) are served together: their blocks are gathered into
-    a padded [n, max_len] K/V tensor and one masked `scaled_dot_product_attention` call runs;
+`SchedulerOutputs` gives them. Everything index-like (slots, decode gather, masks, last tokens) is
+built once per forward in `AttentionMetadata` and shared by all layers. Per layer, every new
+token's K/V is written into the pool at its slot, then attention runs:
+  * sequences with one query token (decode) are served together: once per step, the blocks of
+    all layers are gathered with one index_select into a reused dense workspace
+    `[layers, 2, n, max_len, kv_heads, head_dim]`; each layer writes its new K/V there as well
+    and runs one masked `scaled_dot_product_attention` call over views of it (no per-layer gather,
+    no GQA repeat);
   * longer chunks (prefill) run one sequence at a time with a causal mask shifted by the number
     of tokens already cached, so a chunk sees the earlier chunks of its prompt.
 Only the last token of each sequence goes through the final norm and the LM head.
@@ -34,11 +38,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rope_table(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[max_position, head_dim]` in fp32 (HF's non-interleaved "rotate_half" layout)."""
     dim = config.head_dim
@@ -47,6 +46,12 @@ def rope_table(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor,
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin` with the sign of rotate_half folded into `signed_sin`
+    (negation is exact, so the result is bit-identical) and the two halves swapped by `roll`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 @dataclass
@@ -62,37 +67,77 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeBatch:
+    """The sequences with one new token. Their cached K/V of every layer is gathered once per
+    step into a dense workspace `kv [num_layers, 2, n, max_len, num_kv_heads, head_dim]`; each
+    layer writes its new K/V there too and runs one masked attention call over its slice."""
+
+    tokens: torch.Tensor | None  # int64 [n] flat index of each token; None = the whole batch
+    rows: torch.Tensor  # int64 [n] 0..n-1
+    new_pos: torch.Tensor  # int64 [n] position of the new token (context length - 1)
+    mask: torch.Tensor  # additive [n, 1, 1, max_len]: 0 up to the context length, -inf after
+    kv: torch.Tensor  # the workspace view described above
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs, built once per forward and shared by all layers."""
 
     slot_blocks: torch.Tensor  # int64 [T] block id of each new token
     slot_offsets: torch.Tensor  # int64 [T] offset inside that block
-    decode_tokens: torch.Tensor | None  # int64 [nd] flat index of each single-token sequence
-    decode_tables: torch.Tensor | None  # int64 [nd, max_blocks]
-    decode_mask: torch.Tensor | None  # bool [nd, 1, 1, max_blocks*block_size]
+    decode: DecodeBatch | None
     prefills: list[PrefillSlice]
-    last_token: torch.Tensor  # int64 [n] flat index of each sequence's last token
+    last_token: torch.Tensor | None  # int64 [n] flat index of each sequence's last token; None = all
 
 
-def build_metadata(slot_mapping: torch.Tensor, seqlens_q: list[int], seqlens_k: list[int],
-                   block_tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+def gather_decode(kv_cache: torch.Tensor, tables: torch.Tensor, workspace: torch.Tensor,
+                  ) -> torch.Tensor:
+    """Copy the blocks `tables [n, nb]` of every layer into `workspace` (grown when too small),
+    layer-major, with one index_select; return it viewed `[L, 2, n, nb * B, Hkv, D]`."""
+    n, nb = tables.shape
+    num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    shape = (num_layers, 2, n * nb, block_size, num_kv_heads, head_dim)
+    numel = torch.Size(shape).numel()
+    if workspace.numel() < numel:
+        workspace.resize_(numel)
+    dense = workspace[:numel].view(shape)
+    # The copy lands in a reused buffer: a fresh tensor this large would page-fault on every step.
+    torch.index_select(kv_cache, 0, tables.reshape(-1), out=dense.permute(2, 0, 1, 3, 4, 5))
+    return dense.view(num_layers, 2, n, nb * block_size, num_kv_heads, head_dim)
+
+
+def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
+                 block_tables: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor,
+                 dtype: torch.dtype) -> DecodeBatch | None:
+    dec = np.flatnonzero(seqlens_q == 1)
+    if len(dec) == 0:
+        return None
     device = block_tables.device
+    block_size = kv_cache.shape[3]
+    lens = seqlens_k[dec]
+    nb = -(-int(lens.max()) // block_size)
+    is_all = len(dec) == len(seqlens_q)
+    tables = block_tables[:, :nb] if is_all else block_tables[torch.as_tensor(dec, device=device), :nb]
+    dense = gather_decode(kv_cache, tables, workspace)
+    lens_t = torch.as_tensor(lens, device=device)
+    mask = torch.zeros((len(dec), nb * block_size), dtype=dtype, device=device)
+    mask.masked_fill_(torch.arange(nb * block_size, device=device)[None, :] >= lens_t[:, None],
+                      float("-inf"))
+    tokens = None if is_all else torch.as_tensor(starts[dec], device=device)
+    return DecodeBatch(tokens, torch.arange(len(dec), device=device), lens_t - 1,
+                       mask[:, None, None, :], dense)
+
+
+def build_metadata(slot_mapping: torch.Tensor, seqlens_q: np.ndarray, seqlens_k: np.ndarray,
+                   block_tables: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor,
+                   dtype: torch.dtype) -> AttentionMetadata:
+    device = block_tables.device
+    block_size = kv_cache.shape[3]
     starts = np.concatenate([[0], np.cumsum(seqlens_q)[:-1]]).astype(np.int64)
-    dec = [i for i, q in enumerate(seqlens_q) if q == 1]
-    decode_tokens = decode_tables = decode_mask = None
-    if dec:
-        max_k = max(seqlens_k[i] for i in dec)
-        nb = -(-max_k // block_size)
-        idx = torch.tensor(dec, dtype=torch.int64, device=device)
-        decode_tokens = torch.as_tensor(starts[dec], device=device)
-        decode_tables = block_tables[idx, :nb]
-        lens = torch.tensor([seqlens_k[i] for i in dec], device=device)
-        decode_mask = (torch.arange(nb * block_size, device=device)[None, :] < lens[:, None])
-        decode_mask = decode_mask[:, None, None, :]
+    decode = build_decode(seqlens_q, seqlens_k, starts, block_tables, kv_cache, workspace, dtype)
     prefills = []
-    for i, (q, k) in enumerate(zip(seqlens_q, seqlens_k, strict=False)):
-        if q <= 1:
-            continue
+    for i in np.flatnonzero(seqlens_q > 1):
+        q, k = int(seqlens_q[i]), int(seqlens_k[i])
         cached = k - q
         mask = None
         if cached:
@@ -100,18 +145,21 @@ def build_metadata(slot_mapping: torch.Tensor, seqlens_q: list[int], seqlens_k: 
             mask = torch.arange(k, device=device)[None, :] <= rows
         nb = -(-k // block_size)
         prefills.append(PrefillSlice(int(starts[i]), q, k, nb, block_tables[i, :nb], mask))
-    last = torch.as_tensor(starts + np.asarray(seqlens_q, dtype=np.int64) - 1, device=device)
+    last = None  # an all-decode batch: every token is its sequence's last
+    if decode is None or decode.tokens is not None:
+        last = torch.as_tensor(starts + seqlens_q.astype(np.int64) - 1, device=device)
     return AttentionMetadata(slot_mapping // block_size, slot_mapping % block_size,
-                             decode_tokens, decode_tables, decode_mask, prefills, last)
+                             decode, prefills, last)
 
 
 class LlamaLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)); x + swiglu(norm(x)). Q/K/V and gate/up are fused."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.index = index
         qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         empty = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=c.dtype), requires_grad=False)  # noqa: E731
         self.input_norm = empty(c.hidden_size)
@@ -121,41 +169,53 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = empty(2 * c.intermediate_size, c.hidden_size)
         self.down_proj = empty(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 layer_kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = F.linear(h, self.qkv_proj)
-        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q = qkv[:, :nq].view(-1, c.num_heads, c.head_dim)
-        k = qkv[:, nq:nq + nk].view(-1, c.num_kv_heads, c.head_dim)
-        v = qkv[:, nq + nk:].view(-1, c.num_kv_heads, c.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        num_qk_heads = c.num_heads + c.num_kv_heads
+        # Q and K heads are rotated together; V is a view of the projection.
+        qk = apply_rope(qkv[:, :num_qk_heads * c.head_dim].view(-1, num_qk_heads, c.head_dim),
+                        cos, signed_sin)
+        q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+        v = qkv[:, num_qk_heads * c.head_dim:].view(-1, c.num_kv_heads, c.head_dim)
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
         layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)
-        attn = paged_attention(q, k, v, layer_kv, meta, c)
+        attn = paged_attention(q, k, v, layer_kv, meta, c, self.index)
         x = x + F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
         h = rms_norm(x, self.post_norm, c.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_proj)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
+                     c: ModelConfig, layer: int) -> torch.Tensor:
+    """One masked attention call for all single-token sequences; returns [n, Hq, D]."""
+    if d.tokens is not None:
+        q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
+    n = q.shape[0]
+    dense = d.kv[layer]  # [2, n, max_len, Hkv, D]
+    dense[:, d.rows, d.new_pos] = torch.stack((k, v))
+    keys = dense[0].transpose(1, 2)  # [n, Hkv, max_len, D], a view
+    vals = dense[1].transpose(1, 2)
+    # The query heads sharing a KV head ride as its query rows: no K/V repeat, no copy.
+    qd = q.reshape(n, c.num_kv_heads, c.num_queries_per_kv, c.head_dim)
+    out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.mask)
+    return out.view(n, c.num_heads, c.head_dim)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
-                    meta: AttentionMetadata, c: ModelConfig) -> torch.Tensor:
+                    meta: AttentionMetadata, c: ModelConfig, layer: int) -> torch.Tensor:
     """Attention of each new token over its sequence's cached + new K/V. q [T, Hq, D]."""
+    d = meta.decode
+    if d is not None and d.tokens is None:
+        return decode_attention(q, k, v, d, c, layer)
     out = torch.empty_like(q)
+    if d is not None:
+        out[d.tokens] = decode_attention(q, k, v, d, c, layer)
     block_size = layer_kv.shape[2]
     group = c.num_queries_per_kv
-    if meta.decode_tokens is not None:
-        nd = meta.decode_tokens.shape[0]
-        kv = layer_kv[meta.decode_tables]  # [nd, nb, 2, B, Hkv, D]
-        keys = kv[:, :, 0].reshape(nd, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        vals = kv[:, :, 1].reshape(nd, -1, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        # The `group` query heads sharing a KV head ride as its query rows: no K/V repeat.
-        qd = q[meta.decode_tokens].view(nd, c.num_kv_heads, group, c.head_dim)
-        od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask)
-        out[meta.decode_tokens] = od.reshape(nd, c.num_heads, c.head_dim)
     for p in meta.prefills:
         qs = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, Hq, q, D]
         if p.mask is None:
@@ -181,11 +241,12 @@ class LlamaModel(nn.Module):
         c = config
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=c.dtype),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(c, i) for i in range(c.num_layers))
         self.norm = nn.Parameter(torch.empty(c.hidden_size, dtype=c.dtype), requires_grad=False)
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(
             torch.empty(c.vocab_size, c.hidden_size, dtype=c.dtype), requires_grad=False)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin
+        self._workspace = torch.empty(0, dtype=c.dtype)  # decode K/V, reused across steps
 
     @property
     def device(self) -> torch.device:
@@ -206,21 +267,28 @@ class LlamaModel(nn.Module):
         last token of each sequence. `seqlens_k` is each sequence's context length after the step,
         `slot_mapping` is block_id * block_size + offset for each token of `input_ids`."""
         dev = self.device
+        c = self.config
         if self._rope is None:
-            self._rope = rope_table(self.config, dev)
+            cos, sin = rope_table(c, dev)
+            half = c.head_dim // 2
+            self._rope = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        if self._workspace.device != kv_cache.device or self._workspace.dtype != kv_cache.dtype:
+            self._workspace = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
         ids = torch.as_tensor(np.asarray(input_ids), device=dev).long()
         pos = torch.as_tensor(np.asarray(positions), device=dev).long()
         slots = torch.as_tensor(np.asarray(slot_mapping), device=dev).long()
         tables = torch.as_tensor(np.asarray(block_tables), device=dev).long()
-        q_lens = [int(x) for x in np.asarray(seqlens_q)]
-        k_lens = [int(x) for x in np.asarray(seqlens_k)]
-        assert sum(q_lens) == ids.shape[0] == pos.shape[0] == slots.shape[0], "ragged batch"
-        meta = build_metadata(slots, q_lens, k_lens, tables, kv_cache.shape[3])
-        cos = self._rope[0][pos][:, None, :].to(self.config.dtype)
-        sin = self._rope[1][pos][:, None, :].to(self.config.dtype)
+        q_lens = np.asarray(seqlens_q, dtype=np.int64)
+        k_lens = np.asarray(seqlens_k, dtype=np.int64)
+        assert q_lens.sum() == ids.shape[0] == pos.shape[0] == slots.shape[0], "ragged batch"
+        meta = build_metadata(slots, q_lens, k_lens, tables, kv_cache, self._workspace, c.dtype)
+        cos = self._rope[0][pos][:, None, :].to(c.dtype)
+        sin = self._rope[1][pos][:, None, :].to(c.dtype)
         x = F.embedding(ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i], meta)
-        x = rms_norm(x[meta.last_token], self.norm, self.config.rms_norm_eps)
+        if meta.last_token is not None:
+            x = x[meta.last_token]
+        x = rms_norm(x, self.norm, c.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(x, head).float()
