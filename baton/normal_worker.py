@@ -61,6 +61,8 @@ def fill_engine_record(engine: LLMEngine, record: EngineRecord) -> None:
 
 
 class NormalWorker:
+    """The NORMAL role, and the base of the PROMPT and COMPLETION workers."""
+
     role = "normal"
 
     def __init__(self, engine: LLMEngine):
@@ -76,7 +78,7 @@ class NormalWorker:
 
     def abort_request(self, req_id: str) -> list[TokenDelta]:
         self.engine.abort_request(req_id)
-        return []  # the final delta comes with the next step
+        return []  # the final delta (reason abort) comes with the next step
 
     def step(self) -> list[TokenDelta]:
         return [to_delta(out) for out in self.engine.step()]

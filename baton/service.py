@@ -28,6 +28,7 @@ import zmq
 
 from baton.dp import DPGroup
 from baton.protocol import (
+    MAX_MESSAGE_BYTES,
     AbortRequest,
     EngineStats,
     GenerateRequest,
@@ -102,6 +103,8 @@ class EngineService:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, not vanishes
+        # ZMQ drops (and disconnects) a peer whose message exceeds this, before we see it.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if config.port:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
         else:

@@ -24,13 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from baton.engine import LLMEngine
-from baton.normal_worker import (
-    error_delta,
-    fill_engine_record,
-    fill_engine_stats,
-    to_delta,
-    to_sampling_params,
-)
+from baton.normal_worker import NormalWorker, error_delta, to_sampling_params
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
 from baton.registry import EngineRecord
 from baton.sampler import SamplingParams
@@ -51,11 +45,11 @@ class _Admission:
     aborted: bool = False
 
 
-class CompletionWorker:
+class CompletionWorker(NormalWorker):
     role = "completion"
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str):
-        self.engine = engine
+        super().__init__(engine)
         self.importer = KVImporter(engine.kv_cache, transfer, engine.kv_fingerprint(),
                                    engine_id=engine_id)
         self.admission: collections.deque[_Admission] = collections.deque()
@@ -146,9 +140,6 @@ class CompletionWorker:
                                           "kv_transfer_failed"))
         return deltas
 
-    def step(self) -> list[TokenDelta]:
-        return [to_delta(out) for out in self.engine.step()]
-
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self.admission)
 
@@ -157,7 +148,7 @@ class CompletionWorker:
         return bool(self.pulling)
 
     def fill_stats(self, stats: EngineStats) -> None:
-        fill_engine_stats(self.engine, stats)
+        super().fill_stats(stats)
         stats.num_waiting += len(self.admission) + len(self.pulling)
         stats.extra["kv_pulls_done"] = float(self.num_pulls_done)
         stats.extra["kv_pulls_failed"] = float(self.num_pulls_failed)
@@ -166,7 +157,7 @@ class CompletionWorker:
                 stats.extra[f"kv_{key}"] = float(value)
 
     def fill_record(self, record: EngineRecord) -> None:
-        fill_engine_record(self.engine, record)
+        super().fill_record(record)
         record.num_waiting += len(self.admission) + len(self.pulling)
 
     def close(self) -> None:

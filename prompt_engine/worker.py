@@ -21,13 +21,7 @@ import logging
 import threading
 
 from baton.engine import LLMEngine
-from baton.normal_worker import (
-    error_delta,
-    fill_engine_record,
-    fill_engine_stats,
-    to_delta,
-    to_sampling_params,
-)
+from baton.normal_worker import NormalWorker, error_delta, to_delta
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
 from baton.registry import EngineRecord
 from kv_transfer import protocol as kvproto
@@ -37,11 +31,11 @@ from kv_transfer.exporter import KVExporter
 logger = logging.getLogger(__name__)
 
 
-class PromptWorker:
+class PromptWorker(NormalWorker):
     role = "prompt"
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str):
-        self.engine = engine
+        super().__init__(engine)
         self._freed: collections.deque[str] = collections.deque()  # filled by the exporter thread
         self._lock = threading.Lock()
         self.exporter = KVExporter(engine.kv_cache, transfer, engine.kv_fingerprint(),
@@ -59,12 +53,7 @@ class PromptWorker:
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         if req.kv_handle:
             return [error_delta(req.req_id, "a prompt engine takes no KV handle")]
-        try:
-            self.engine.add_request(req.req_id, req.prompt_token_ids,
-                                    to_sampling_params(req.sampling))
-        except ValueError as exc:
-            return [error_delta(req.req_id, str(exc))]
-        return []
+        return super().add_request(req)
 
     def abort_request(self, req_id: str) -> list[TokenDelta]:
         if self.engine.abort_request(req_id):
@@ -94,21 +83,15 @@ class PromptWorker:
             self.engine.release_handed_off(request_id)
         return []
 
-    def has_work(self) -> bool:
-        return self.engine.has_unfinished()
-
-    def has_pending(self) -> bool:
-        return False
-
     def fill_stats(self, stats: EngineStats) -> None:
-        fill_engine_stats(self.engine, stats)
+        super().fill_stats(stats)
         stats.extra["num_handed_off"] = float(self.engine.scheduler.num_handed_off())
         for key, value in self.exporter.metrics().items():
             if isinstance(value, (int, float)):
                 stats.extra[f"kv_{key}"] = float(value)
 
     def fill_record(self, record: EngineRecord) -> None:
-        fill_engine_record(self.engine, record)
+        super().fill_record(record)
         record.side_channel = self.exporter.address
 
     def close(self) -> None:

@@ -266,3 +266,16 @@ def test_registry_shows_live_engines_and_a_restarted_one(cluster, redis_server):
         assert "completion-doomed" not in [r.engine_id for r in registry.list("completion")]
     finally:
         registry.close()
+
+
+def test_garbage_on_the_engine_socket_is_dropped(cluster):
+    with cluster["prompt"].client() as c:
+        c.sock.send(b"\x93not-a-message")
+        c.sock.send_multipart([b"two", b"frames"])
+        stats = c.stats()
+    assert stats.extra["num_bad_messages"] >= 2 and stats.healthy
+    with cluster["normal"].client() as c:
+        out = c.generate([0] * 3 + [10**9], GREEDY)  # a token id past the vocabulary
+    assert out.finish_reason == "error" and "out of range" in out.error
+    ids = _ids(12, seed=21)
+    assert _disaggregated(cluster, ids) == _normal(cluster, ids)
