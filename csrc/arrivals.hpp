@@ -186,6 +186,7 @@ inline SequencePtr Scheduler::make_sequence_(const std::string &request_id, std:
   seq->eos_token_ids = opts.eos_token_ids;
   seq->stop_token_ids = opts.stop_token_ids;
   seq->ignore_eos = opts.ignore_eos;
+  seq->build_stop_set();
   seq->schedule.schedulable = opts.schedulable;
   seq->structured_output.status = opts.structured_output ? 1 : 0;
   std::vector<int> cps = opts.chunk_checkpoints;

@@ -133,7 +133,7 @@ inline int Scheduler::book_plain_(Sequence &seq, int32_t token, ProcessResult &r
     seq.first_token_latency = now_seconds() - seq.arrival_time;
     res.first_token_latencies.emplace_back(seq.request_id, seq.first_token_latency);
   }
-  if ((!seq.ignore_eos && contains_(seq.eos_token_ids, token)) || contains_(seq.stop_token_ids, token)) {
+  if (seq.stops_at(token)) {
     seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
   } else if (len > cfg_.max_model_len || output_len >= seq.max_tokens) {
     seq.schedule.status = SequenceStatus::FINISHED_LENGTH_CAPPED;
@@ -160,11 +160,7 @@ inline void Scheduler::append_token_(Sequence &seq, int32_t token, ProcessResult
 
 inline void Scheduler::check_stop_(Sequence &seq) const {
   const int32_t token = seq.data.last_token();
-  if (!seq.ignore_eos && contains_(seq.eos_token_ids, token)) {
-    seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
-    return;
-  }
-  if (contains_(seq.stop_token_ids, token)) {
+  if (seq.stops_at(token)) {
     seq.schedule.status = SequenceStatus::FINISHED_STOPPED;
     return;
   }

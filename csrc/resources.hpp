@@ -41,6 +41,16 @@ inline void Scheduler::check_invariants() const {
   for (auto &kv : allocated_) seen[kv.second.get()] += 1;
   for (auto &kv : seen) {
     if (kv.second > 1) throw std::logic_error("sequence " + kv.first->request_id + " sits in two queues");
+    // The inline stop ids agree with the vectors they were built from.
+    Sequence copy;
+    copy.eos_token_ids = kv.first->eos_token_ids;
+    copy.stop_token_ids = kv.first->stop_token_ids;
+    copy.ignore_eos = kv.first->ignore_eos;
+    copy.build_stop_set();
+    const StopSet &a = copy.stop_set, &b = kv.first->stop_set;
+    if (a.size != b.size || a.overflow != b.overflow || !std::equal(a.ids, a.ids + a.size, b.ids)) {
+      throw std::logic_error("sequence " + kv.first->request_id + ": stop_set disagrees with its stop ids");
+    }
   }
 }
 

@@ -217,12 +217,6 @@ class Scheduler {
   int book_plain_(Sequence &seq, int32_t token, ProcessResult &res);
   void append_token_(Sequence &seq, int32_t token, ProcessResult &res);
   void check_stop_(Sequence &seq) const;
-  static bool contains_(const std::vector<int32_t> &ids, int32_t token) {
-    for (int32_t id : ids) {
-      if (id == token) return true;
-    }
-    return false;
-  }
 
   // ---- resources ----------------------------------------------------------------
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -61,13 +62,14 @@ struct SequenceData {
 };
 
 struct KvCacheState {
-  int block_size{0};
+  // Hot first (Sequence puts this struct's head in its hot lines), cold tail last.
   int previous_num_tokens{0};
   int num_tokens{0};
+  uint32_t table_version{0};  // bumped by every edit that is not an append (row cache key)
+  int block_size{0};
+  std::vector<int> block_table;
   int hit_tokens{0};
   int swa_valid_start{0};
-  std::vector<int> block_table;
-  uint32_t table_version{0};  // bumped by every edit that is not an append (row cache key)
   int state_id{-1};
   int last_copy_state_token_idx{0};
 
@@ -107,11 +109,12 @@ struct SequenceScheduleState {
 };
 
 struct DraftState {
-  std::vector<int32_t> draft_tokens;     // proposed for the next decode step, not committed
-  std::vector<int32_t> accepted_tokens;  // accepted on the last step
+  // Cold head, hot tail: Sequence ends its cold line with this struct's head.
   int info_slot{-1};                     // one per running sequence (S36)
   int64_t num_drafted{0};
   int64_t num_accepted{0};
+  std::vector<int32_t> draft_tokens;     // proposed for the next decode step, not committed
+  std::vector<int32_t> accepted_tokens;  // accepted on the last step
 
   int get_nextn_len() const { return static_cast<int>(draft_tokens.size()); }
 };
@@ -120,37 +123,75 @@ struct StructuredOutputState {
   int status{0};  // non-zero: a grammar matcher holds state, so never recompute (S27)
 };
 
-struct Sequence {
-  // Members are ordered hot first: a decode step touches these for 1024
-  // sequences, and each cache line saved is a miss saved per sequence. The
-  // schedule ledger comes last of the hot ones because its own tail (branch id,
-  // checkpoints) is cold.
+// The stop ids of one sequence inline (eos unless ignored, then stop ids), so
+// the per-token check reads no vector; more than fit: the vectors decide.
+struct StopSet {
+  static constexpr int kInline = 3;
+  int32_t ids[kInline]{};
+  uint8_t size{0};
+  bool overflow{false};
+};
+
+// alignas(64): a decode step touches three whole cache lines of each running
+// sequence, [64, 256), and no other line of the object. The first line holds cold fields that
+// end with the draft ledger's cold head, so the hot lines start with its
+// vectors; the cache ledger's cold tail and the schedule ledger's cold tail
+// (branch id, checkpoints) follow the hot lines. Offsets are checked below.
+struct alignas(64) Sequence {
+  // Line 0: cold.
+  std::string request_id;
+  double arrival_time{0.0};  // metrics (S32)
+  DraftState draft;          // cold head [40, 64), hot vectors [64, 112)
+  // Lines 1-3: hot.
   int64_t seq_id{0};
   SequenceData data;
-  KvCacheState cache;
   // Bookkeeping that is Baton's own, not the article's:
   int epoch{0};          // bumped by reset_for_recompute; a step booked under an old epoch is void
   int inflight_steps{0};  // scheduled steps not yet booked: resources may not return before 0 (S8)
-
-  // Stopping criteria.
-  int max_tokens{0};
+  int max_tokens{0};      // stopping criteria
+  int num_pushed_tokens{0};
+  StopSet stop_set;  // eos_token_ids and stop_token_ids as the check reads them
+  KvCacheState cache;
+  SequenceScheduleState schedule;  // hot head; branch id and checkpoints start the cold rest
+  // Cold.
+  StructuredOutputState structured_output;
   bool ignore_eos{false};
   bool reported{false};  // finish reason already handed to the caller
-  int num_pushed_tokens{0};
   std::vector<int32_t> eos_token_ids;
   std::vector<int32_t> stop_token_ids;
-
-  DraftState draft;
-  SequenceScheduleState schedule;
-  StructuredOutputState structured_output;
-  std::string request_id;
-
-  // Metrics (S32).
-  double arrival_time{0.0};
-  double first_token_latency{-1.0};
+  double first_token_latency{-1.0};  // metrics (S32)
   std::vector<int> zombie_blocks;  // released, waiting for inflight_steps == 0
   std::vector<int> zombie_states;
   const char *finish_reason_override{nullptr};
+
+  // Fills stop_set from eos_token_ids, stop_token_ids and ignore_eos (set once, on arrival).
+  void build_stop_set() {
+    stop_set = StopSet{};
+    auto add = [&](const std::vector<int32_t> &v) {
+      for (int32_t id : v) {
+        if (stop_set.size < StopSet::kInline) {
+          stop_set.ids[stop_set.size++] = id;
+        } else {
+          stop_set.overflow = true;
+        }
+      }
+    };
+    if (!ignore_eos) add(eos_token_ids);
+    add(stop_token_ids);
+  }
+  // Whether a sampled token stops this sequence (S31).
+  bool stops_at(int32_t token) const {
+    if (__builtin_expect(stop_set.overflow, 0)) {
+      for (int32_t id : stop_token_ids) if (id == token) return true;
+      if (ignore_eos) return false;
+      for (int32_t id : eos_token_ids) if (id == token) return true;
+      return false;
+    }
+    for (int i = 0; i < stop_set.size; ++i) {
+      if (stop_set.ids[i] == token) return true;
+    }
+    return false;
+  }
 
   bool is_finished() const { return is_finished_status(schedule.status); }
   int get_len() const { return data.get_len(); }
@@ -185,6 +226,13 @@ struct Sequence {
     epoch += 1;
   }
 };
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+static_assert(offsetof(Sequence, draft) + offsetof(DraftState, draft_tokens) == 64, "hot lines start at 64");
+static_assert(offsetof(Sequence, schedule) + offsetof(SequenceScheduleState, chunked_rest_len) <= 256,
+              "hot lines end at 256");
+#pragma GCC diagnostic pop
 
 using SequencePtr = std::shared_ptr<Sequence>;
 
