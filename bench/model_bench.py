@@ -2,7 +2,7 @@
 threads, same process. Prefill tokens/s (128- and 1024-token prompts) and decode tokens/s at
 batch 1, 8, 32. Prints a table and writes bench/results/model.json.
 
-    .venv/bin/python bench/model_bench.py [--threads 2] [--decode-tokens 32] [--quick]
+    .venv/bin/python bench/model_bench.py [--threads 2] [--decode-tokens 32] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -69,16 +71,27 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * (new_tokens - 1) / (run(new_tokens) - run(1))
 
 
+def alternate(baton_run, hf_run, repeats: int) -> tuple[float, float]:
+    """Medians of `repeats` runs of each, interleaved."""
+    b, h = [], []
+    for _ in range(repeats):
+        b.append(baton_run())
+        h.append(hf_run())
+    return statistics.median(b), statistics.median(h)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-prompt-len", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="best of this many runs: the machine is shared, a slow run is noise")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="median of this many runs, Baton and transformers alternating, so a "
+                         "shared machine's load falls on both alike")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
@@ -93,14 +106,15 @@ def main() -> None:
     for length in (128, 1024):
         prompt = make_prompts(engine.tokenizer, 1, length)[0]
         baton_prefill(engine, prompt[:16]), hf_prefill(hf, prompt[:16])  # warm-up
-        b = max(baton_prefill(engine, prompt) for _ in range(args.repeats))
-        h = max(hf_prefill(hf, prompt) for _ in range(args.repeats))
+        b, h = alternate(partial(baton_prefill, engine, prompt), partial(hf_prefill, hf, prompt),
+                         args.repeats)
         rows.append({"metric": f"prefill_tok_s_len{length}", "baton": b, "transformers": h})
     for batch in (int(x) for x in args.batches.split(",")):
         prompts = make_prompts(engine.tokenizer, batch, args.decode_prompt_len)
-        b = max(baton_decode(engine, prompts, args.decode_tokens) for _ in range(args.repeats))
-        h = max(hf_decode(hf, prompts, args.decode_tokens) for _ in range(args.repeats))
+        b, h = alternate(partial(baton_decode, engine, prompts, args.decode_tokens),
+                         partial(hf_decode, hf, prompts, args.decode_tokens), args.repeats)
         rows.append({"metric": f"decode_tok_s_batch{batch}", "baton": b, "transformers": h})
+        logger.info("%s", rows[-1])
     for r in rows:
         r["ratio"] = r["baton"] / r["transformers"]
     assert engine.num_free_blocks() == engine.num_total_blocks()
