@@ -116,15 +116,20 @@ class PagedDriver:
                           np.array(k, np.int32), tables, self.kv)
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int,
-               chunk_size: int | None = None) -> list[list[int]]:
-        """Prefill every prompt (in chunks of `chunk_size`), then decode all together.
-        No EOS handling: callers compare the first tokens only."""
-        seqs = [{"blocks": [], "num_cached": 0, "out": []} for _ in prompts]
-        for s, prompt in zip(seqs, prompts, strict=False):
-            step = chunk_size or len(prompt)
-            for i in range(0, len(prompt), step):
-                logits = self._step([s], [prompt[i:i + step]])
-            s["out"].append(int(logits[0].argmax()))
+               chunk_size: int | list[int] | None = None) -> list[list[int]]:
+        """Prefill every prompt in chunks of `chunk_size` (one size, or one per prompt; None =
+        whole), one chunk of each unfinished prompt per step as a mixed batch; then decode all
+        together. No EOS handling: callers compare the first tokens only."""
+        seqs = [{"blocks": [], "num_cached": 0, "out": [], "prompt": p} for p in prompts]
+        sizes = chunk_size if isinstance(chunk_size, list) else [chunk_size] * len(prompts)
+        for s, size in zip(seqs, sizes, strict=True):
+            s["chunk"] = size or len(s["prompt"])
+        while todo := [s for s in seqs if s["num_cached"] < len(s["prompt"])]:
+            logits = self._step(todo, [s["prompt"][s["num_cached"]:s["num_cached"] + s["chunk"]]
+                                       for s in todo])
+            for s, row in zip(todo, logits, strict=True):
+                if s["num_cached"] == len(s["prompt"]):
+                    s["out"].append(int(row.argmax()))
         for _ in range(max_new_tokens - 1):
             logits = self._step(seqs, [[s["out"][-1]] for s in seqs])
             for s, row in zip(seqs, logits, strict=False):

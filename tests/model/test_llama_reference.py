@@ -45,10 +45,10 @@ def test_chat_prompt_matches_reference(driver: PagedDriver) -> None:
 
 
 def test_chunked_prefill_and_batched_decode_match(driver: PagedDriver) -> None:
-    """Chunks of 16/7 tokens see their earlier chunks; a mixed-length decode batch is exact."""
+    """Chunks of 16/7 tokens see their earlier chunks, also when the chunks of several prompts
+    (and single-token prompts) share a step; a mixed-length decode batch is exact."""
     prompts = [prompt_of_length(n) for n in (1, 17, 300)] + [chat_prompt()]
-    for chunk in (16, 7):
-        outs = driver.greedy(prompts, NEW_TOKENS, chunk_size=chunk)
-        for got, prompt in zip(outs, prompts, strict=False):
-            _check(got, prompt)
+    outs = driver.greedy(prompts * 2, NEW_TOKENS, chunk_size=[16] * 4 + [7] * 4)
+    for got, prompt in zip(outs, prompts * 2, strict=True):
+        _check(got, prompt)
     assert len(driver.free) == driver.num_blocks - 1
