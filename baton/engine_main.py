@@ -59,7 +59,8 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
     if role == "prompt":
         from prompt_engine.worker import PromptWorker
 
-        return PromptWorker(engine, transfer_config(args, role), engine_id)
+        return PromptWorker(engine, transfer_config(args, role), engine_id,
+                            advertise_host=args.advertise_host)
     from completion_engine.worker import CompletionWorker
 
     return CompletionWorker(engine, transfer_config(args, role), engine_id)

@@ -34,12 +34,18 @@ logger = logging.getLogger(__name__)
 class PromptWorker(NormalWorker):
     role = "prompt"
 
-    def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str):
+    def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
+                 advertise_host: str = ""):
         super().__init__(engine)
         self._freed: collections.deque[str] = collections.deque()  # filled by the exporter thread
         self._lock = threading.Lock()
         self.exporter = KVExporter(engine.kv_cache, transfer, engine.kv_fingerprint(),
                                    on_free=self._on_lease_end, engine_id=engine_id)
+        if advertise_host:
+            # Bound to a wildcard (or a pod-local) address: KV handles must name the address a
+            # completion engine on another host can dial.
+            port = self.exporter.address.rsplit(":", 1)[1]
+            self.exporter.address = f"tcp://{advertise_host}:{port}"
         self.num_handed_off = 0
 
     @property

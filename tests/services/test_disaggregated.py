@@ -279,3 +279,22 @@ def test_garbage_on_the_engine_socket_is_dropped(cluster):
     assert out.finish_reason == "error" and "out of range" in out.error
     ids = _ids(12, seed=21)
     assert _disaggregated(cluster, ids) == _normal(cluster, ids)
+
+
+def test_wildcard_bind_advertises_a_dialable_address(cluster):
+    """As in Kubernetes: bound to every interface, the engine names its advertised address in
+    the registry record and in KV handles, and a completion engine can pull from it."""
+    from kv_transfer.protocol import decode_handle
+
+    pod = EngineProcess("prompt-engine", "prompt-pod", cluster["logs"], args=[
+        *PROMPT_ARGS, "--host", "0.0.0.0", "--advertise-host", "127.0.0.1"])
+    try:
+        start_all([pod])
+        ids = _ids(24, seed=31)
+        first = _prefill(pod, ids, "pod0")
+        assert decode_handle(first.kv_handle).side_channel.startswith("tcp://127.0.0.1:")
+        rest = _decode(cluster["completion"], ids, first)
+        assert first.token_ids + rest.token_ids == _normal(cluster, ids)
+        wait_whole([pod])
+    finally:
+        pod.stop()
