@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import sys
 import torch
 
 from baton.dp import DPConfig, DPGroup
+from baton.launcher import die_with_parent, engine_threads
 from baton.registry import RegistryConfig, make_registry
 from baton.service import EngineService, ServiceConfig
 
@@ -31,11 +31,8 @@ def engine_config(args: argparse.Namespace, role: str):
         block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_threads=args.num_threads or default_threads(), engine_type=role)
-
-
-def default_threads() -> int:
-    return max(1, (os.cpu_count() or 1) // 2)
+        # Standalone, assume one other engine shares the host (the launcher passes the share).
+        num_threads=args.num_threads or engine_threads(2), engine_type=role)
 
 
 def transfer_config(args: argparse.Namespace, role: str):
@@ -67,13 +64,11 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
 
 
 def spawn_other_ranks(args: argparse.Namespace, argv: list[str]) -> list[subprocess.Popen]:
-    from baton.launcher import _die_with_parent
-
     procs = []
     for rank in range(1, args.data_parallel_size):
         extra = ["--data-parallel-rank", str(rank)]
         procs.append(subprocess.Popen([sys.executable, "-m", "baton.cli", *argv, *extra],
-                                      preexec_fn=_die_with_parent))
+                                      preexec_fn=die_with_parent))
     return procs
 
 

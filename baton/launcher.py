@@ -54,7 +54,7 @@ class LaunchConfig:
             raise ValueError("run either normal engines or prompt+completion engines, not both")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the launcher dies, however it dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -67,7 +67,7 @@ class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
         self.name = name
         self.argv = argv
-        self.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent,
+        self.proc = subprocess.Popen(argv, preexec_fn=die_with_parent,
                                      env={**os.environ, **(env or {})})
 
     def check_alive(self) -> None:

@@ -37,29 +37,6 @@ def error_delta(req_id: str, message: str, reason: str = "error") -> TokenDelta:
     return TokenDelta(req_id, finish_reason=reason, error=message)
 
 
-def fill_engine_stats(engine: LLMEngine, stats: EngineStats) -> None:
-    sched = engine.scheduler
-    stats.num_free_blocks = sched.num_free_blocks()
-    stats.num_total_blocks = sched.num_total_blocks()
-    stats.num_running = sched.num_running()
-    stats.num_waiting = sched.num_waiting()
-    stats.num_prompt_tokens = engine.num_prompt_tokens
-    stats.num_generated_tokens = engine.num_generated_tokens
-    stats.extra["num_prompt_steps"] = float(engine.num_prompt_steps)
-    stats.extra["num_empty_prompt_steps"] = float(engine.num_empty_prompt_steps)
-    stats.extra["num_decode_steps"] = float(engine.num_decode_steps)
-
-
-def fill_engine_record(engine: LLMEngine, record: EngineRecord) -> None:
-    sched = engine.scheduler
-    record.model_fingerprint = engine.fingerprint
-    record.block_size = engine.config.block_size
-    record.num_free_blocks = sched.num_free_blocks()
-    record.num_total_blocks = sched.num_total_blocks()
-    record.num_running = sched.num_running()
-    record.num_waiting = sched.num_waiting()
-
-
 class NormalWorker:
     """The NORMAL role, and the base of the PROMPT and COMPLETION workers."""
 
@@ -93,10 +70,25 @@ class NormalWorker:
         return False
 
     def fill_stats(self, stats: EngineStats) -> None:
-        fill_engine_stats(self.engine, stats)
+        engine, sched = self.engine, self.engine.scheduler
+        stats.num_free_blocks = sched.num_free_blocks()
+        stats.num_total_blocks = sched.num_total_blocks()
+        stats.num_running = sched.num_running()
+        stats.num_waiting = sched.num_waiting()
+        stats.num_prompt_tokens = engine.num_prompt_tokens
+        stats.num_generated_tokens = engine.num_generated_tokens
+        stats.extra["num_prompt_steps"] = float(engine.num_prompt_steps)
+        stats.extra["num_empty_prompt_steps"] = float(engine.num_empty_prompt_steps)
+        stats.extra["num_decode_steps"] = float(engine.num_decode_steps)
 
     def fill_record(self, record: EngineRecord) -> None:
-        fill_engine_record(self.engine, record)
+        engine, sched = self.engine, self.engine.scheduler
+        record.model_fingerprint = engine.fingerprint
+        record.block_size = engine.config.block_size
+        record.num_free_blocks = sched.num_free_blocks()
+        record.num_total_blocks = sched.num_total_blocks()
+        record.num_running = sched.num_running()
+        record.num_waiting = sched.num_waiting()
 
     def close(self) -> None:
         pass

@@ -17,7 +17,6 @@ One process, one thread of control:
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -124,10 +123,6 @@ class EngineService:
         self._snapshot_every_s = min(0.25, config.heartbeat_s / 2)
 
     # --- lifecycle -------------------------------------------------------------------------
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-
     def stop(self) -> None:
         self._stop.set()
 

@@ -19,7 +19,7 @@ import pytest
 from baton.cli import _SUBCOMMANDS
 from baton.protocol import SamplingOptions
 from router.config import RouterConfig
-from tests.cluster import EngineProcess
+from tests.cluster import EngineProcess, wait_whole
 from tests.router.conftest import serve_router
 
 _NEEDED = ("engine", "prompt-engine", "completion-engine")
@@ -124,16 +124,6 @@ def test_openai_client_greedy_matches_the_engine(deployments, model_info, deploy
     assert _chat_stream_text(client, messages, 16) == expected
 
 
-def _wait_all_free(engines: list[EngineProcess], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = [e.stats() for e in engines]
-        if all(s.num_free_blocks == s.num_total_blocks and s.num_running == 0 for s in stats):
-            return
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("deployment", ["normal", "pd"])
 def test_disconnect_mid_stream_frees_every_block(deployments, deployment):
     engines = ([deployments["normal_engine"]] if deployment == "normal"
@@ -148,7 +138,7 @@ def test_disconnect_mid_stream_frees_every_block(deployments, deployment):
             if seen == 4:
                 assert any(e.stats().num_running for e in engines)
                 break
-    _wait_all_free(engines)
+    wait_whole(engines)
 
 
 def test_64_concurrent_streams_match_their_whole_text(deployments):
@@ -179,7 +169,7 @@ def test_64_concurrent_streams_match_their_whole_text(deployments):
     streamed = asyncio.run(run(stream=True))
     whole = asyncio.run(run(stream=False))
     assert all(streamed) and streamed == whole
-    _wait_all_free([*deployments["prompts"], deployments["completion"]])
+    wait_whole([*deployments["prompts"], deployments["completion"]])
 
 
 def test_killed_prompt_engine_requests_go_to_the_other(deployments):
