@@ -23,8 +23,11 @@ inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutput
   res->num_accepted.assign(n, 0);
   std::vector<SequencePtr> chunks;
   int32_t *num_accepted = res->num_accepted.data();
+  const SequencePtr *seqs = out.scheduled_seqs.data();
   for (int i = 0; i < n; ++i) {
-    const SequencePtr &seq = out.scheduled_seqs[i];
+    if (i + 2 * kPrefetchAhead < n) prefetch_hot_lines(seqs[i + 2 * kPrefetchAhead].get());
+    if (i + kPrefetchAhead < n) prefetch_tails(seqs[i + kPrefetchAhead].get());
+    const SequencePtr &seq = seqs[i];
     if (!out.prompt_run && width == 1 && out.seqlens_q[i] == 1 && seq->epoch == out.epochs[i]) {
       num_accepted[i] = book_plain_(*seq, tokens[i], *res);
       continue;
@@ -114,7 +117,7 @@ inline int Scheduler::book_decode_(Sequence &seq, const int32_t *row, int width,
 
 // process_outputs for the usual decode row: one token in flight, no drafts,
 // not voided; the same steps as the general path, without its loops.
-inline int Scheduler::book_plain_(Sequence &seq, int32_t token, ProcessResult &res) {
+__attribute__((always_inline)) inline int Scheduler::book_plain_(Sequence &seq, int32_t token, ProcessResult &res) {
   seq.inflight_steps -= 1;
   seq.schedule.finish_inflight_step();
   seq.cache.advance_optimistically(1);

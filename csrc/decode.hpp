@@ -25,6 +25,7 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
   const int max_seqs = cfg_.max_num_seqs;
   while (l < r && out->num_seqs() < max_seqs) {
     const SequencePtr &seq = running[r - 1];
+    if (r - l > kPrefetchAhead) prefetch_hot_lines(running[r - 1 - kPrefetchAhead].get());
     Sequence &sq = *seq;
     trim_drafts_(sq);
     // The article asks for one free block before every sequence. Baton asks for
@@ -75,6 +76,7 @@ inline bool Scheduler::drop_finished_running_(SchedulerOutputs &out) {
   int prev_len = 0;
   int64_t prev_id = 0;
   for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) prefetch_hot_lines(run[i + kPrefetchAhead].get());
     Sequence &seq = *run[i];
     if (seq.is_finished()) {
       report_(seq, out.finished);

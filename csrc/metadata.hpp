@@ -97,6 +97,8 @@ inline int Scheduler::build_decode_rows_(SchedulerOutputs &out, int n) {
   int64_t sum_qxk = 0;
   int min_k = out.min_seqlen_k, max_k = out.max_seqlen_k, worst = -1;
   for (int i = 0; i < n; ++i) {
+    if (i + 2 * kPrefetchAhead < n) prefetch_hot_lines(seqs[i + 2 * kPrefetchAhead].get());
+    if (i + kPrefetchAhead < n) prefetch_tails(seqs[i + kPrefetchAhead].get());
     Sequence &seq = *seqs[i];
     const int pos = seq.cache.num_tokens + seq.schedule.total_inflight_tokens;
     const int k = pos + 1;
