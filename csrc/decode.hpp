@@ -23,34 +23,46 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
   size_t l = 0, r = running.size();
   size_t first_scheduled = r;
   const int max_seqs = cfg_.max_num_seqs;
-  while (l < r && out->num_seqs() < max_seqs) {
-    const SequencePtr &seq = running[r - 1];
-    if (r - l > kPrefetchAhead) prefetch_hot_lines(running[r - 1 - kPrefetchAhead].get());
+  DecodeRows rows = begin_decode_rows_(*out, static_cast<int>(r));
+  const SequencePtr *run = running.data();  // preempt_ never moves `running`
+  while (l < r && rows.i < max_seqs) {
+    const size_t before = r;
+    r = emit_plain_rows_(rows, run, l, r, max_seqs);
+    if (r != before) first_scheduled = r;
+    if (l >= r || rows.i >= max_seqs) break;
+    // A row that needs a block or carries drafts.
+    const SequencePtr &seq = run[r - 1];
+    if (r - l > kPrefetchAhead) prefetch_hot_lines(run[r - 1 - kPrefetchAhead].get());
     Sequence &sq = *seq;
-    trim_drafts_(sq);
+    if (__builtin_expect(!sq.draft.draft_tokens.empty(), 0)) trim_drafts_(sq);
     // The article asks for one free block before every sequence. Baton asks for
     // the blocks this sequence really needs (often 0): with a full pool the
     // literal rule preempts a lone sequence that needs nothing, a livelock
     // under recompute.
     const int nextn = sq.draft.get_nextn_len();
-    const int num_blocks = blocks_for_(sq.get_len() + sq.schedule.total_inflight_tokens + nextn);
+    const int num_tokens = sq.get_len() + sq.schedule.total_inflight_tokens + nextn;
+    const int num_blocks = rows.bs_shift >= 0 ? (num_tokens + rows.block_size - 1) >> rows.bs_shift
+                                              : (num_tokens + rows.block_size - 1) / rows.block_size;
     const int need = num_blocks - static_cast<int>(sq.cache.block_table.size());
-    if (need > 0) {
-      while (block_manager_->can_allocate_nolock(need) != AllocStatus::OK && r - l > 1) {
-        preempt_(running[l], *out);
-        l += 1;
+    if (__builtin_expect(need != 0, 0)) {
+      if (need > 0) {
+        while (block_manager_->can_allocate_nolock(need) != AllocStatus::OK && r - l > 1) {
+          preempt_(run[l], *out);
+          l += 1;
+        }
+        if (block_manager_->can_allocate_nolock(need) != AllocStatus::OK) {
+          preempt_(seq, *out);
+          r -= 1;
+          continue;
+        }
       }
-      if (block_manager_->can_allocate_nolock(need) != AllocStatus::OK) {
-        preempt_(seq, *out);
-        r -= 1;
-        continue;
-      }
+      append_slot_(sq, num_blocks);
     }
-    if (need != 0) append_slot_(sq, num_blocks);
-    out->add_seq(seq, 1 + nextn);
+    emit_decode_row_(rows, seq, 1 + nextn);
     first_scheduled = r - 1;
     r -= 1;
   }
+  end_decode_rows_(rows);
   // The batch is youngest first and running keeps oldest first, so running is
   // the batch reversed: the tail it was taken from. The next step's LCFS order
   // is then usually already in place.

@@ -12,6 +12,7 @@ namespace baton {
 // table changes once it is in the batch). Returns the row whose position end
 // is the largest (S38 checks only that one), -1 for an empty batch.
 inline int Scheduler::build_metadata_(SchedulerOutputs &out) {
+  if (out.rows_built) return out.worst_row;
   out.trim();
   const int n = out.num_seqs();
   size_metadata_(out, n, out.num_tokens_q);
@@ -19,7 +20,6 @@ inline int Scheduler::build_metadata_(SchedulerOutputs &out) {
   int worst = -1, worst_end = std::numeric_limits<int>::min();
   const SequencePtr *seqs = out.scheduled_seqs.data();
   const int32_t *seqlens_q = out.seqlens_q.data();
-  if (!out.prompt_run && out.num_tokens_q == n) return build_decode_rows_(out, n);
   for (int i = 0, t = 0; i < n; ++i) {
     Sequence &seq = *seqs[i];
     const int q = seqlens_q[i];
@@ -84,45 +84,217 @@ inline void Scheduler::emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &
   }
 }
 
-// build_metadata_ for the usual decode step: one token per row, no drafts.
-// The arrays and running extremes live in locals, so nothing is reloaded per row.
-inline int Scheduler::build_decode_rows_(SchedulerOutputs &out, int n) {
-  const SequencePtr *seqs = out.scheduled_seqs.data();
-  int *epochs = out.epochs.data();
-  int64_t *seq_ids = out.seq_ids.data();
-  int32_t *seqlens_k = out.seqlens_k.data();
-  int32_t *input_ids = out.input_ids.data();
-  int32_t *positions = out.positions.data();
-  int64_t *slots = out.slot_mapping.data();
-  int64_t sum_qxk = 0;
-  int min_k = out.min_seqlen_k, max_k = out.max_seqlen_k, worst = -1;
-  for (int i = 0; i < n; ++i) {
-    if (i + 2 * kPrefetchAhead < n) prefetch_hot_lines(seqs[i + 2 * kPrefetchAhead].get());
-    if (i + kPrefetchAhead < n) prefetch_tails(seqs[i + kPrefetchAhead].get());
-    Sequence &seq = *seqs[i];
-    const int pos = seq.cache.num_tokens + seq.schedule.total_inflight_tokens;
-    const int k = pos + 1;
-    epochs[i] = seq.epoch;
-    seq_ids[i] = seq.seq_id;
-    seqlens_k[i] = k;
-    sum_qxk += k;
-    min_k = std::min(min_k, k);
-    if (k > max_k) {
-      max_k = k;
-      worst = i;  // the first row of the largest k - q
+// A decode step's rows, written while schedule_decode_ picks the sequences:
+// each sequence's hot lines are read once a step instead of once per pass.
+// Emitting at pick time is exact: a sequence's table no longer changes once
+// it is picked, and preemption only takes sequences not yet picked.
+// Everything the rows need sits in this struct, a local of schedule_decode_
+// that the compiler keeps in registers: no field is reloaded per row.
+struct Scheduler::DecodeRows {
+  SchedulerOutputs &out;
+  SequencePtr *seqs;
+  int32_t *seqlens_q;
+  int *epochs;
+  int64_t *seq_ids;
+  int32_t *seqlens_k;
+  int32_t *input_ids;
+  int32_t *positions;
+  int64_t *slots;
+  int32_t *block_tables;
+  SchedulerOutputs::RowCache *row_cache;
+  int token_capacity;
+  // block_tables is written with last step's width, which is this step's but
+  // when the longest table grew or left; then end_decode_rows_ lays it out again.
+  int stride;
+  int bs_shift;  // as Scheduler::bs_shift_
+  int block_size;
+  int i, t, max_blocks;
+};
+
+// Every array sized for max_rows one-token rows; end_decode_rows_ trims them.
+inline Scheduler::DecodeRows Scheduler::begin_decode_rows_(SchedulerOutputs &out, int max_rows) {
+  if (static_cast<int>(out.scheduled_seqs.size()) < max_rows) out.scheduled_seqs.resize(max_rows);
+  out.seqlens_q.resize(max_rows);
+  size_metadata_(out, max_rows, max_rows);
+  prepare_block_tables_(out, max_rows, decode_stride_hint_);
+  return DecodeRows{out, out.scheduled_seqs.data(), out.seqlens_q.data(), out.epochs.data(), out.seq_ids.data(),
+                    out.seqlens_k.data(), out.input_ids.data(), out.positions.data(), out.slot_mapping.data(),
+                    out.block_tables.data(), out.row_cache.data(), max_rows, decode_stride_hint_, bs_shift_,
+                    cfg_.block_size, 0, 0, 0};
+}
+
+// Row i and tokens [t, t + q): the committed token (-1 while a step still in
+// flight samples it) and q - 1 drafts; also starts the sequence's step in flight.
+__attribute__((always_inline)) inline void Scheduler::emit_decode_row_(DecodeRows &rows, const SequencePtr &seq,
+                                                                        int q) {
+  Sequence &sq = *seq;
+  const int i = rows.i, t = rows.t;
+  // Assigning the same sequence again (the usual case) touches no reference count.
+  if (rows.seqs[i].get() != &sq) rows.seqs[i] = seq;
+  const int *table = sq.cache.block_table.data();
+  const int num_blocks = static_cast<int>(sq.cache.block_table.size());
+  rows.max_blocks = std::max(rows.max_blocks, num_blocks);
+  const int pos = sq.cache.num_tokens + sq.schedule.total_inflight_tokens;
+  rows.seqlens_q[i] = q;
+  rows.epochs[i] = sq.epoch;
+  rows.seq_ids[i] = sq.seq_id;
+  rows.seqlens_k[i] = pos + q;
+  if (__builtin_expect(t + q > rows.token_capacity, 0)) grow_decode_tokens_(rows, t + q);
+  auto slot_of = [&](int p) -> int64_t {
+    if (rows.bs_shift >= 0) {
+      return (static_cast<int64_t>(table[p >> rows.bs_shift]) << rows.bs_shift) | (p & (rows.block_size - 1));
     }
-    const auto &tok = seq.data.token_ids;
-    input_ids[i] = pos < static_cast<int>(tok.size()) ? tok[pos] : -1;
-    positions[i] = pos;
-    slots[i] = slot_of_(seq.cache.block_table.data(), pos);
-    seq.schedule.start_inflight_step(1);
-    seq.inflight_steps += 1;
-    fill_block_row_(out, i, seq);
+    return static_cast<int64_t>(table[p / rows.block_size]) * rows.block_size + p % rows.block_size;
+  };
+  const auto &tok = sq.data.token_ids;
+  rows.input_ids[t] = pos < static_cast<int>(tok.size()) ? tok[pos] : -1;
+  rows.positions[t] = pos;
+  rows.slots[t] = slot_of(pos);
+  sq.schedule.start_inflight_step(q);
+  sq.inflight_steps += 1;
+  if (__builtin_expect(q > 1, 0)) {
+    for (int j = 1; j < q; ++j) {
+      rows.input_ids[t + j] = sq.draft.draft_tokens[j - 1];
+      rows.positions[t + j] = pos + j;
+      rows.slots[t + j] = slot_of(pos + j);
+    }
+    sq.draft.num_drafted += q - 1;
+    sq.draft.draft_tokens.clear();  // consumed: now counted as tokens in flight
+  }
+  // fill_block_row_, with the usual case (the row holds all but at most the
+  // newest block) as plain stores instead of library calls.
+  if (num_blocks <= rows.stride) {
+    auto &rc = rows.row_cache[i];
+    int32_t *row = rows.block_tables + static_cast<size_t>(i) * rows.stride;
+    if (rc.seq_id == sq.seq_id && rc.table_version == sq.cache.table_version && rc.len <= num_blocks) {
+      if (num_blocks - rc.len == 1) {
+        row[rc.len] = table[rc.len];
+      } else if (num_blocks > rc.len) {
+        std::copy(table + rc.len, table + num_blocks, row + rc.len);
+      }
+    } else {
+      std::copy(table, table + num_blocks, row);
+      std::fill(row + num_blocks, row + rows.stride, 0);
+      rc.seq_id = sq.seq_id;
+      rc.table_version = sq.cache.table_version;
+    }
+    rc.len = num_blocks;
+  }
+  rows.i = i + 1;
+  rows.t = t + q;
+}
+
+// schedule_decode_'s usual rows, youngest first from run[r - 1] down to
+// run[l]: one token, no drafts, no block to add. Stops at the first row that
+// is not, or after max_rows rows in all; returns the new r. No call in the
+// loop but on rare paths, so what it needs stays in registers.
+__attribute__((noinline)) inline size_t Scheduler::emit_plain_rows_(DecodeRows &rows, const SequencePtr *run,
+                                                                      size_t l, size_t r, int max_rows) {
+  const int shift = rows.bs_shift, stride = rows.stride;
+  if (shift < 0) return r;  // block sizes that are no power of two take emit_decode_row_
+  const int i0 = rows.i, t0 = rows.t;
+  const size_t limit = std::min({r - l, static_cast<size_t>(max_rows - i0), static_cast<size_t>(rows.token_capacity - t0)});
+  SequencePtr *seqs = rows.seqs + i0;
+  int32_t *seqlens_q = rows.seqlens_q + i0, *seqlens_k = rows.seqlens_k + i0;
+  int *epochs = rows.epochs + i0;
+  int64_t *seq_ids = rows.seq_ids + i0;
+  int32_t *input_ids = rows.input_ids + t0, *positions = rows.positions + t0;
+  int64_t *slots = rows.slots + t0;
+  const int mask = rows.block_size - 1;
+  int max_blocks = rows.max_blocks;
+  size_t j = 0;
+  for (; j < limit; ++j) {
+    const size_t at = r - 1 - j;
+    if (at >= l + kPrefetchAhead) prefetch_hot_lines(run[at - kPrefetchAhead].get());
+    const SequencePtr &seq = run[at];
+    Sequence &sq = *seq;
+    if (!sq.draft.draft_tokens.empty()) break;
+    const int *tok = sq.data.token_ids.data();
+    const int len = static_cast<int>(sq.data.token_ids.size());
+    const int inflight = sq.schedule.total_inflight_tokens;
+    const int *table = sq.cache.block_table.data();
+    const int num_blocks = static_cast<int>(sq.cache.block_table.size());
+    if (((len + inflight + mask) >> shift) != num_blocks) break;  // S28: needs a block (or gives one back)
+    if (seqs[j].get() != &sq) seqs[j] = seq;
+    max_blocks = std::max(max_blocks, num_blocks);
+    const int pos = sq.cache.num_tokens + inflight;
+    seqlens_q[j] = 1;
+    epochs[j] = sq.epoch;
+    seq_ids[j] = sq.seq_id;
+    seqlens_k[j] = pos + 1;
+    input_ids[j] = pos < len ? tok[pos] : -1;
+    positions[j] = pos;
+    slots[j] = (static_cast<int64_t>(table[pos >> shift]) << shift) | (pos & mask);
+    sq.schedule.start_inflight_step(1);
+    sq.inflight_steps += 1;
+    if (num_blocks > stride) continue;  // end_decode_rows_ lays the tables out again
+    const int i = i0 + static_cast<int>(j);
+    auto &rc = rows.row_cache[i];
+    if (rc.seq_id == sq.seq_id && rc.table_version == sq.cache.table_version && rc.len + 1 >= num_blocks &&
+        rc.len <= num_blocks) {
+      rows.block_tables[static_cast<size_t>(i) * stride + num_blocks - 1] = table[num_blocks - 1];
+      rc.len = num_blocks;
+    } else {
+      fill_block_row_(rows.out, i, sq);
+    }
+  }
+  rows.i = i0 + static_cast<int>(j);
+  rows.t = t0 + static_cast<int>(j);
+  rows.max_blocks = max_blocks;
+  return r - j;
+}
+
+// Drafts make a step longer than one token a row.
+__attribute__((always_inline)) inline void Scheduler::grow_decode_tokens_(DecodeRows &rows, int num_tokens) {
+  SchedulerOutputs &out = rows.out;
+  const int capacity = std::max(num_tokens, 2 * rows.token_capacity);
+  out.input_ids.resize(capacity);
+  out.positions.resize(capacity);
+  out.slot_mapping.resize(capacity);
+  rows.input_ids = out.input_ids.data();
+  rows.positions = out.positions.data();
+  rows.slots = out.slot_mapping.data();
+  rows.token_capacity = capacity;
+}
+
+inline void Scheduler::end_decode_rows_(DecodeRows &rows) {
+  SchedulerOutputs &out = rows.out;
+  const int n = rows.i;
+  out.num_scheduled = n;
+  out.num_tokens_q = rows.t;
+  out.max_blocks = rows.max_blocks;
+  out.trim();
+  out.seqlens_q.resize(n);
+  size_metadata_(out, n, rows.t);
+  // The extremes over the finished arrays, not in the row loop: fewer live
+  // values there, and these loops over contiguous ints are cheap.
+  const int32_t *seqlens_q = rows.seqlens_q, *seqlens_k = rows.seqlens_k;
+  int64_t sum_qxk = 0;
+  int max_q = 0, min_k = out.min_seqlen_k, max_k = out.max_seqlen_k;
+  for (int i = 0; i < n; ++i) {
+    sum_qxk += static_cast<int64_t>(seqlens_q[i]) * seqlens_k[i];
+    max_q = std::max(max_q, seqlens_q[i]);
+    min_k = std::min(min_k, seqlens_k[i]);
+    max_k = std::max(max_k, seqlens_k[i]);
+  }
+  int worst = -1, worst_end = std::numeric_limits<int>::min();
+  for (int i = 0; i < n; ++i) {
+    if (seqlens_k[i] - seqlens_q[i] > worst_end) {  // the first row of the largest k - q (S38)
+      worst_end = seqlens_k[i] - seqlens_q[i];
+      worst = i;
+    }
   }
   out.sum_seqlen_qxk += sum_qxk;
+  out.max_seqlen_q = max_q;
   out.min_seqlen_k = min_k;
   out.max_seqlen_k = max_k;
-  return n > 0 && worst < 0 ? 0 : worst;
+  prepare_block_tables_(out, n, rows.max_blocks);
+  if (rows.max_blocks != rows.stride) {
+    for (int i = 0; i < n; ++i) fill_block_row_(out, i, *out.scheduled_seqs[i]);
+  }
+  decode_stride_hint_ = rows.max_blocks;
+  out.worst_row = worst;
+  out.rows_built = true;
 }
 
 // After all rows: the position-end check (S38) and the FLOP estimates. Only the

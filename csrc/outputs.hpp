@@ -71,6 +71,10 @@ struct SchedulerOutputs {
   int table_stride{0};  // the row width block_tables and row_cache were filled with
   int num_scheduled{0};
   int num_tokens_q{0};  // sum of seqlens_q
+  // A decode step writes its rows while scheduling (Scheduler::emit_decode_row_);
+  // build_metadata_ then only returns the row S38 checks.
+  bool rows_built{false};
+  int worst_row{-1};
 
   int num_seqs() const { return num_scheduled; }
 
@@ -115,6 +119,8 @@ struct SchedulerOutputs {
     booked = false;
     num_scheduled = 0;
     num_tokens_q = 0;
+    rows_built = false;
+    worst_row = -1;
   }
 
   // Drops the slots this step did not refill.

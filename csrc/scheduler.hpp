@@ -205,8 +205,13 @@ class Scheduler {
   int build_metadata_(SchedulerOutputs &out);
   void size_metadata_(SchedulerOutputs &out, int n, int num_tokens);
   void emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &seq, int q);
-  int build_decode_rows_(SchedulerOutputs &out, int n);
   void finish_metadata_(SchedulerOutputs &out, int worst);
+  struct DecodeRows;
+  DecodeRows begin_decode_rows_(SchedulerOutputs &out, int max_rows);
+  void emit_decode_row_(DecodeRows &rows, const SequencePtr &seq, int q);
+  size_t emit_plain_rows_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r, int max_rows);
+  void grow_decode_tokens_(DecodeRows &rows, int num_tokens);
+  void end_decode_rows_(DecodeRows &rows);
   static void prepare_block_tables_(SchedulerOutputs &out, int n, int max_blocks);
   static void fill_block_row_(SchedulerOutputs &out, int i, const Sequence &seq);
 
@@ -243,6 +248,7 @@ class Scheduler {
   std::unique_ptr<BlockManager> state_manager_;
   AllReduceMin all_reduce_min_;
   uint32_t decode_step_{0};
+  int decode_stride_hint_{0};  // the last decode step's block_tables width: the next one's usually
   int64_t next_seq_id_{0};
   int outstanding_prompt_steps_{0};
   bool pending_sweep_{false};
@@ -266,7 +272,7 @@ class Scheduler {
 #include "arrivals.hpp"
 #include "voting.hpp"
 #include "prefill.hpp"
+#include "metadata.hpp"  // before decode.hpp, which writes its rows with DecodeRows
 #include "decode.hpp"
-#include "metadata.hpp"
 #include "booking.hpp"
 #include "resources.hpp"

@@ -169,3 +169,68 @@ def test_s32_ttft_and_pushed_tokens() -> None:
     with pytest.raises(ValueError, match="already booked"):
         sched.process_outputs(out, sampled(out))
     drain(sched)
+
+
+def _check_decode_rows(sched, out) -> None:
+    """Every array of a decode step against the sequences' own ledgers after schedule()."""
+    bs = sched.config.block_size
+    n = len(out)
+    q = np.asarray(out.seqlens_q)
+    k = np.asarray(out.seqlens_k)
+    tables = [sched.sequence_info(rid)["block_table"] for rid in out.request_ids]
+    assert out.block_tables.shape == (n, max((len(t) for t in tables), default=0))
+    t = 0
+    for i, rid in enumerate(out.request_ids):
+        info = sched.sequence_info(rid)
+        pos = info["num_tokens"] + info["total_inflight_tokens"] - q[i]
+        assert k[i] == pos + q[i]
+        assert out.seq_ids[i] == info["seq_id"]
+        row = list(out.block_tables[i])
+        assert row == tables[i] + [0] * (len(row) - len(tables[i]))
+        for j in range(q[i]):
+            p = pos + j
+            assert out.positions[t + j] == p
+            assert out.slot_mapping[t + j] == tables[i][p // bs] * bs + p % bs
+        tok = info["token_ids"]
+        assert out.input_ids[t] == (tok[pos] if pos < len(tok) else -1)
+        t += q[i]
+    assert len(out.input_ids) == t == int(q.sum())
+    if n:
+        assert out.max_seqlen_q == q.max() and out.min_seqlen_k == k.min() and out.max_seqlen_k == k.max()
+        assert out.sum_seqlen_qxk == int((q.astype(np.int64) * k).sum())
+
+
+@pytest.mark.parametrize("block_size", [4, 5])
+def test_s38_decode_rows_written_while_scheduling(block_size: int) -> None:
+    """The decode rows are written as sequences are picked: staggered lengths
+    (tables widen and the widest one leaves), drafts on some rows, a pool tight
+    enough to preempt, and a step left in flight while the next is scheduled."""
+    sched = create_scheduler(block_size=block_size, num_blocks=90, max_num_seqs=12,
+                             num_speculative_tokens=2, prefill_attempt_interval=3,
+                             prefill_any_attempt_interval=1000)
+    rng = np.random.default_rng(0)
+    for i in range(14):
+        sched.add_sequence(f"s{i}", [10 + i] * int(rng.integers(3, 20)), int(rng.integers(4, 40)))
+    pending = None
+    for n_step in range(80):
+        if n_step % 4 == 1:
+            live = set(sched.live_request_ids())
+            for rid in [r for r in sched.running_ids() if r in live][::3]:
+                sched.set_draft_tokens(rid, [30, 31][: int(rng.integers(1, 3))])
+        out = sched.schedule()
+        if not out.prompt_run:
+            _check_decode_rows(sched, out)
+        width = max(1, out.max_seqlen_q)
+        tokens = np.full((len(out), width), 7, dtype=np.int32)
+        tokens[:, width - 1:] = np.where(rng.random((len(out), 1)) < 0.5, -1, 7) if width > 1 else 7
+        if pending is not None:  # book the older step first, two in flight
+            sched.process_outputs(*pending)
+            pending = None
+        if n_step % 5 == 0 and not out.prompt_run:
+            pending = (out, tokens)
+        else:
+            sched.process_outputs(out, tokens)
+        sched.check_invariants()
+    if pending is not None:
+        sched.process_outputs(*pending)
+    drain(sched)
