@@ -321,7 +321,7 @@ class LLMEngine:
         reqs = [self._by_seq[int(s)] for s in seq_ids]
         logits = self.model(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
                             sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
-                            self.kv_cache)
+                            self.kv_cache, seq_ids)
         seqlens_q = np.asarray(sched_out.seqlens_q)
         if sched_out.prompt_run:
             self.num_prompt_tokens += int(seqlens_q.sum())

@@ -4,11 +4,11 @@ The batch is flat: the tokens of all scheduled sequences one after another, as t
 `SchedulerOutputs` gives them. Everything index-like (slots, decode gather, masks, last tokens) is
 built once per forward in `AttentionMetadata` and shared by all layers. Per layer, every new
 token's K/V is written into the pool at its slot, then attention runs:
-  * sequences with one query token (decode) are served together: once per step, the blocks of
-    all layers are gathered with one index_select into a reused dense workspace
-    `[layers, 2, n, max_len, kv_heads, head_dim]`; each layer writes its new K/V there as well
-    and runs one masked `scaled_dot_product_attention` call over views of it (no per-layer gather,
-    no GQA repeat);
+  * sequences with one query token (decode) are served together over dense rows that persist
+    from step to step (`DecodeRows`, `[layers, 2, rows, kv_heads, capacity, head_dim]`): a row is
+    gathered from the blocks once, when its sequence starts decoding, and then each layer appends
+    the new token's K/V to it as well as to the pool, and runs one masked
+    `scaled_dot_product_attention` call over views of it (no per-step gather, no GQA repeat);
   * longer chunks (prefill) run one sequence at a time with a causal mask shifted by the number
     of tokens already cached, so a chunk sees the earlier chunks of its prompt.
 Only the last token of each sequence goes through the final norm and the LM head.
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.model.config import ModelConfig
+from baton.model.decode_rows import DecodeRows
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+# Few rows: MKL runs these GEMMs on one thread whatever torch.set_num_threads says (measured on
+# the 2-core CPU: 1 and 2 threads take the same time up to ~64 rows).
+_SPLIT_MAX_ROWS = 64
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` (no bias) that keeps every intra-op thread busy for a decode batch:
+    the weight's output rows are cut into one part per thread, viewed as a batch (no copy), and
+    one `bmm` runs the parts in parallel. 1.3-1.5x faster for 1-32 rows on 2 threads; large
+    batches (prefill) keep MKL's own threading."""
+    parts = torch.get_num_threads()
+    rows, (n, k) = x.shape[0], weight.shape
+    if parts < 2 or rows > _SPLIT_MAX_ROWS or n % parts or x.device.type != "cpu":
+        return F.linear(x, weight)
+    w = weight.view(parts, n // parts, k).transpose(1, 2)  # [parts, k, n / parts]
+    return torch.bmm(x.expand(parts, rows, k), w).transpose(0, 1).reshape(rows, n)
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The vocabulary projection, the largest GEMM of a decode step (49152 x 576 for SmolLM2):
+    oneDNN's matmul, which threads it, beats MKL's 1.3-1.8x on this CPU at 8-256 rows."""
+    if _ONEDNN and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
 
 
 def rope_table(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,14 +96,17 @@ class PrefillSlice:
 
 @dataclass
 class DecodeBatch:
-    """The sequences with one new token. Their cached K/V of every layer is gathered once per
-    step into a dense workspace `kv [num_layers, 2, n, max_len, num_kv_heads, head_dim]`; each
-    layer writes its new K/V there too and runs one masked attention call over its slice."""
+    """The sequences with one new token. Their cached K/V of every layer lives in persistent
+    dense rows (`DecodeRows`), viewed here as `kv [num_layers, 2, n, num_kv_heads, max_len,
+    head_dim]`; each layer writes its new K/V there too and runs one masked attention call over
+    its slice. Rows are a permutation of the batch: `rows[i]` is batch entry i's row."""
 
     tokens: torch.Tensor | None  # int64 [n] flat index of each token; None = the whole batch
-    rows: torch.Tensor  # int64 [n] 0..n-1
+    rows: torch.Tensor  # int64 [n] row of each batch entry
+    permutation: torch.Tensor | None  # = rows, or None when rows are 0..n-1 in batch order
     new_pos: torch.Tensor  # int64 [n] position of the new token (context length - 1)
-    mask: torch.Tensor  # additive [n, 1, 1, max_len]: 0 up to the context length, -inf after
+    lens: np.ndarray  # int64 [n] context length of each entry after this step
+    mask: torch.Tensor  # additive [n, 1, 1, max_len] in row order: 0 up to the length, -inf after
     kv: torch.Tensor  # the workspace view described above
 
 
@@ -90,51 +121,39 @@ class AttentionMetadata:
     last_token: torch.Tensor | None  # int64 [n] flat index of each sequence's last token; None = all
 
 
-def gather_decode(kv_cache: torch.Tensor, tables: torch.Tensor, workspace: torch.Tensor,
-                  ) -> torch.Tensor:
-    """Copy the blocks `tables [n, nb]` of every layer into `workspace` (grown when too small),
-    layer-major, with one index_select; return it viewed `[L, 2, n, nb * B, Hkv, D]`."""
-    n, nb = tables.shape
-    num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    shape = (num_layers, 2, n * nb, block_size, num_kv_heads, head_dim)
-    numel = torch.Size(shape).numel()
-    if workspace.numel() < numel:
-        workspace.resize_(numel)
-    dense = workspace[:numel].view(shape)
-    # The copy lands in a reused buffer: a fresh tensor this large would page-fault on every step.
-    torch.index_select(kv_cache, 0, tables.reshape(-1), out=dense.permute(2, 0, 1, 3, 4, 5))
-    return dense.view(num_layers, 2, n, nb * block_size, num_kv_heads, head_dim)
-
-
 def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
-                 block_tables: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor,
-                 dtype: torch.dtype) -> DecodeBatch | None:
+                 seq_ids: np.ndarray, block_tables: torch.Tensor, kv_cache: torch.Tensor,
+                 decode_rows: DecodeRows, dtype: torch.dtype) -> DecodeBatch | None:
     dec = np.flatnonzero(seqlens_q == 1)
     if len(dec) == 0:
         return None
     device = block_tables.device
-    block_size = kv_cache.shape[3]
     lens = seqlens_k[dec]
-    nb = -(-int(lens.max()) // block_size)
     is_all = len(dec) == len(seqlens_q)
-    tables = block_tables[:, :nb] if is_all else block_tables[torch.as_tensor(dec, device=device), :nb]
-    dense = gather_decode(kv_cache, tables, workspace)
+    tables = block_tables if is_all else block_tables[torch.as_tensor(dec, device=device)]
+    rows = decode_rows.prepare(seq_ids[dec], lens, tables, kv_cache, kv_cache.shape[3])
+    n, max_len = len(dec), int(lens.max())
+    identity = bool((rows == torch.arange(n, device=device)).all())
     lens_t = torch.as_tensor(lens, device=device)
-    mask = torch.zeros((len(dec), nb * block_size), dtype=dtype, device=device)
-    mask.masked_fill_(torch.arange(nb * block_size, device=device)[None, :] >= lens_t[:, None],
+    row_lens = lens_t if identity else torch.empty_like(lens_t).index_copy_(0, rows, lens_t)
+    mask = torch.zeros((n, max_len), dtype=dtype, device=device)
+    mask.masked_fill_(torch.arange(max_len, device=device)[None, :] >= row_lens[:, None],
                       float("-inf"))
     tokens = None if is_all else torch.as_tensor(starts[dec], device=device)
-    return DecodeBatch(tokens, torch.arange(len(dec), device=device), lens_t - 1,
-                       mask[:, None, None, :], dense)
+    kv = decode_rows.ws[:, :, :n, :, :max_len]
+    return DecodeBatch(tokens, rows, None if identity else rows, lens_t - 1, lens,
+                       mask[:, None, None, :], kv)
 
 
 def build_metadata(slot_mapping: torch.Tensor, seqlens_q: np.ndarray, seqlens_k: np.ndarray,
-                   block_tables: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor,
-                   dtype: torch.dtype) -> AttentionMetadata:
+                   seq_ids: np.ndarray, block_tables: torch.Tensor, kv_cache: torch.Tensor,
+                   decode_rows: DecodeRows, dtype: torch.dtype) -> AttentionMetadata:
     device = block_tables.device
     block_size = kv_cache.shape[3]
     starts = np.concatenate([[0], np.cumsum(seqlens_q)[:-1]]).astype(np.int64)
-    decode = build_decode(seqlens_q, seqlens_k, starts, block_tables, kv_cache, workspace, dtype)
+    decode_rows.forget(seq_ids[seqlens_q > 1])  # their K/V is being (re)written by a prefill
+    decode = build_decode(seqlens_q, seqlens_k, starts, seq_ids, block_tables, kv_cache,
+                          decode_rows, dtype)
     prefills = []
     for i in np.flatnonzero(seqlens_q > 1):
         q, k = int(seqlens_q[i]), int(seqlens_k[i])
@@ -173,7 +192,7 @@ class LlamaLayer(nn.Module):
                 layer_kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.config
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, self.qkv_proj)
+        qkv = linear(h, self.qkv_proj)
         num_qk_heads = c.num_heads + c.num_kv_heads
         # Q and K heads are rotated together; V is a view of the projection.
         qk = apply_rope(qkv[:, :num_qk_heads * c.head_dim].view(-1, num_qk_heads, c.head_dim),
@@ -183,10 +202,10 @@ class LlamaLayer(nn.Module):
         # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
         layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)
         attn = paged_attention(q, k, v, layer_kv, meta, c, self.index)
-        x = x + F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
+        x = x + linear(attn.reshape(x.shape[0], -1), self.o_proj)
         h = rms_norm(x, self.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_proj)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
@@ -195,14 +214,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Decod
     if d.tokens is not None:
         q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
     n = q.shape[0]
-    dense = d.kv[layer]  # [2, n, max_len, Hkv, D]
-    dense[:, d.rows, d.new_pos] = torch.stack((k, v))
-    keys = dense[0].transpose(1, 2)  # [n, Hkv, max_len, D], a view
-    vals = dense[1].transpose(1, 2)
+    dense = d.kv[layer]  # [2, n, Hkv, max_len, D]
+    # Advanced indices on dims 1 and 3 around a slice: the indexed view is [n, 2, Hkv, D].
+    dense[:, d.rows, :, d.new_pos] = torch.stack((k, v), dim=1)
     # The query heads sharing a KV head ride as its query rows: no K/V repeat, no copy.
     qd = q.reshape(n, c.num_kv_heads, c.num_queries_per_kv, c.head_dim)
-    out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.mask)
-    return out.view(n, c.num_heads, c.head_dim)
+    if d.permutation is not None:
+        qd = torch.empty_like(qd).index_copy_(0, d.permutation, qd)
+    out = F.scaled_dot_product_attention(qd, dense[0], dense[1], attn_mask=d.mask)
+    if d.permutation is not None:
+        out = out[d.permutation]
+    return out.reshape(n, c.num_heads, c.head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
@@ -246,7 +268,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(
             torch.empty(c.vocab_size, c.hidden_size, dtype=c.dtype), requires_grad=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin
-        self._workspace = torch.empty(0, dtype=c.dtype)  # decode K/V, reused across steps
+        self.decode_rows = DecodeRows()  # decode K/V, kept across steps
 
     @property
     def device(self) -> torch.device:
@@ -262,18 +284,18 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: ArrayLike, positions: ArrayLike, slot_mapping: ArrayLike,
                 seqlens_q: ArrayLike, seqlens_k: ArrayLike, block_tables: ArrayLike,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor, seq_ids: ArrayLike | None = None) -> torch.Tensor:
         """Run one flat batch; write its K/V into `kv_cache`; return fp32 logits [n, vocab] of the
         last token of each sequence. `seqlens_k` is each sequence's context length after the step,
-        `slot_mapping` is block_id * block_size + offset for each token of `input_ids`."""
+        `slot_mapping` is block_id * block_size + offset for each token of `input_ids`.
+        `seq_ids` (the scheduler's, unique per live sequence) lets a decoding sequence keep its
+        dense K/V rows from step to step; without them every decode step gathers them anew."""
         dev = self.device
         c = self.config
         if self._rope is None:
             cos, sin = rope_table(c, dev)
             half = c.head_dim // 2
             self._rope = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        if self._workspace.device != kv_cache.device or self._workspace.dtype != kv_cache.dtype:
-            self._workspace = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
         ids = torch.as_tensor(np.asarray(input_ids), device=dev).long()
         pos = torch.as_tensor(np.asarray(positions), device=dev).long()
         slots = torch.as_tensor(np.asarray(slot_mapping), device=dev).long()
@@ -281,14 +303,21 @@ class LlamaModel(nn.Module):
         q_lens = np.asarray(seqlens_q, dtype=np.int64)
         k_lens = np.asarray(seqlens_k, dtype=np.int64)
         assert q_lens.sum() == ids.shape[0] == pos.shape[0] == slots.shape[0], "ragged batch"
-        meta = build_metadata(slots, q_lens, k_lens, tables, kv_cache, self._workspace, c.dtype)
+        if seq_ids is None:
+            self.decode_rows.reset()  # no identities: nothing may be matched across steps
+            seq_ids = np.arange(len(q_lens))
+        seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        meta = build_metadata(slots, q_lens, k_lens, seq_ids, tables, kv_cache, self.decode_rows,
+                              c.dtype)
         cos = self._rope[0][pos][:, None, :].to(c.dtype)
         sin = self._rope[1][pos][:, None, :].to(c.dtype)
         x = F.embedding(ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i], meta)
+        if meta.decode is not None:
+            self.decode_rows.commit(meta.decode.rows, meta.decode.lens)
         if meta.last_token is not None:
             x = x[meta.last_token]
         x = rms_norm(x, self.norm, c.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return lm_head(x, head).float()

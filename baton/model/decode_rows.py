@@ -1,0 +1,137 @@
+"""Decode rows: each decoding sequence's K/V of every layer, kept dense across steps.
+
+Attention over the paged pool needs each sequence's K/V as one dense run per layer. Gathering
+every sequence's blocks of every layer again at every step costs a copy of the whole batch's
+K/V per step (at batch 32 x 1000 tokens of SmolLM2, 1.5 GB read and written for one token each),
+so the rows persist: a sequence keeps its row from step to step and each layer appends only the
+new token (`LlamaLayer` writes it into the pool and the row alike). Blocks are gathered only for a
+sequence that is new to decoding, or whose row no longer holds exactly the tokens before this
+step's (recomputed, or skipped by a step).
+
+Layout `[num_layers, 2, rows, num_kv_heads, capacity, head_dim]`: per layer and head a
+sequence's keys are contiguous, the layout transformers' own cache has, which the CPU attention
+kernel reads fastest. The active rows are always 0..n-1 (a freed row is filled by moving the last
+one into it), so attention runs on views of the first n rows, in row order; `rows` maps the batch
+order onto them.
+
+Not free: like any dense workspace, every row has the capacity of the longest sequence in the
+batch (46 KB per token-row for SmolLM2 in fp32).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CAPACITY_STEP = 256  # tokens: the capacity grows in these steps, a quarter more than needed
+
+
+class DecodeRows:
+    """Row bookkeeping (seq id -> row, tokens each row holds) and the workspace itself."""
+
+    def __init__(self) -> None:
+        self.ws: torch.Tensor | None = None
+        self._pool_key: tuple | None = None
+        self._row_of: dict[int, int] = {}
+        self._seq_of: list[int] = []  # row -> seq id, rows 0..n-1 active
+        self._held = np.zeros(0, dtype=np.int64)  # tokens each row holds, -1 = unknown
+        self.num_gathered = 0  # rows filled from the pool (tests and metrics)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._seq_of)
+
+    def reset(self) -> None:
+        self._row_of.clear()
+        self._seq_of.clear()
+        self._held[:] = -1
+
+    def forget(self, seq_ids) -> None:
+        """These sequences' K/V is being rewritten (a prefill chunk): their rows are stale."""
+        for s in seq_ids:
+            row = self._row_of.get(int(s))
+            if row is not None:
+                self._held[row] = -1
+
+    def prepare(self, seq_ids: np.ndarray, seqlens_k: np.ndarray, tables: torch.Tensor,
+                kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Make rows hold tokens [0, k - 1) of each sequence (k = its context after this step;
+        the layers write token k - 1). Sequences not in this batch lose their rows. Returns the
+        row of each batch entry, int64 [n]: a permutation of 0..n-1."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        if key != self._pool_key:  # another pool: nothing here describes it
+            self._pool_key = key
+            self.ws = None
+            self._held = np.zeros(0, dtype=np.int64)
+            self._row_of.clear()
+            self._seq_of.clear()
+        ids = [int(s) for s in seq_ids]
+        keep = set(ids)
+        for s in [s for s in self._seq_of if s not in keep]:
+            self._release(s)
+        n = len(ids)
+        self._ensure(n, int(seqlens_k.max()), kv_cache)
+        rows = np.empty(n, dtype=np.int64)
+        for i, s in enumerate(ids):
+            row = self._row_of.get(s)
+            if row is None:
+                row = len(self._seq_of)
+                self._seq_of.append(s)
+                self._row_of[s] = row
+                self._held[row] = -1
+            rows[i] = row
+            need = int(seqlens_k[i]) - 1
+            if self._held[row] != need:
+                self._gather(row, tables[i], need, kv_cache, block_size)
+        return torch.as_tensor(rows, device=kv_cache.device)
+
+    def commit(self, rows: torch.Tensor, seqlens_k: np.ndarray) -> None:
+        """Every layer wrote this step's token: the rows hold k tokens now."""
+        self._held[rows.cpu().numpy()] = seqlens_k
+
+    def _release(self, seq_id: int) -> None:
+        row = self._row_of.pop(seq_id)
+        last = len(self._seq_of) - 1
+        if row != last:  # keep rows dense: the last row moves into the hole
+            moved = self._seq_of[last]
+            held = int(self._held[last])
+            if held > 0:
+                self.ws[:, :, row, :, :held] = self.ws[:, :, last, :, :held]
+            self._held[row] = held
+            self._seq_of[row] = moved
+            self._row_of[moved] = row
+        self._seq_of.pop()
+        self._held[last] = -1
+
+    def _ensure(self, n: int, max_len: int, kv_cache: torch.Tensor) -> None:
+        num_layers, _, _, num_kv_heads, head_dim = kv_cache.shape[1:]
+        rows = 0 if self.ws is None else self.ws.shape[2]
+        cap = 0 if self.ws is None else self.ws.shape[4]
+        if n <= rows and max_len <= cap:
+            return
+        new_rows = max(n, rows)
+        new_cap = cap if max_len <= cap else -(-(max_len * 5 // 4) // _CAPACITY_STEP) * _CAPACITY_STEP
+        ws = torch.empty((num_layers, 2, new_rows, num_kv_heads, new_cap, head_dim),
+                         dtype=kv_cache.dtype, device=kv_cache.device)
+        active = len(self._seq_of)
+        if self.ws is not None and active:
+            ws[:, :, :active, :, :cap] = self.ws[:, :, :active]
+        held = np.full(new_rows, -1, dtype=np.int64)
+        held[:len(self._held)] = self._held
+        self.ws, self._held = ws, held
+        logger.debug("decode rows: %d x %d tokens (%.0f MiB)", new_rows, new_cap,
+                     ws.numel() * ws.element_size() / 2**20)
+
+    def _gather(self, row: int, table: torch.Tensor, num_tokens: int, kv_cache: torch.Tensor,
+                block_size: int) -> None:
+        nb = -(-num_tokens // block_size)
+        if nb:
+            blocks = kv_cache.index_select(0, table[:nb])  # [nb, L, 2, B, Hkv, D]
+            src = blocks.permute(1, 2, 4, 0, 3, 5).flatten(3, 4)  # [L, 2, Hkv, nb * B, D]
+            self.ws[:, :, row, :, :num_tokens] = src[:, :, :, :num_tokens]
+        self._held[row] = num_tokens
+        self.num_gathered += 1
