@@ -1,6 +1,19 @@
 """Model benchmark: Baton's engine vs transformers `generate` on the same GGUF weights, same
-threads, same process. Prefill tokens/s (128- and 1024-token prompts) and decode tokens/s at
-batch 1, 8, 32. Prints a table and writes bench/results/model.json.
+threads, same process. Prints a table and writes bench/results/model.json.
+
+Rows:
+  prefill_tok_s_len{128,1024}   one prompt, tokens/s.
+  decode_tok_s_batch{1,8,32}    a uniform batch: equal prompt lengths, equal output lengths, so
+                                transformers pays no padding and no early finish; both run the
+                                same GEMMs, so this shows the runtime's own overhead.
+  mixed_tok_s_batch{8,32}       requests as a server sees them: 4 x batch requests, prompt lengths
+                                drawn from 16..256 and output lengths from 8..128 (seeded).
+                                transformers runs them in arrival order as static batches of
+                                `batch` (left padding, each batch decodes until its longest
+                                request is done); Baton batches continuously with
+                                max_num_seqs = batch (paged KV: no padding, a finished request's
+                                place is taken at the next step). Output tokens/s, prefill
+                                included, counting only the tokens each request asked for.
 
     .venv/bin/python bench/model_bench.py [--threads 2] [--decode-tokens 32] [--repeats 3]
 """
@@ -12,8 +25,10 @@ import json
 import logging
 import os
 import platform
+import random
 import statistics
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -71,6 +86,50 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) * (new_tokens - 1) / (run(new_tokens) - run(1))
 
 
+@dataclass
+class MixedWorkload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_mixed(tokenizer, batch: int, seed: int = 0) -> MixedWorkload:
+    rng = random.Random(seed)
+    base = tokenizer.encode("The history of computing is a story of people and machines. " * 200)
+    n = 4 * batch
+    prompts = [base[i:i + rng.randint(16, 256)] for i in range(n)]
+    return MixedWorkload(prompts, [rng.randint(8, 128) for _ in range(n)])
+
+
+def baton_mixed(engine, work: MixedWorkload) -> float:
+    from baton.sampler import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
+    start = time.perf_counter()
+    outs = engine.generate(work.prompts, params)
+    elapsed = time.perf_counter() - start
+    assert [len(o.token_ids) for o in outs] == work.max_tokens
+    return work.num_tokens / elapsed
+
+
+def hf_mixed(model, work: MixedWorkload, batch: int) -> float:
+    """Static batches in arrival order, left-padded as transformers requires for decoder-only
+    generation; each batch runs to its longest request's max_tokens."""
+    start = time.perf_counter()
+    for b in range(0, len(work.prompts), batch):
+        group = work.prompts[b:b + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(work.max_tokens[b:b + batch]),
+                           min_length=0, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return work.num_tokens / (time.perf_counter() - start)
+
+
 def alternate(baton_run, hf_run, repeats: int) -> tuple[float, float]:
     """Medians of `repeats` runs of each, interleaved."""
     b, h = [], []
@@ -86,6 +145,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--decode-prompt-len", type=int, default=64)
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--mixed-batches", default="8,32", help="batch sizes of the mixed workload; '' skips it")
     ap.add_argument("--repeats", type=int, default=3,
                     help="median of this many runs, Baton and transformers alternating, so a "
                          "shared machine's load falls on both alike")
@@ -114,6 +174,17 @@ def main() -> None:
         b, h = alternate(partial(baton_decode, engine, prompts, args.decode_tokens),
                          partial(hf_decode, hf, prompts, args.decode_tokens), args.repeats)
         rows.append({"metric": f"decode_tok_s_batch{batch}", "baton": b, "transformers": h})
+        logger.info("%s", rows[-1])
+    for batch in (int(x) for x in args.mixed_batches.split(",") if x):
+        # max_num_seqs = batch: Baton may never run more requests at once than transformers does.
+        mixed_engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=batch,
+                                              kv_cache_memory_bytes=768 * 2**20))
+        work = make_mixed(engine.tokenizer, batch)
+        b, h = alternate(partial(baton_mixed, mixed_engine, work), partial(hf_mixed, hf, work, batch),
+                         args.repeats)
+        assert mixed_engine.num_free_blocks() == mixed_engine.num_total_blocks()
+        del mixed_engine
+        rows.append({"metric": f"mixed_tok_s_batch{batch}", "baton": b, "transformers": h})
         logger.info("%s", rows[-1])
     for r in rows:
         r["ratio"] = r["baton"] / r["transformers"]
