@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import sys
 import torch
 
 from baton.dp import DPConfig, DPGroup
+from baton.engine_cli import parse_cpus
 from baton.launcher import die_with_parent, engine_threads
 from baton.registry import RegistryConfig, make_registry
 from baton.service import EngineService, ServiceConfig
@@ -99,6 +101,9 @@ def main(args: argparse.Namespace) -> int:
     engine_id = args.engine_id if dp_size == 1 else f"{args.engine_id}-dp{rank}"
     port = args.port + rank if args.port else 0
     try:
+        if args.cpus:
+            # Before torch starts its OpenMP threads: they inherit the mask.
+            os.sched_setaffinity(0, parse_cpus(args.cpus))
         dp = DPGroup(DPConfig(rank=rank, size=dp_size, master_addr=args.host,
                               master_port=getattr(args, "data_parallel_master_port", 0)))
         worker = build_worker(args, role, dp, engine_id)

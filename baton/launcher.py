@@ -39,6 +39,7 @@ class LaunchConfig:
     api_key: str = ""
     ready_timeout_s: float = 300.0
     engine_args: list[str] = field(default_factory=list)  # passed through to every engine
+    pin_cpus: bool = True  # give each engine its own cores (see cpu_shares)
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -92,6 +93,18 @@ def engine_threads(num_engines: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, num_engines))
 
 
+def cpu_shares(num_engines: int, threads: int) -> list[str]:
+    """Disjoint CPU lists (`--cpus` values), one per engine, or [] when they do not fit.
+
+    Unpinned, the kernel moves a prefilling engine's thread onto the core a decoding engine was
+    using, and the decode stalls for a time slice: exactly the interference disaggregation is
+    meant to remove. One engine alone gains nothing from pinning."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if num_engines < 2 or num_engines * threads > len(cpus):
+        return []
+    return [",".join(map(str, cpus[i * threads:(i + 1) * threads])) for i in range(num_engines)]
+
+
 def wait_engine_ready(address: str, deadline: float, child: Child) -> None:
     from baton.engine_client import probe_engine
 
@@ -138,10 +151,12 @@ class Launcher:
                  + [("prompt-engine", "prompt")] * cfg.num_prompt_engines
                  + [("completion-engine", "completion")] * cfg.num_completion_engines)
         threads = engine_threads(len(roles))
+        pinned = cfg.pin_cpus and "--cpus" not in cfg.engine_args
+        shares = cpu_shares(len(roles), threads) if pinned else []
         counts: dict[str, int] = {}
-        for command, role in roles:
+        for i, (command, role) in enumerate(roles):
             idx = counts[role] = counts.get(role, -1) + 1
-            self._start_engine(command, f"{role}-{idx}", threads)
+            self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
         for child in self.children:
             wait_engine_ready(self.engine_addresses[child.name], deadline, child)
         self._start_router(deadline)
@@ -149,12 +164,13 @@ class Launcher:
     def _model_args(self) -> list[str]:
         return ["--model", self.config.model] if self.config.model else []
 
-    def _start_engine(self, command: str, engine_id: str, threads: int) -> None:
+    def _start_engine(self, command: str, engine_id: str, threads: int, cpus: str) -> None:
         cfg = self.config
         port = free_port(cfg.host)
         argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
-                "--num-threads", str(threads), *self._model_args(), *cfg.engine_args]
+                "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
+                *self._model_args(), *cfg.engine_args]
         self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
         self.children.append(Child(engine_id, argv))
 
@@ -231,6 +247,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--no-cpu-pinning", action="store_true",
+                   help="do not give each engine its own cores")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -244,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
             num_prompt_engines=0 if normal else args.prompt_engines,
             num_completion_engines=0 if normal else args.completion_engines,
             num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
-            engine_args=[a for a in args.engine_args if a != "--"])
+            engine_args=[a for a in args.engine_args if a != "--"],
+            pin_cpus=not args.no_cpu_pinning)
     except ValueError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ missing model gives one clear message and leaves nothing running."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ import httpx
 import psutil
 import pytest
 
+from baton.engine_cli import parse_cpus
+from baton.launcher import cpu_shares
 from baton.redis_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -74,6 +77,11 @@ def test_up_serves_and_ctrl_c_stops_every_child():
         assert f"http://127.0.0.1:{port}/v1" in banner and "SmolLM2" in banner
         children = _descendants(proc)
         assert len(children) >= 4  # redis, prompt engine, completion engine, router
+        engines = [c for c in children if {"prompt-engine", "completion-engine"} & set(c.cmdline())]
+        masks = [set(c.cpu_affinity()) for c in engines]
+        assert len(masks) == 2
+        if len(os.sched_getaffinity(0)) >= 2:  # each engine pinned to its own cores
+            assert masks[0] and masks[1] and masks[0].isdisjoint(masks[1]), masks
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
                 "max_tokens": 4, "temperature": 0}
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
@@ -85,3 +93,22 @@ def test_up_serves_and_ctrl_c_stops_every_child():
     assert proc.returncode == 0
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+
+
+def test_cpus_flag_parses_lists_and_ranges():
+    assert parse_cpus("0") == {0}
+    assert parse_cpus("0,2-3") == {0, 2, 3}
+    for bad in ("", "a", "3-x", "-1"):
+        with pytest.raises(ValueError, match="--cpus"):
+            parse_cpus(bad)
+
+
+def test_cpu_shares_are_disjoint_or_none():
+    cpus = sorted(os.sched_getaffinity(0))
+    assert cpu_shares(1, len(cpus)) == []  # one engine: nothing to separate
+    assert cpu_shares(len(cpus) + 1, 1) == []  # more engines than cores: no pinning
+    if len(cpus) >= 2:
+        shares = cpu_shares(2, len(cpus) // 2)
+        sets = [parse_cpus(s) for s in shares]
+        assert len(sets) == 2 and sets[0].isdisjoint(sets[1])
+        assert sets[0] | sets[1] <= set(cpus)
