@@ -5,7 +5,8 @@ The batch is flat: the tokens of all scheduled sequences one after another, as t
 built once per forward in `AttentionMetadata` and shared by all layers. Per layer, every new
 token's K/V is written into the pool at its slot, then attention runs:
   * sequences with one query token (decode) are served together over dense rows that persist
-    from step to step (`DecodeRows`, `[layers, 2, rows, kv_heads, capacity, head_dim]`): a row is
+    from step to step (`DecodeRows`, `[layers, 2, rows, kv_heads, capacity, head_dim]`, grouped
+    by length class so that one long sequence does not pad every short one): a row is
     gathered from the blocks once, when its sequence starts decoding, and then each layer appends
     the new token's K/V to it as well as to the pool, and runs one masked
     `scaled_dot_product_attention` call over views of it (no per-step gather, no GQA repeat);
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.model.config import ModelConfig
-from baton.model.decode_rows import DecodeRows
+from baton.model.decode_rows import DecodeRows, RowGroup
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +97,28 @@ class PrefillSlice:
 
 
 @dataclass
-class DecodeBatch:
-    """The sequences with one new token. Their cached K/V of every layer lives in persistent
-    dense rows (`DecodeRows`), viewed here as `kv [num_layers, 2, n, num_kv_heads, max_len,
-    head_dim]`; each layer writes its new K/V there too and runs one masked attention call over
-    its slice. Rows are a permutation of the batch: `rows[i]` is batch entry i's row."""
+class DecodeGroup:
+    """The batch entries whose rows live in one `RowGroup`, viewed as `kv [num_layers, 2, n,
+    num_kv_heads, max_len, head_dim]`; each layer writes its new K/V there too and runs one masked
+    attention call over its slice. Rows are a permutation of the entries: `rows[i]` is entry i's."""
 
-    tokens: torch.Tensor | None  # int64 [n] flat index of each token; None = the whole batch
-    rows: torch.Tensor  # int64 [n] row of each batch entry
-    permutation: torch.Tensor | None  # = rows, or None when rows are 0..n-1 in batch order
+    group: RowGroup
+    index: torch.Tensor | None  # int64 [n] entries of the decode batch; None = all of them
+    rows: torch.Tensor  # int64 [n] row of each entry
+    permutation: torch.Tensor | None  # = rows, or None when rows are 0..n-1 in entry order
     new_pos: torch.Tensor  # int64 [n] position of the new token (context length - 1)
     lens: np.ndarray  # int64 [n] context length of each entry after this step
     mask: torch.Tensor  # additive [n, 1, 1, max_len] in row order: 0 up to the length, -inf after
     kv: torch.Tensor  # the workspace view described above
+
+
+@dataclass
+class DecodeBatch:
+    """The sequences with one new token, served from their persistent dense rows
+    (`DecodeRows`), one attention call per length-class group."""
+
+    tokens: torch.Tensor | None  # int64 [n] flat index of each token; None = the whole batch
+    groups: list[DecodeGroup]
 
 
 @dataclass
@@ -132,18 +142,23 @@ def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarra
     lens = seqlens_k[dec]
     is_all = len(dec) == len(seqlens_q)
     tables = block_tables if is_all else block_tables[torch.as_tensor(dec, device=device)]
-    rows = decode_rows.prepare(seq_ids[dec], lens, tables, kv_cache, kv_cache.shape[3])
-    n, max_len = len(dec), int(lens.max())
-    identity = bool((rows == torch.arange(n, device=device)).all())
-    lens_t = torch.as_tensor(lens, device=device)
-    row_lens = lens_t if identity else torch.empty_like(lens_t).index_copy_(0, rows, lens_t)
-    mask = torch.zeros((n, max_len), dtype=dtype, device=device)
-    mask.masked_fill_(torch.arange(max_len, device=device)[None, :] >= row_lens[:, None],
-                      float("-inf"))
+    groups = []
+    prepared = decode_rows.prepare(seq_ids[dec], lens, tables, kv_cache, kv_cache.shape[3])
+    for group, index, rows in prepared:
+        glens = lens[index]
+        n, max_len = len(index), int(glens.max())
+        identity = bool((rows == torch.arange(n, device=device)).all())
+        lens_t = torch.as_tensor(glens, device=device)
+        row_lens = lens_t if identity else torch.empty_like(lens_t).index_copy_(0, rows, lens_t)
+        mask = torch.zeros((n, max_len), dtype=dtype, device=device)
+        mask.masked_fill_(torch.arange(max_len, device=device)[None, :] >= row_lens[:, None],
+                          float("-inf"))
+        groups.append(DecodeGroup(
+            group, None if len(prepared) == 1 else torch.as_tensor(index, device=device), rows,
+            None if identity else rows, lens_t - 1, glens, mask[:, None, None, :],
+            group.ws[:, :, :n, :, :max_len]))
     tokens = None if is_all else torch.as_tensor(starts[dec], device=device)
-    kv = decode_rows.ws[:, :, :n, :, :max_len]
-    return DecodeBatch(tokens, rows, None if identity else rows, lens_t - 1, lens,
-                       mask[:, None, None, :], kv)
+    return DecodeBatch(tokens, groups)
 
 
 def build_metadata(slot_mapping: torch.Tensor, seqlens_q: np.ndarray, seqlens_k: np.ndarray,
@@ -211,27 +226,37 @@ class LlamaLayer(nn.Module):
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
                      c: ModelConfig, layer: int) -> torch.Tensor:
-    """One masked attention call for all single-token sequences; returns [n, Hq, D]."""
+    """Attention of all single-token sequences, one call per row group; returns [n, Hq, D]."""
     if d.tokens is not None:
         q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
+    if len(d.groups) == 1:
+        return group_attention(q, k, v, d.groups[0], c, layer)
+    out = torch.empty_like(q)
+    for g in d.groups:
+        out[g.index] = group_attention(q[g.index], k[g.index], v[g.index], g, c, layer)
+    return out
+
+
+def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: DecodeGroup,
+                    c: ModelConfig, layer: int) -> torch.Tensor:
     n = q.shape[0]
-    dense = d.kv[layer]  # [2, n, Hkv, max_len, D]
+    dense = g.kv[layer]  # [2, n, Hkv, max_len, D]
     # Advanced indices on dims 1 and 3 around a slice: the indexed view is [n, 2, Hkv, D].
-    dense[:, d.rows, :, d.new_pos] = torch.stack((k, v), dim=1)
+    dense[:, g.rows, :, g.new_pos] = torch.stack((k, v), dim=1)
     # The query heads sharing a KV head ride as its query rows: no K/V repeat, no copy.
     qd = q.reshape(n, c.num_kv_heads, c.num_queries_per_kv, c.head_dim)
-    if d.permutation is not None:
-        qd = torch.empty_like(qd).index_copy_(0, d.permutation, qd)
+    if g.permutation is not None:
+        qd = torch.empty_like(qd).index_copy_(0, g.permutation, qd)
     keys, vals = dense[0], dense[1]  # [n, Hkv, max_len, D]
     if keys.shape[2] <= _MATH_ATTENTION_MAX_LEN:
         # Two batched GEMMs and a softmax: for short contexts the fused CPU kernel's own
         # overhead dominates (batch 32 x 80 tokens: 221 vs 364 us a layer on 2 threads).
-        scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(c.head_dim ** -0.5).add_(d.mask)
+        scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(c.head_dim ** -0.5).add_(g.mask)
         out = torch.matmul(scores.softmax(-1), vals)
     else:
-        out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=d.mask)
-    if d.permutation is not None:
-        out = out[d.permutation]
+        out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=g.mask)
+    if g.permutation is not None:
+        out = out[g.permutation]
     return out.reshape(n, c.num_heads, c.head_dim)
 
 
@@ -323,7 +348,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i], meta)
         if meta.decode is not None:
-            self.decode_rows.commit(meta.decode.rows, meta.decode.lens)
+            for g in meta.decode.groups:
+                g.group.commit(g.rows, g.lens)
         if meta.last_token is not None:
             x = x[meta.last_token]
         x = rms_norm(x, self.norm, c.rms_norm_eps)

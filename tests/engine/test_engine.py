@@ -108,3 +108,19 @@ def test_eos_and_too_long_prompt_finish_cleanly(engine) -> None:
     too_long = [5] * (engine.max_model_len + 1)
     out = engine.generate(too_long, GREEDY)[0]
     assert out.token_ids == [] and out.finish_reason != "length"
+
+
+def test_decode_rows_across_length_classes(engine) -> None:
+    """A 508-token prompt starts decoding in the first length class of the decode rows (<= 512
+    tokens) and moves up a class mid-decode (its row gathered again), while short prompts share
+    its steps from the first group: two attention groups per step, the same tokens."""
+    long_prompt = prompt_of_length(463) + prompt_of_length(45)
+    short = [prompt_of_length(1), prompt_of_length(17)]
+    gathered = engine.model.decode_rows.num_gathered
+    outs = engine.generate([long_prompt, *short], GREEDY)
+    eos = baton_model().config.eos_token_ids
+    assert outs[0].token_ids == truncate_at_eos(reference_greedy(tuple(long_prompt), MAX_TOKENS), eos)
+    assert len(outs[0].token_ids) == MAX_TOKENS  # long enough to cross 512
+    assert engine.model.decode_rows.num_gathered - gathered == 4  # three rows + one move
+    for prompt, out in zip(short, outs[1:], strict=True):
+        assert out.token_ids == engine.generate(prompt, GREEDY)[0].token_ids
