@@ -28,6 +28,7 @@ inline void Scheduler::set_draft_tokens(const std::string &request_id, const std
                                 std::to_string(cfg_.num_speculative_tokens));
   }
   seq->draft.draft_tokens = tokens;
+  running_clean_ = false;
 }
 
 // Marks a request failed outside the scheduler (vision encoder, grammar);
@@ -42,6 +43,7 @@ inline void Scheduler::fail_sequence(const std::string &request_id, SequenceStat
   if (release_detached_(seq)) return;
   seq->schedule.status = status;
   pending_sweep_ = true;
+  running_clean_ = false;
 }
 
 // S16: a new branch sharing the parent's prefix KV. Blocks and state are
@@ -166,6 +168,7 @@ inline void Scheduler::abort_sequence(const std::string &request_id) {
   if (release_detached_(seq)) return;
   seq->schedule.status = SequenceStatus::FINISHED_ABORTED;
   pending_sweep_ = true;
+  running_clean_ = false;
 }
 
 inline SequencePtr Scheduler::make_sequence_(const std::string &request_id, std::vector<int32_t> prompt,

@@ -24,14 +24,18 @@ inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutput
   std::vector<SequencePtr> chunks;
   int32_t *num_accepted = res->num_accepted.data();
   const SequencePtr *seqs = out.scheduled_seqs.data();
+  // Every running sequence one token longer keeps LCFS order (see running_clean_).
+  bool keep_clean = !out.prompt_run && out.running_epoch == running_epoch_;
   for (int i = 0; i < n; ++i) {
     if (i + 2 * kPrefetchAhead < n) prefetch_hot_lines(seqs[i + 2 * kPrefetchAhead].get());
     if (i + kPrefetchAhead < n) prefetch_tails(seqs[i + kPrefetchAhead].get());
     const SequencePtr &seq = seqs[i];
     if (!out.prompt_run && width == 1 && out.seqlens_q[i] == 1 && seq->epoch == out.epochs[i]) {
       num_accepted[i] = book_plain_(*seq, tokens[i], *res);
+      keep_clean &= num_accepted[i] == 1 && !seq->is_finished();
       continue;
     }
+    keep_clean = false;
     const int32_t *row = tokens + static_cast<int64_t>(i) * width;
     seq->inflight_steps -= 1;
     if (seq->epoch != out.epochs[i]) {  // preempted for recompute while in flight: void (S29)
@@ -60,6 +64,7 @@ inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutput
       res->num_accepted[i] = book_decode_(*seq, row, width, out.seqlens_q[i] - 1, *res);
     }
   }
+  if (!keep_clean) running_clean_ = false;
   for (auto it = chunks.rbegin(); it != chunks.rend(); ++it) waiting.push_front(*it);
   if (out.prompt_run && n > 0) outstanding_prompt_steps_ -= 1;
   for (int b : out.release_blocks_after_step) {
@@ -87,6 +92,8 @@ inline void Scheduler::finish_prefill_(const SequencePtr &seq, ProcessResult &re
     res.handed_off.emplace_back(seq->request_id, std::vector<int32_t>(table.begin(), table.end()));
   } else {
     running.push_back(seq);
+    running_epoch_ += 1;
+    running_clean_ = false;
   }
 }
 

@@ -11,10 +11,15 @@ namespace baton {
 inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
   auto out = acquire_(output_pool_);
   out->prompt_run = false;
-  bool sorted = drop_finished_running_(*out);
+  // The pass over every running sequence is skipped when nothing since the last
+  // decode step can have finished one or changed their order (running_clean_).
+  bool sorted = running_clean_ || drop_finished_running_(*out);
+  running_clean_ = false;
   drop_finished_waiting_(*out);
   if (!prompted.empty()) {
+    const size_t before = running.size();
     admit_prompted_(*out);
+    if (running.size() != before) running_epoch_ += 1;
     sorted = false;
   }
   // Usually sorted already (running keeps the last step's order), and the
@@ -22,6 +27,7 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
   if (!sorted) std::sort(running.begin(), running.end(), lcfs_before_);
   size_t l = 0, r = running.size();
   size_t first_scheduled = r;
+  bool preempted = false;
   const int max_seqs = cfg_.max_num_seqs;
   DecodeRows rows = begin_decode_rows_(*out, static_cast<int>(r));
   const SequencePtr *run = running.data();  // preempt_ never moves `running`
@@ -48,10 +54,12 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
       if (need > 0) {
         while (block_manager_->can_allocate_nolock(need) != AllocStatus::OK && r - l > 1) {
           preempt_(run[l], *out);
+          preempted = true;
           l += 1;
         }
         if (block_manager_->can_allocate_nolock(need) != AllocStatus::OK) {
           preempt_(seq, *out);
+          preempted = true;
           r -= 1;
           continue;
         }
@@ -67,6 +75,11 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
   // the batch reversed: the tail it was taken from. The next step's LCFS order
   // is then usually already in place.
   running.erase(running.begin(), running.begin() + first_scheduled);
+  if (first_scheduled != 0) running_epoch_ += 1;
+  // A preempted sequence may still sit in `running` (a lone sequence preempting
+  // itself); otherwise what is left is the batch, finished-free and in order.
+  running_clean_ = !preempted;
+  out->running_epoch = running_epoch_;
   return out;
 }
 
@@ -102,7 +115,10 @@ inline bool Scheduler::drop_finished_running_(SchedulerOutputs &out) {
     if (kept != i) run[kept] = std::move(run[i]);
     ++kept;
   }
-  if (kept != n) running.resize(kept);
+  if (kept != n) {
+    running.resize(kept);
+    running_epoch_ += 1;
+  }
   return sorted;
 }
 

@@ -59,6 +59,7 @@ struct SchedulerOutputs {
   std::vector<int> release_blocks_after_step;
   std::vector<int> release_states_after_step;
   bool booked{false};
+  uint64_t running_epoch{~uint64_t{0}};  // Scheduler::running_epoch_ when this decode step was built
 
   // What each row of block_tables held when this object was last filled, so a
   // reuse only writes the blocks appended since (see Scheduler::fill_block_row_).
@@ -117,6 +118,7 @@ struct SchedulerOutputs {
     release_blocks_after_step.clear();
     release_states_after_step.clear();
     booked = false;
+    running_epoch = ~uint64_t{0};
     num_scheduled = 0;
     num_tokens_q = 0;
     rows_built = false;

@@ -33,6 +33,16 @@ inline void Scheduler::check_invariants() const {
   }
   check_pool_(*block_manager_, owners, "block");
   if (state_manager_) check_pool_(*state_manager_, state_owners, "state slot");
+  if (running_clean_) {  // what lets schedule_decode_ skip its pass over `running`
+    for (size_t i = 0; i < running.size(); ++i) {
+      if (running[i]->is_finished()) {
+        throw std::logic_error("running marked clean holds finished " + running[i]->request_id);
+      }
+      if (i > 0 && lcfs_before_(running[i], running[i - 1])) {
+        throw std::logic_error("running marked clean is out of LCFS order at " + running[i]->request_id);
+      }
+    }
+  }
   std::unordered_map<const Sequence *, int> seen;
   for (auto &s : waiting) seen[s.get()] += 1;
   for (auto &s : running) seen[s.get()] += 1;

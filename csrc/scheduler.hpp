@@ -252,6 +252,13 @@ class Scheduler {
   int64_t next_seq_id_{0};
   int outstanding_prompt_steps_{0};
   bool pending_sweep_{false};
+  // `running` holds no finished sequence and is in LCFS order, so the next decode
+  // step may skip the pass that checks both. Set by a decode step that preempted
+  // nothing; kept by a booking in which every sequence of `running` took exactly
+  // one token and none finished; cleared by anything else (abort, fail, drafts, a
+  // membership change). check_invariants verifies it whenever it is set.
+  bool running_clean_{false};
+  uint64_t running_epoch_{0};  // bumped by every change of running's membership
   std::unordered_map<std::string, SequencePtr> registry_;  // live request ids
   std::unordered_map<std::string, SequencePtr> handed_off_;
   std::unordered_map<std::string, SequencePtr> allocated_;

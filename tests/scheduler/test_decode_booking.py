@@ -41,6 +41,54 @@ def test_s26_sort_by_output_length() -> None:
     drain(sched)
 
 
+def test_s26_lcfs_order_kept_when_the_running_pass_is_skipped() -> None:
+    """After a step where every running sequence took one token and none finished, the next
+    decode step skips the pass that drops finished sequences and checks LCFS order; every event
+    that could break either (a finish, an abort, drafts, an arrival, a step in flight booked
+    after the next was scheduled) must bring the pass back. check_invariants verifies the order
+    whenever the skip is allowed; the batch order is checked against the ledgers here."""
+    sched = create_scheduler(num_speculative_tokens=2, prefill_attempt_interval=6,
+                             prefill_any_attempt_interval=6)
+    add_requests(sched, create_requests(6, prompt_len=16), max_tokens=500, eos_token_ids=[EOS])
+    step(sched)
+    sched.abort_sequence("r5")
+
+    def expect_lcfs(out) -> None:
+        ages = [(sched.sequence_info(rid)["output_len"], sched.sequence_info(rid)["seq_id"])
+                for rid in out.request_ids]
+        assert ages == sorted(ages, key=lambda a: (-a[0], a[1]))[::-1], ages  # youngest first
+
+    eos_left = 2
+    for i in range(40):
+        if i == 3:
+            sched.abort_sequence("r2")
+        if i in (2, 11):  # joins `running` when a later prompt step books it
+            add_requests(sched, create_requests(1, prefix=f"late{i}-"), max_tokens=500)
+        if i == 7:
+            sched.set_draft_tokens("r1", [5, 6])
+        if i % 5 == 4:  # two steps in flight, the older booked after the newer is scheduled
+            first = sched.schedule()
+            second = sched.schedule()
+            sched.check_invariants()
+            tokens = sampled(first)
+            if not first.prompt_run and len(first) and eos_left:
+                tokens[0] = EOS  # one sequence finishes while the next step is in flight
+                eos_left -= 1
+            sched.process_outputs(first, tokens)
+            sched.check_invariants()
+            sched.process_outputs(second, sampled(second))
+        else:
+            out = sched.schedule()
+            sched.check_invariants()
+            if not out.prompt_run:
+                expect_lcfs(out)
+            width = 3 if i == 7 else 1
+            rows = np.full((len(out), width), 7, dtype=np.int32)
+            sched.process_outputs(out, rows if width > 1 else rows[:, 0])
+        sched.check_invariants()
+    drain(sched)
+
+
 def test_s27_terminate_or_recompute() -> None:
     sched = _prefilled(2, num_blocks=3)  # 2 blocks, both used
     out, _ = step(sched)
