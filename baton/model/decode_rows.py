@@ -79,6 +79,8 @@ class DecodeRows:
         out = []
         for c, group in enumerate(self.groups):
             index = np.flatnonzero(cls == c)
+            if len(index) == 0 and group.num_rows == 0:
+                continue  # nothing to serve, nothing to release
             sub = tables if len(index) == len(seq_ids) else tables[torch.as_tensor(index, device=tables.device)]
             rows = group.prepare(seq_ids[index], seqlens_k[index], sub, kv_cache, block_size)
             if len(index):
