@@ -48,10 +48,6 @@ class DecodeRows:
     def num_gathered(self) -> int:
         return sum(g.num_gathered for g in self.groups)
 
-    @property
-    def num_rows(self) -> int:
-        return sum(g.num_rows for g in self.groups)
-
     def reset(self) -> None:
         self._class = {}
         for g in self.groups:
@@ -103,9 +99,6 @@ class RowGroup:
     @property
     def num_rows(self) -> int:
         return len(self._seq_of)
-
-    def has(self, seq_id: int) -> bool:
-        return seq_id in self._row_of
 
     def reset(self) -> None:
         self._row_of.clear()
