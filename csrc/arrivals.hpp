@@ -13,7 +13,7 @@ inline int64_t Scheduler::add_sequence(const std::string &request_id, std::vecto
   auto seq = make_sequence_(request_id, std::move(prompt), max_tokens, opts);
   seq->arrival_time = now_seconds();
   // Reserve, don't allocate: admission happens in schedule() (S14).
-  seq->data.token_ids.reserve(seq->data.prompt_len + max_tokens);
+  seq->data.reserve_outputs(max_tokens);
   seq->cache.block_table.reserve(seq->block_table_capacity());
   registry_[request_id] = seq;
   waiting.push_back(seq);
@@ -111,7 +111,7 @@ inline std::pair<AllocStatus, std::vector<int32_t>> Scheduler::allocate_prompted
   AllocStatus st = can_allocate_with_state_(n);
   if (st != AllocStatus::OK) return {st, {}};
   seq->arrival_time = now_seconds();
-  seq->data.token_ids.reserve(prompt_len + max_tokens);
+  seq->data.reserve_outputs(max_tokens);
   seq->data.token_ids.push_back(first_token_id);
   seq->cache.num_tokens = prompt_len;  // KV covers the prompt; the first token is fed next
   seq->cache.block_table.reserve(seq->block_table_capacity());

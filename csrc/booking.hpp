@@ -8,6 +8,18 @@
 
 namespace baton {
 
+// The smallest of column 0 of a [n, width] array (0 when there is none
+// smaller); O3 vectorizes the one-column case.
+__attribute__((optimize("O3"))) inline int32_t min_sampled_token(const int32_t *tokens, int n, int width) {
+  int32_t smallest = 0;
+  if (width == 1) {
+    for (int i = 0; i < n; ++i) smallest = std::min(smallest, tokens[i]);
+  } else {
+    for (int i = 0; i < n; ++i) smallest = std::min(smallest, tokens[static_cast<int64_t>(i) * width]);
+  }
+  return smallest;
+}
+
 inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutputs &out, const int32_t *tokens,
                                                                  int rows, int width) {
   if (out.booked) throw std::invalid_argument("process_outputs: this step was already booked");
@@ -17,51 +29,40 @@ inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutput
     throw std::invalid_argument("process_outputs: " + std::to_string(rows) + " sampled rows for " +
                                 std::to_string(n) + " scheduled sequences");
   }
+  // A sampled token is a vocabulary id; only drafts (columns 1+) use -1, for rejected.
+  const int32_t min_token = min_sampled_token(tokens, n, width);
+  if (min_token < 0) {
+    throw std::invalid_argument("process_outputs: negative sampled token id " + std::to_string(min_token));
+  }
   PoolGuard guard(*this);
   out.booked = true;
   auto res = acquire_(result_pool_);
-  res->num_accepted.assign(n, 0);
+  res->num_accepted.resize(n);  // every row's entry is written below (no zero fill first)
   std::vector<SequencePtr> chunks;
   int32_t *num_accepted = res->num_accepted.data();
   const SequencePtr *seqs = out.scheduled_seqs.data();
   // Every running sequence one token longer keeps LCFS order (see running_clean_).
   bool keep_clean = !out.prompt_run && out.running_epoch == running_epoch_;
-  for (int i = 0; i < n; ++i) {
-    if (i + 2 * kPrefetchAhead < n) prefetch_hot_lines(seqs[i + 2 * kPrefetchAhead].get());
-    if (i + kPrefetchAhead < n) prefetch_tails(seqs[i + kPrefetchAhead].get());
-    const SequencePtr &seq = seqs[i];
-    if (!out.prompt_run && width == 1 && out.seqlens_q[i] == 1 && seq->epoch == out.epochs[i]) {
-      num_accepted[i] = book_plain_(*seq, tokens[i], *res);
-      keep_clean &= num_accepted[i] == 1 && !seq->is_finished();
-      continue;
+  if (!out.prompt_run && width == 1) {
+    // A decode step is booked last row first. schedule() wrote the rows first
+    // to last, so the sequences it touched last are still in cache, and the
+    // next schedule() starts with the ones booked last: at 1024 running
+    // sequences the cache then zig-zags instead of losing each line just
+    // before its reuse. The lists the loop appends to are put back in row
+    // order after it.
+    for (int hi = n; hi > 0; --hi) {
+      hi = book_plain_rows_(out, tokens, num_accepted, hi);
+      if (hi == 0) break;
+      book_row_(out, hi - 1, tokens, width, *res, chunks, keep_clean);
     }
-    keep_clean = false;
-    const int32_t *row = tokens + static_cast<int64_t>(i) * width;
-    seq->inflight_steps -= 1;
-    if (seq->epoch != out.epochs[i]) {  // preempted for recompute while in flight: void (S29)
-      flush_(*seq);
-      continue;
-    }
-    seq->schedule.finish_inflight_step();
-    seq->cache.advance_optimistically(out.seqlens_q[i]);
-    if (seq->is_finished()) {  // aborted while in flight
-      report_(*seq, res->finished);
-      release_(*seq);
-      continue;
-    }
-    if (out.prompt_run) {
-      if (seq->cache.num_tokens >= seq->get_len()) {
-        res->num_accepted[i] = 1;
-        append_token_(*seq, row[0], *res);
-        finish_prefill_(seq, *res);
-      } else {
-        if (seq->schedule.status != SequenceStatus::WAITING) {
-          throw std::logic_error("process_outputs: chunked prefill of " + seq->request_id + " is not WAITING");
-        }
-        chunks.push_back(seq);
-      }
-    } else {
-      res->num_accepted[i] = book_decode_(*seq, row, width, out.seqlens_q[i] - 1, *res);
+    std::reverse(res->finished.begin(), res->finished.end());
+    std::reverse(res->first_token_latencies.begin(), res->first_token_latencies.end());
+    std::reverse(res->pushed_tokens_before_finish.begin(), res->pushed_tokens_before_finish.end());
+  } else {
+    for (int i = 0; i < n; ++i) {
+      if (i + 2 * kPrefetchAhead < n) prefetch_hot_lines(seqs[i + 2 * kPrefetchAhead].get());
+      if (i + kPrefetchAhead < n) prefetch_token_tail(seqs[i + kPrefetchAhead].get());
+      book_row_(out, i, tokens, width, *res, chunks, keep_clean);
     }
   }
   if (!keep_clean) running_clean_ = false;
@@ -76,6 +77,89 @@ inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutput
     state_manager_->free_nolock(s);
   }
   return res;
+}
+
+// One row of process_outputs, any kind.
+inline void Scheduler::book_row_(SchedulerOutputs &out, int i, const int32_t *tokens, int width, ProcessResult &res,
+                                 std::vector<SequencePtr> &chunks, bool &keep_clean) {
+  const SequencePtr &seq = out.scheduled_seqs[i];
+  int32_t *num_accepted = res.num_accepted.data();
+  if (!out.prompt_run && width == 1 && out.seqlens_q[i] == 1 && seq->epoch == out.epochs[i]) {
+    num_accepted[i] = book_plain_(*seq, tokens[i], res);
+    keep_clean &= num_accepted[i] == 1 && !seq->is_finished();
+    return;
+  }
+  keep_clean = false;
+  num_accepted[i] = 0;
+  const int32_t *row = tokens + static_cast<int64_t>(i) * width;
+  seq->inflight_steps -= 1;
+  if (seq->epoch != out.epochs[i]) {  // preempted for recompute while in flight: void (S29)
+    flush_(*seq);
+    return;
+  }
+  seq->schedule.finish_inflight_step();
+  seq->cache.advance_optimistically(out.seqlens_q[i]);
+  if (seq->is_finished()) {  // aborted while in flight
+    report_(*seq, res.finished);
+    release_(*seq);
+    return;
+  }
+  if (out.prompt_run) {
+    if (seq->cache.num_tokens >= seq->get_len()) {
+      num_accepted[i] = 1;
+      append_token_(*seq, row[0], res);
+      finish_prefill_(seq, res);
+    } else {
+      if (seq->schedule.status != SequenceStatus::WAITING) {
+        throw std::logic_error("process_outputs: chunked prefill of " + seq->request_id + " is not WAITING");
+      }
+      chunks.push_back(seq);
+    }
+  } else {
+    num_accepted[i] = book_decode_(*seq, row, width, out.seqlens_q[i] - 1, res);
+  }
+}
+
+// book_plain_ for the rows where nothing but counters move, last to first from
+// row hi - 1: one token, not voided, not aborted, not the first token, no stop,
+// no length cap, room in the token array. Stops at the first row that is not,
+// before touching it, and returns its index + 1 (0 when every row was booked).
+// No call in the loop, so what it needs stays in registers.
+__attribute__((noinline)) inline int Scheduler::book_plain_rows_(const SchedulerOutputs &out, const int32_t *tokens,
+                                                                 int32_t *num_accepted, int hi) {
+  const SequencePtr *seqs = out.scheduled_seqs.data();
+  const int32_t *seqlens_q = out.seqlens_q.data();
+  const int *epochs = out.epochs.data();
+  const int max_model_len = cfg_.max_model_len;
+  const bool speculative = cfg_.num_speculative_tokens > 0;
+  int i = hi - 1;
+  for (; i >= 0; --i) {
+    if (i >= 2 * kPrefetchAhead) prefetch_hot_lines(seqs[i - 2 * kPrefetchAhead].get());
+    if (i >= kPrefetchAhead) prefetch_token_tail(seqs[i - kPrefetchAhead].get());
+    Sequence &seq = *seqs[i];
+    const int32_t token = tokens[i];
+    auto &ids = seq.data.token_ids;
+    const int len = static_cast<int>(ids.size()) + 1;  // after this token
+    const int output_len = len - seq.data.prompt_len;
+    if (seqlens_q[i] != 1 || seq.epoch != epochs[i] || seq.is_finished() || ids.size() == ids.capacity() ||
+        output_len == 1 || len > max_model_len || output_len >= seq.max_tokens || seq.stop_set.overflow ||
+        (speculative && !seq.draft.accepted_tokens.empty())) {
+      break;
+    }
+    if (seq.stop_set.matches_inline(token)) break;
+    // book_plain_'s counters: the step leaves the pipeline, its token is committed.
+    seq.inflight_steps -= 1;
+    auto &sched = seq.schedule;
+    const int left = sched.total_inflight_tokens == sched.last_inflight_tokens ? 0 : sched.last_inflight_tokens;
+    sched.total_inflight_tokens = left;
+    sched.last_inflight_tokens = left;
+    seq.cache.previous_num_tokens = seq.cache.num_tokens;
+    seq.cache.num_tokens += 1;
+    ids.push_back(token);  // capacity checked above: no allocation
+    seq.num_pushed_tokens += 1;
+    num_accepted[i] = 1;
+  }
+  return i + 1;
 }
 
 inline void Scheduler::finish_prefill_(const SequencePtr &seq, ProcessResult &res) {
@@ -133,7 +217,8 @@ __attribute__((always_inline)) inline int Scheduler::book_plain_(Sequence &seq, 
     release_(seq);
     return 0;
   }
-  if (!seq.draft.accepted_tokens.empty()) seq.draft.accepted_tokens.clear();
+  // Accepted drafts exist only with speculation configured (see book_decode_).
+  if (cfg_.num_speculative_tokens > 0 && !seq.draft.accepted_tokens.empty()) seq.draft.accepted_tokens.clear();
   auto &ids = seq.data.token_ids;
   ids.push_back(token);
   seq.num_pushed_tokens += 1;

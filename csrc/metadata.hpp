@@ -9,15 +9,16 @@
 namespace baton {
 
 // One pass over the batch; add_seq already kept the widths (no sequence's
-// table changes once it is in the batch). Returns the row whose position end
-// is the largest (S38 checks only that one), -1 for an empty batch.
+// table changes once it is in the batch). Returns the largest position-end
+// base over the rows (S38 checks only it, see finish_metadata_), INT_MIN for
+// an empty batch.
 inline int Scheduler::build_metadata_(SchedulerOutputs &out) {
-  if (out.rows_built) return out.worst_row;
+  if (out.rows_built) return out.max_end_base;
   out.trim();
   const int n = out.num_seqs();
   size_metadata_(out, n, out.num_tokens_q);
   prepare_block_tables_(out, n, out.max_blocks);
-  int worst = -1, worst_end = std::numeric_limits<int>::min();
+  int max_end_base = std::numeric_limits<int>::min();
   const SequencePtr *seqs = out.scheduled_seqs.data();
   const int32_t *seqlens_q = out.seqlens_q.data();
   for (int i = 0, t = 0; i < n; ++i) {
@@ -25,15 +26,10 @@ inline int Scheduler::build_metadata_(SchedulerOutputs &out) {
     const int q = seqlens_q[i];
     emit_seq_(out, i, t, seq, q);
     fill_block_row_(out, i, seq);
-    // A prompt step ends at k, a decode step at k - q + max_seqlen_q + nextn.
-    const int end = out.prompt_run ? out.seqlens_k[i] : out.seqlens_k[i] - q;
-    if (end > worst_end) {
-      worst_end = end;
-      worst = i;
-    }
+    max_end_base = std::max(max_end_base, out.prompt_run ? out.seqlens_k[i] : out.seqlens_k[i] - q);
     t += q;
   }
-  return worst;
+  return max_end_base;
 }
 
 // Sizes only move the vectors' ends: a reused output of the same shape pays nothing.
@@ -109,6 +105,7 @@ struct Scheduler::DecodeRows {
   int bs_shift;  // as Scheduler::bs_shift_
   int block_size;
   int i, t, max_blocks;
+  int num_stale;  // emit_plain_rows_loop_'s entries in out.stale_rows
 };
 
 // Every array sized for max_rows one-token rows; end_decode_rows_ trims them.
@@ -120,7 +117,7 @@ inline Scheduler::DecodeRows Scheduler::begin_decode_rows_(SchedulerOutputs &out
   return DecodeRows{out, out.scheduled_seqs.data(), out.seqlens_q.data(), out.epochs.data(), out.seq_ids.data(),
                     out.seqlens_k.data(), out.input_ids.data(), out.positions.data(), out.slot_mapping.data(),
                     out.block_tables.data(), out.row_cache.data(), max_rows, decode_stride_hint_, bs_shift_,
-                    cfg_.block_size, 0, 0, 0};
+                    cfg_.block_size, 0, 0, 0, 0};
 }
 
 // Row i and tokens [t, t + q): the committed token (-1 while a step still in
@@ -179,6 +176,7 @@ __attribute__((always_inline)) inline void Scheduler::emit_decode_row_(DecodeRow
       rc.table_version = sq.cache.table_version;
     }
     rc.len = num_blocks;
+    rc.last_block = num_blocks > 0 ? table[num_blocks - 1] : 0;
   }
   rows.i = i + 1;
   rows.t = t + q;
@@ -186,62 +184,103 @@ __attribute__((always_inline)) inline void Scheduler::emit_decode_row_(DecodeRow
 
 // schedule_decode_'s usual rows, youngest first from run[r - 1] down to
 // run[l]: one token, no drafts, no block to add. Stops at the first row that
-// is not, or after max_rows rows in all; returns the new r. No call in the
-// loop but on rare paths, so what it needs stays in registers.
+// is not, or after max_rows rows in all; returns the new r.
 __attribute__((noinline)) inline size_t Scheduler::emit_plain_rows_(DecodeRows &rows, const SequencePtr *run,
                                                                       size_t l, size_t r, int max_rows) {
-  const int shift = rows.bs_shift, stride = rows.stride;
-  if (shift < 0) return r;  // block sizes that are no power of two take emit_decode_row_
+  if (rows.bs_shift < 0) return r;  // block sizes that are no power of two take emit_decode_row_
   const int i0 = rows.i, t0 = rows.t;
   const size_t limit = std::min({r - l, static_cast<size_t>(max_rows - i0), static_cast<size_t>(rows.token_capacity - t0)});
+  auto &stale = rows.out.stale_rows;
+  if (stale.size() < limit) stale.resize(limit);
+  // Without speculation no sequence holds drafts: the draft ledger's line stays untouched.
+  const size_t n = cfg_.num_speculative_tokens > 0 ? emit_plain_rows_loop_<true>(rows, run, l, r, limit)
+                                                   : emit_plain_rows_loop_<false>(rows, run, l, r, limit);
+  // What the loop left out, over contiguous arrays: the batch's shared pointers
+  // (assigning the same sequence again, the usual case, touches no reference
+  // count), seqlens_q and seqlens_k, and the table rows that gained a block or
+  // are new to this output.
   SequencePtr *seqs = rows.seqs + i0;
-  int32_t *seqlens_q = rows.seqlens_q + i0, *seqlens_k = rows.seqlens_k + i0;
-  int *epochs = rows.epochs + i0;
-  int64_t *seq_ids = rows.seq_ids + i0;
-  int32_t *input_ids = rows.input_ids + t0, *positions = rows.positions + t0;
-  int64_t *slots = rows.slots + t0;
+  for (size_t j = 0; j < n; ++j) {
+    if (seqs[j].get() != run[r - 1 - j].get()) seqs[j] = run[r - 1 - j];
+  }
+  std::fill_n(rows.seqlens_q + i0, n, 1);
+  int32_t *seqlens_k = rows.seqlens_k + i0;
+  const int32_t *positions = rows.positions + t0;
+  for (size_t j = 0; j < n; ++j) seqlens_k[j] = positions[j] + 1;
+  const int stride = rows.stride;
+  for (int k = 0, num_stale = rows.num_stale; k < num_stale; ++k) {
+    const int i = i0 + stale[k];
+    const Sequence &sq = *rows.seqs[i];
+    const auto &table = sq.cache.block_table;
+    const int num_blocks = static_cast<int>(table.size());
+    auto &rc = rows.row_cache[i];
+    if (rc.seq_id == sq.seq_id && rc.table_version == sq.cache.table_version && rc.len + 1 == num_blocks) {
+      rows.block_tables[static_cast<size_t>(i) * stride + num_blocks - 1] = table[num_blocks - 1];
+      rc.len = num_blocks;
+      rc.last_block = table[num_blocks - 1];
+    } else {
+      fill_block_row_(rows.out, i, sq);
+    }
+  }
+  rows.num_stale = 0;
+  rows.i = i0 + static_cast<int>(n);
+  rows.t = t0 + static_cast<int>(n);
+  return r - n;
+}
+
+// emit_plain_rows_'s loop: only what differs per row is written here, and no
+// call, so what it needs stays in registers. Returns the number of rows.
+template <bool kSpeculative>
+inline size_t Scheduler::emit_plain_rows_loop_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r,
+                                               size_t limit) {
+  const int shift = rows.bs_shift, stride = rows.stride;
+  const int i0 = rows.i, t0 = rows.t;
+  int *__restrict epochs = rows.epochs + i0;
+  int64_t *__restrict seq_ids = rows.seq_ids + i0;
+  int32_t *__restrict input_ids = rows.input_ids + t0;
+  int32_t *__restrict positions = rows.positions + t0;
+  int64_t *__restrict slots = rows.slots + t0;
+  const SchedulerOutputs::RowCache *row_cache = rows.row_cache + i0;
+  int32_t *__restrict stale = rows.out.stale_rows.data();
+  int num_stale = 0;
   const int mask = rows.block_size - 1;
   int max_blocks = rows.max_blocks;
   size_t j = 0;
   for (; j < limit; ++j) {
     const size_t at = r - 1 - j;
-    if (at >= l + kPrefetchAhead) prefetch_hot_lines(run[at - kPrefetchAhead].get());
-    const SequencePtr &seq = run[at];
-    Sequence &sq = *seq;
-    if (!sq.draft.draft_tokens.empty()) break;
-    const int *tok = sq.data.token_ids.data();
+    if (at >= l + 2 * kPrefetchAhead) prefetch_hot_lines(run[at - 2 * kPrefetchAhead].get());
+    if (at >= l + kPrefetchAhead) prefetch_token_tail(run[at - kPrefetchAhead].get());
+    Sequence &sq = *run[at];
+    if (kSpeculative && !sq.draft.draft_tokens.empty()) break;
     const int len = static_cast<int>(sq.data.token_ids.size());
     const int inflight = sq.schedule.total_inflight_tokens;
-    const int *table = sq.cache.block_table.data();
     const int num_blocks = static_cast<int>(sq.cache.block_table.size());
     if (((len + inflight + mask) >> shift) != num_blocks) break;  // S28: needs a block (or gives one back)
-    if (seqs[j].get() != &sq) seqs[j] = seq;
     max_blocks = std::max(max_blocks, num_blocks);
     const int pos = sq.cache.num_tokens + inflight;
-    seqlens_q[j] = 1;
     epochs[j] = sq.epoch;
     seq_ids[j] = sq.seq_id;
-    seqlens_k[j] = pos + 1;
-    input_ids[j] = pos < len ? tok[pos] : -1;
+    input_ids[j] = pos < len ? sq.data.token_ids.data()[pos] : -1;
     positions[j] = pos;
-    slots[j] = (static_cast<int64_t>(table[pos >> shift]) << shift) | (pos & mask);
     sq.schedule.start_inflight_step(1);
     sq.inflight_steps += 1;
-    if (num_blocks > stride) continue;  // end_decode_rows_ lays the tables out again
-    const int i = i0 + static_cast<int>(j);
-    auto &rc = rows.row_cache[i];
-    if (rc.seq_id == sq.seq_id && rc.table_version == sq.cache.table_version && rc.len + 1 >= num_blocks &&
-        rc.len <= num_blocks) {
-      rows.block_tables[static_cast<size_t>(i) * stride + num_blocks - 1] = table[num_blocks - 1];
-      rc.len = num_blocks;
-    } else {
-      fill_block_row_(rows.out, i, sq);
+    // The usual row already holds this sequence's whole table (only one step in
+    // sixteen adds a block): its newest block, where pos usually lies, is in the
+    // row cache, so neither the table nor the row's line is touched.
+    const auto &rc = row_cache[j];
+    const bool row_whole =
+        rc.seq_id == sq.seq_id && rc.table_version == sq.cache.table_version && rc.len == num_blocks;
+    if (__builtin_expect(row_whole && (pos >> shift) == num_blocks - 1, 1)) {
+      slots[j] = (static_cast<int64_t>(rc.last_block) << shift) | (pos & mask);
+      continue;
     }
+    slots[j] = (static_cast<int64_t>(sq.cache.block_table.data()[pos >> shift]) << shift) | (pos & mask);
+    // Wider than the row: end_decode_rows_ lays the tables out again.
+    if (!row_whole && num_blocks <= stride) stale[num_stale++] = static_cast<int32_t>(j);
   }
-  rows.i = i0 + static_cast<int>(j);
-  rows.t = t0 + static_cast<int>(j);
   rows.max_blocks = max_blocks;
-  return r - j;
+  rows.num_stale = num_stale;
+  return j;
 }
 
 // Drafts make a step longer than one token a row.
@@ -266,48 +305,66 @@ inline void Scheduler::end_decode_rows_(DecodeRows &rows) {
   out.trim();
   out.seqlens_q.resize(n);
   size_metadata_(out, n, rows.t);
-  // The extremes over the finished arrays, not in the row loop: fewer live
-  // values there, and these loops over contiguous ints are cheap.
-  const int32_t *seqlens_q = rows.seqlens_q, *seqlens_k = rows.seqlens_k;
-  int64_t sum_qxk = 0;
-  int max_q = 0, min_k = out.min_seqlen_k, max_k = out.max_seqlen_k;
-  for (int i = 0; i < n; ++i) {
-    sum_qxk += static_cast<int64_t>(seqlens_q[i]) * seqlens_k[i];
-    max_q = std::max(max_q, seqlens_q[i]);
-    min_k = std::min(min_k, seqlens_k[i]);
-    max_k = std::max(max_k, seqlens_k[i]);
-  }
-  int worst = -1, worst_end = std::numeric_limits<int>::min();
-  for (int i = 0; i < n; ++i) {
-    if (seqlens_k[i] - seqlens_q[i] > worst_end) {  // the first row of the largest k - q (S38)
-      worst_end = seqlens_k[i] - seqlens_q[i];
-      worst = i;
-    }
-  }
-  out.sum_seqlen_qxk += sum_qxk;
-  out.max_seqlen_q = max_q;
-  out.min_seqlen_k = min_k;
-  out.max_seqlen_k = max_k;
+  decode_extremes_(out, rows.seqlens_q, rows.seqlens_k, n);
   prepare_block_tables_(out, n, rows.max_blocks);
   if (rows.max_blocks != rows.stride) {
     for (int i = 0; i < n; ++i) fill_block_row_(out, i, *out.scheduled_seqs[i]);
   }
   decode_stride_hint_ = rows.max_blocks;
-  out.worst_row = worst;
   out.rows_built = true;
 }
 
-// After all rows: the position-end check (S38) and the FLOP estimates. Only the
-// worst row can fail; when it does, the first failing row is reported.
-inline void Scheduler::finish_metadata_(SchedulerOutputs &out, int worst) {
+// The extremes over a decode step's finished arrays, not in the row loop:
+// fewer live values there, and plain reductions over contiguous ints, which
+// the compiler vectorizes at O3 (S38 needs only the largest k - q, not its row).
+__attribute__((optimize("O3"))) inline void Scheduler::decode_extremes_(SchedulerOutputs &out,
+                                                                         const int32_t *seqlens_q,
+                                                                         const int32_t *seqlens_k, int n) {
+  int64_t sum_qxk = 0;
+  int max_q = 0, min_k = out.min_seqlen_k, max_k = out.max_seqlen_k;
+  int max_end_base = std::numeric_limits<int>::min();
+  if (out.num_tokens_q == n && n > 0) {  // every q is 1: sums and extremes of k alone
+    for (int i = 0; i < n; ++i) {
+      const int k = seqlens_k[i];
+      sum_qxk += k;
+      min_k = std::min(min_k, k);
+      max_k = std::max(max_k, k);
+    }
+    out.sum_seqlen_qxk += sum_qxk;
+    out.max_seqlen_q = 1;
+    out.min_seqlen_k = min_k;
+    out.max_seqlen_k = max_k;
+    out.max_end_base = max_k - 1;
+    return;
+  }
+  for (int i = 0; i < n; ++i) {
+    const int q = seqlens_q[i], k = seqlens_k[i];
+    sum_qxk += static_cast<int64_t>(q) * k;
+    max_q = std::max(max_q, q);
+    min_k = std::min(min_k, k);
+    max_k = std::max(max_k, k);
+    max_end_base = std::max(max_end_base, k - q);
+  }
+  out.sum_seqlen_qxk += sum_qxk;
+  out.max_seqlen_q = max_q;
+  out.min_seqlen_k = min_k;
+  out.max_seqlen_k = max_k;
+  out.max_end_base = max_end_base;
+}
+
+// After all rows: the position-end check (S38) and the FLOP estimates. A row's
+// position end is k (prompt) or k - q + max_seqlen_q + nextn (decode): only the
+// largest base can fail; when it does, the first failing row is reported.
+inline void Scheduler::finish_metadata_(SchedulerOutputs &out, int max_end_base) {
   const int n = out.num_seqs();
   const int nextn = cfg_.num_speculative_tokens;
   const int runtime_max_model_len = cfg_.max_model_len + 2 * nextn;
+  auto end_of = [&](int base) { return out.prompt_run ? base : base + out.max_seqlen_q + nextn; };
   auto position_end = [&](int i) {
     const int k = out.seqlens_k[i], q = out.seqlens_q[i];
-    return out.prompt_run ? k : k - q + out.max_seqlen_q + nextn;
+    return end_of(out.prompt_run ? k : k - q);
   };
-  if (worst >= 0 && position_end(worst) > runtime_max_model_len) {
+  if (n > 0 && end_of(max_end_base) > runtime_max_model_len) {
     for (int i = 0; i < n; ++i) {
       if (position_end(i) > runtime_max_model_len) {
         throw std::logic_error("position end " + std::to_string(position_end(i)) + " of " +
@@ -348,6 +405,7 @@ inline void Scheduler::fill_block_row_(SchedulerOutputs &out, int i, const Seque
   }
   std::copy(table.begin() + from, table.end(), row + from);
   rc.len = len;
+  rc.last_block = len > 0 ? table[len - 1] : 0;
 }
 
 }  // namespace baton

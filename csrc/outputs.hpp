@@ -67,15 +67,17 @@ struct SchedulerOutputs {
     int64_t seq_id{-1};
     uint32_t table_version{0};
     int32_t len{0};
+    int32_t last_block{0};  // the row's block len - 1: a decode row's slot without reading the table
   };
   std::vector<RowCache> row_cache;
+  std::vector<int32_t> stale_rows;  // scratch of emit_plain_rows_: rows whose table row needs writing
   int table_stride{0};  // the row width block_tables and row_cache were filled with
   int num_scheduled{0};
   int num_tokens_q{0};  // sum of seqlens_q
   // A decode step writes its rows while scheduling (Scheduler::emit_decode_row_);
-  // build_metadata_ then only returns the row S38 checks.
+  // build_metadata_ then only returns max_end_base.
   bool rows_built{false};
-  int worst_row{-1};
+  int max_end_base{0};  // the largest k - q of a decode step's rows (S38)
 
   int num_seqs() const { return num_scheduled; }
 
@@ -122,7 +124,7 @@ struct SchedulerOutputs {
     num_scheduled = 0;
     num_tokens_q = 0;
     rows_built = false;
-    worst_row = -1;
+    max_end_base = 0;
   }
 
   // Drops the slots this step did not refill.
@@ -132,8 +134,9 @@ struct SchedulerOutputs {
 struct ProcessResult {
   std::vector<int32_t> num_accepted;
 
+  // num_accepted keeps its size: process_outputs resizes it and writes every
+  // entry, and clearing it here would make that resize zero-fill it first.
   void reset() {
-    num_accepted.clear();
     finished.clear();
     handed_off.clear();
     first_token_latencies.clear();

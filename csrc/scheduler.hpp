@@ -205,11 +205,14 @@ class Scheduler {
   int build_metadata_(SchedulerOutputs &out);
   void size_metadata_(SchedulerOutputs &out, int n, int num_tokens);
   void emit_seq_(SchedulerOutputs &out, int i, int t, Sequence &seq, int q);
-  void finish_metadata_(SchedulerOutputs &out, int worst);
+  void finish_metadata_(SchedulerOutputs &out, int max_end_base);
+  void decode_extremes_(SchedulerOutputs &out, const int32_t *seqlens_q, const int32_t *seqlens_k, int n);
   struct DecodeRows;
   DecodeRows begin_decode_rows_(SchedulerOutputs &out, int max_rows);
   void emit_decode_row_(DecodeRows &rows, const SequencePtr &seq, int q);
   size_t emit_plain_rows_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r, int max_rows);
+  template <bool kSpeculative>
+  size_t emit_plain_rows_loop_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r, size_t limit);
   void grow_decode_tokens_(DecodeRows &rows, int num_tokens);
   void end_decode_rows_(DecodeRows &rows);
   static void prepare_block_tables_(SchedulerOutputs &out, int n, int max_blocks);
@@ -220,6 +223,9 @@ class Scheduler {
   void finish_prefill_(const SequencePtr &seq, ProcessResult &res);
   int book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res);
   int book_plain_(Sequence &seq, int32_t token, ProcessResult &res);
+  int book_plain_rows_(const SchedulerOutputs &out, const int32_t *tokens, int32_t *num_accepted, int hi);
+  void book_row_(SchedulerOutputs &out, int i, const int32_t *tokens, int width, ProcessResult &res,
+                 std::vector<SequencePtr> &chunks, bool &keep_clean);
   void append_token_(Sequence &seq, int32_t token, ProcessResult &res);
   void check_stop_(Sequence &seq) const;
 

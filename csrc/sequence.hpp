@@ -7,10 +7,12 @@
 //   DraftState / StructuredOutputState  speculative and grammar state (S4)
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,19 +61,30 @@ struct SequenceData {
   int get_prompt_len() const { return prompt_len; }
   int get_output_len() const { return get_len() - prompt_len; }
   int32_t last_token() const { return token_ids.back(); }
+
+  // Room for the prompt and up to kOutputReserve outputs; longer outputs grow
+  // the array geometrically (a few reallocations in a sequence's life). Not
+  // the whole max_tokens: allocations that large are page-aligned mappings of
+  // one size, so in a batch of equal lengths every sequence's newest token
+  // sits at the same page offset and all of them share a few cache sets
+  // (measured: twice the decode step's cache misses at 1024 running).
+  static constexpr int kOutputReserve = 256;
+  void reserve_outputs(int max_tokens) {
+    token_ids.reserve(static_cast<size_t>(prompt_len) + std::min(max_tokens, kOutputReserve));
+  }
 };
 
 struct KvCacheState {
-  // Hot first (Sequence puts this struct's head in its hot lines), cold tail last.
+  // Cold head, hot tail: Sequence ends its cold first line with this struct's head.
+  int hit_tokens{0};
+  int swa_valid_start{0};
+  int state_id{-1};
+  int last_copy_state_token_idx{0};
   int previous_num_tokens{0};
   int num_tokens{0};
   uint32_t table_version{0};  // bumped by every edit that is not an append (row cache key)
   int block_size{0};
   std::vector<int> block_table;
-  int hit_tokens{0};
-  int swa_valid_start{0};
-  int state_id{-1};
-  int last_copy_state_token_idx{0};
 
   // Booked before the sampled tokens are known, so the next step's block count
   // already covers them (S2).
@@ -109,7 +122,7 @@ struct SequenceScheduleState {
 };
 
 struct DraftState {
-  // Cold head, hot tail: Sequence ends its cold line with this struct's head.
+  // Cold: a decode step reads the vectors only when speculation is configured.
   int info_slot{-1};                     // one per running sequence (S36)
   int64_t num_drafted{0};
   int64_t num_accepted{0};
@@ -127,22 +140,34 @@ struct StructuredOutputState {
 // the per-token check reads no vector; more than fit: the vectors decide.
 struct StopSet {
   static constexpr int kInline = 3;
-  int32_t ids[kInline]{};
+  // Unused entries hold a value no sampled token has (process_outputs refuses
+  // negative ones), so the check is three compares without a loop.
+  static constexpr int32_t kNoToken = std::numeric_limits<int32_t>::min();
+  int32_t ids[kInline]{kNoToken, kNoToken, kNoToken};
   uint8_t size{0};
   bool overflow{false};
+
+  // Whether token is one of the inline ids; decides alone unless overflow.
+  bool matches_inline(int32_t token) const { return (ids[0] == token) | (ids[1] == token) | (ids[2] == token); }
 };
 
-// alignas(64): a decode step touches three whole cache lines of each running
-// sequence, [64, 256), and no other line of the object. The first line holds cold fields that
-// end with the draft ledger's cold head, so the hot lines start with its
-// vectors; the cache ledger's cold tail and the schedule ledger's cold tail
-// (branch id, checkpoints) follow the hot lines. Offsets are checked below.
+// alignas(64): a decode step touches two whole cache lines of each running
+// sequence, [64, 192), and no other line of the object (with speculation off:
+// the draft ledger is read only when num_speculative_tokens > 0). The first
+// line holds cold fields and ends with the cache ledger's cold head, so the hot
+// lines start with its counters and block table; the schedule ledger's cold
+// tail (chunking, branch id, checkpoints) starts the third line. At 1024
+// running sequences the step's working set then fits one core's L2, where three
+// hot lines did not. Offsets are checked below.
 struct alignas(64) Sequence {
   // Line 0: cold.
   std::string request_id;
   double arrival_time{0.0};  // metrics (S32)
-  DraftState draft;          // cold head [40, 64), hot vectors [64, 112)
-  // Lines 1-3: hot.
+  StructuredOutputState structured_output;
+  bool ignore_eos{false};
+  bool reported{false};  // finish reason already handed to the caller
+  KvCacheState cache;    // cold head [48, 64), hot tail [64, 104)
+  // Lines 1-2: hot.
   int64_t seq_id{0};
   SequenceData data;
   // Bookkeeping that is Baton's own, not the article's:
@@ -151,12 +176,9 @@ struct alignas(64) Sequence {
   int max_tokens{0};      // stopping criteria
   int num_pushed_tokens{0};
   StopSet stop_set;  // eos_token_ids and stop_token_ids as the check reads them
-  KvCacheState cache;
-  SequenceScheduleState schedule;  // hot head; branch id and checkpoints start the cold rest
+  SequenceScheduleState schedule;  // hot head; chunking, branch id and checkpoints start the cold rest
   // Cold.
-  StructuredOutputState structured_output;
-  bool ignore_eos{false};
-  bool reported{false};  // finish reason already handed to the caller
+  DraftState draft;
   std::vector<int32_t> eos_token_ids;
   std::vector<int32_t> stop_token_ids;
   double first_token_latency{-1.0};  // metrics (S32)
@@ -187,10 +209,7 @@ struct alignas(64) Sequence {
       for (int32_t id : eos_token_ids) if (id == token) return true;
       return false;
     }
-    for (int i = 0; i < stop_set.size; ++i) {
-      if (stop_set.ids[i] == token) return true;
-    }
-    return false;
+    return stop_set.matches_inline(token);
   }
 
   bool is_finished() const { return is_finished_status(schedule.status); }
@@ -229,9 +248,9 @@ struct alignas(64) Sequence {
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Winvalid-offsetof"
-static_assert(offsetof(Sequence, draft) + offsetof(DraftState, draft_tokens) == 64, "hot lines start at 64");
-static_assert(offsetof(Sequence, schedule) + offsetof(SequenceScheduleState, chunked_rest_len) <= 256,
-              "hot lines end at 256");
+static_assert(offsetof(Sequence, cache) + offsetof(KvCacheState, previous_num_tokens) == 64, "hot lines start at 64");
+static_assert(offsetof(Sequence, schedule) + offsetof(SequenceScheduleState, chunked_rest_len) == 192,
+              "hot lines end at 192");
 #pragma GCC diagnostic pop
 
 using SequencePtr = std::shared_ptr<Sequence>;
@@ -239,21 +258,18 @@ using SequencePtr = std::shared_ptr<Sequence>;
 // The per-sequence passes walk sequences scattered over the heap: above a few
 // hundred running sequences each one is a cache miss the core waits for. These
 // ask for a sequence a few iterations ahead of its use, in two stages, since
-// the token and block arrays' addresses sit in the sequence's own hot lines.
+// the token array's address sits in the sequence's own hot lines.
 constexpr int kPrefetchAhead = 8;  // iterations; measured with bench/scheduler_bench.py
 
 inline void prefetch_hot_lines(const Sequence *seq) {
   const char *p = reinterpret_cast<const char *>(seq);
   __builtin_prefetch(p + 64, 1);
   __builtin_prefetch(p + 128, 1);
-  __builtin_prefetch(p + 192, 1);
 }
-inline void prefetch_tails(const Sequence *seq) {
+inline void prefetch_token_tail(const Sequence *seq) {
   const auto &ids = seq->data.token_ids;
   __builtin_prefetch(ids.data() + ids.size(), 1);  // the next token's slot; the last token is in its line or the one before
   __builtin_prefetch(ids.data() + ids.size() - 1, 0);
-  const auto &table = seq->cache.block_table;
-  if (!table.empty()) __builtin_prefetch(table.data() + table.size() - 1, 0);
 }
 
 }  // namespace baton

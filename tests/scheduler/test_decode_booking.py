@@ -282,3 +282,61 @@ def test_s38_decode_rows_written_while_scheduling(block_size: int) -> None:
     if pending is not None:
         sched.process_outputs(*pending)
     drain(sched)
+
+
+def test_s31_negative_sampled_token_is_refused_and_nothing_booked() -> None:
+    sched = _prefilled(2)
+    out = sched.schedule()
+    before = [sched.sequence_info(rid)["token_ids"] for rid in out.request_ids]
+    with pytest.raises(ValueError, match="negative sampled token id -3"):
+        sched.process_outputs(out, np.array([7, -3], dtype=np.int32))
+    assert [sched.sequence_info(rid)["token_ids"] for rid in out.request_ids] == before
+    sched.process_outputs(out, sampled(out))  # the same step books once the tokens are valid
+    drain(sched)
+
+
+def test_s38_plain_decode_rows_over_many_steps() -> None:
+    """The fast paths of a decode step (rows and booking written without the
+    general code) against the ledgers: 48 sequences of staggered lengths cross
+    block boundaries at different steps, outgrow their token reservation, stop
+    on eos, on one of many stop ids (more than the inline stop set holds) and
+    on length, while the caller keeps the previous step's output alive (so two
+    output objects alternate, each with its own row cache) and new requests
+    join. Every committed token must be the one sampled for that row."""
+    sched = create_scheduler(num_blocks=2048, max_num_seqs=64, max_model_len=400,
+                             prefill_attempt_interval=7, prefill_any_attempt_interval=1000)
+    rng = np.random.default_rng(1)
+    outputs: dict[str, list[int]] = {}
+
+    def add(i: int) -> None:
+        rid = f"p{i}"
+        stop = [int(x) for x in rng.integers(2000, 2010, size=int(rng.integers(0, 6)))]
+        sched.add_sequence(rid, [10 + i] * int(rng.integers(1, 40)), int(rng.integers(1, 600)),
+                           eos_token_ids=[EOS], stop_token_ids=stop)
+        outputs[rid] = []
+
+    for i in range(48):
+        add(i)
+    previous = None
+    for n_step in range(420):
+        if n_step % 60 == 30:
+            for i in range(48 + n_step, 52 + n_step):
+                add(i)
+        out = sched.schedule()
+        if not out.prompt_run:
+            _check_decode_rows(sched, out)
+        draw = rng.random(len(out))
+        tokens = np.where(draw < 0.0015, EOS, np.where(draw < 0.003, 2000 + (n_step % 10), 100 + n_step % 50))
+        tokens = tokens.astype(np.int32)
+        res = sched.process_outputs(out, tokens)
+        for rid, tok, accepted in zip(out.request_ids, tokens, res.num_accepted):
+            if accepted:
+                outputs[rid].append(int(tok))
+        previous = out  # noqa: F841 - held like a caller that still reads the last step
+        if n_step % 20 == 0:
+            sched.check_invariants()
+            for rid in sched.live_request_ids():
+                info = sched.sequence_info(rid)
+                assert info["token_ids"][info["prompt_len"]:] == outputs[rid]
+    sched.check_invariants()
+    drain(sched)
