@@ -211,7 +211,7 @@ class Scheduler {
   DecodeRows begin_decode_rows_(SchedulerOutputs &out, int max_rows);
   void emit_decode_row_(DecodeRows &rows, const SequencePtr &seq, int q);
   size_t emit_plain_rows_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r, int max_rows);
-  template <bool kSpeculative>
+  template <bool kSpeculative, int kShift>
   size_t emit_plain_rows_loop_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r, size_t limit);
   void grow_decode_tokens_(DecodeRows &rows, int num_tokens);
   void end_decode_rows_(DecodeRows &rows);
