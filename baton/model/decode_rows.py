@@ -166,7 +166,11 @@ class RowGroup:
         new_rows = max(n, rows)
         new_cap = cap if max_len <= cap else min(
             -(-(max_len * 5 // 4) // _CAPACITY_STEP) * _CAPACITY_STEP, self.limit)
-        ws = torch.empty((num_layers, 2, new_rows, num_kv_heads, new_cap, head_dim),
+        # Zeros, not empty: attention reads every row up to its group's longest and masks the
+        # tail with an additive -inf, which only works over finite keys. Memory a freed tensor
+        # left behind can hold inf or NaN (masks are full of -inf), and q . inf - inf is NaN:
+        # a short row beside a long one then decoded token 0 forever (a flaky engine test).
+        ws = torch.zeros((num_layers, 2, new_rows, num_kv_heads, new_cap, head_dim),
                          dtype=kv_cache.dtype, device=kv_cache.device)
         active = len(self._seq_of)
         if self.ws is not None and active:

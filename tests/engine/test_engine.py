@@ -4,6 +4,7 @@ batching and seeds leave outputs unchanged, and every block comes back."""
 from __future__ import annotations
 
 import pytest
+import torch
 from model.reference import (
     baton_model,
     chat_prompt,
@@ -122,5 +123,9 @@ def test_decode_rows_across_length_classes(engine) -> None:
     assert outs[0].token_ids == truncate_at_eos(reference_greedy(tuple(long_prompt), MAX_TOKENS), eos)
     assert len(outs[0].token_ids) == MAX_TOKENS  # long enough to cross 512
     assert engine.model.decode_rows.num_gathered - gathered == 4  # three rows + one move
+    # Rows are masked past their length with an additive -inf, which needs finite keys there:
+    # a workspace is zeroed when allocated, never left with what freed memory held.
+    for group in engine.model.decode_rows.groups:
+        assert group.ws is None or bool(torch.isfinite(group.ws).all())
     for prompt, out in zip(short, outs[1:], strict=True):
         assert out.token_ids == engine.generate(prompt, GREEDY)[0].token_ids

@@ -329,7 +329,7 @@ def test_s38_plain_decode_rows_over_many_steps() -> None:
         tokens = np.where(draw < 0.0015, EOS, np.where(draw < 0.003, 2000 + (n_step % 10), 100 + n_step % 50))
         tokens = tokens.astype(np.int32)
         res = sched.process_outputs(out, tokens)
-        for rid, tok, accepted in zip(out.request_ids, tokens, res.num_accepted):
+        for rid, tok, accepted in zip(out.request_ids, tokens, res.num_accepted, strict=True):
             if accepted:
                 outputs[rid].append(int(tok))
         previous = out  # noqa: F841 - held like a caller that still reads the last step
