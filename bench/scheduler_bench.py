@@ -3,8 +3,8 @@
 Run: .venv/bin/python bench/scheduler_bench.py
 Writes bench/results/scheduler.json.
 
-Each case runs ROUNDS times (a fresh scheduler each time) and reports the lowest
-median: on a shared machine a neighbour's burst inflates a whole round, never deflates it.
+Each case runs ROUNDS times (a fresh scheduler each time, the cases in turn) and reports the
+lowest median: on a shared machine a neighbour's burst inflates a whole round, never deflates it.
 For a noise-free comparison count instructions instead, for example
 valgrind --tool=callgrind on two runs with different step counts.
 """
@@ -81,13 +81,16 @@ def _prefill_step_us(num_prompts: int = 16, prompt_len: int = 512, iters: int = 
     return statistics.median(times) * 1e6
 
 
-def _best_of_rounds(measure, *args) -> float:
-    return min(measure(*args) for _ in range(ROUNDS))
-
-
 def main() -> None:
-    rows = [(f"decode, {n} running", _best_of_rounds(_decode_step_us, n)) for n in (64, 256, 1024)]
-    rows.append(("prefill, 16 x 512-token prompts", _best_of_rounds(_prefill_step_us)))
+    cases = [(f"decode, {n} running", _decode_step_us, (n,)) for n in (64, 256, 1024)]
+    cases.append(("prefill, 16 x 512-token prompts", _prefill_step_us, ()))
+    # Rounds go case by case in turn, so one noisy stretch of the machine slows one round of
+    # every case instead of every round of one case.
+    medians: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    for _ in range(ROUNDS):
+        for name, measure, args in cases:
+            medians[name].append(measure(*args))
+    rows = [(name, min(values)) for name, values in medians.items()]
     print(f"{'step':<36}{'median us':>12}")
     for name, us in rows:
         print(f"{name:<36}{us:>12.1f}")
