@@ -203,9 +203,10 @@ __attribute__((noinline)) inline size_t Scheduler::emit_plain_rows_(DecodeRows &
   const size_t limit = std::min({r - l, static_cast<size_t>(max_rows - i0), static_cast<size_t>(rows.token_capacity - t0)});
   auto &stale = rows.out.stale_rows;
   if (stale.size() < limit) stale.resize(limit);
-  // Without speculation no sequence holds drafts: the draft ledger's line stays untouched.
-  // The usual block size as a constant: shifts by an immediate keep a register
-  // free in the loop (callgrind: 2% fewer instructions a step at 1024 running).
+  // Without speculation no sequence holds drafts: the draft ledger's line stays
+  // untouched. The usual block size as a constant: shifts by an immediate keep
+  // a register free in the loop (callgrind: 2% fewer instructions a step at
+  // 1024 running).
   const bool speculative = cfg_.num_speculative_tokens > 0;
   const size_t n = speculative           ? emit_plain_rows_loop_<true, -1>(rows, run, l, r, limit)
                    : rows.bs_shift == 4 ? emit_plain_rows_loop_<false, 4>(rows, run, l, r, limit)
