@@ -112,7 +112,7 @@ inline std::pair<AllocStatus, std::vector<int32_t>> Scheduler::allocate_prompted
   if (st != AllocStatus::OK) return {st, {}};
   seq->arrival_time = now_seconds();
   seq->data.reserve_outputs(max_tokens);
-  seq->data.token_ids.push_back(first_token_id);
+  seq->data.append(first_token_id);
   seq->cache.num_tokens = prompt_len;  // KV covers the prompt; the first token is fed next
   seq->cache.block_table.reserve(seq->block_table_capacity());
   block_manager_->allocate_nolock(n, seq->cache.block_table);
@@ -183,7 +183,7 @@ inline SequencePtr Scheduler::make_sequence_(const std::string &request_id, std:
   seq->seq_id = next_seq_id_++;
   seq->request_id = request_id;
   seq->data.prompt_len = static_cast<int>(prompt.size());
-  seq->data.token_ids = std::move(prompt);
+  seq->data.assign(std::move(prompt));
   seq->cache.block_size = cfg_.block_size;
   seq->max_tokens = max_tokens;
   seq->eos_token_ids = opts.eos_token_ids;

@@ -155,7 +155,7 @@ __attribute__((noinline)) inline int Scheduler::book_plain_rows_(const Scheduler
     sched.last_inflight_tokens = left;
     seq.cache.previous_num_tokens = seq.cache.num_tokens;
     seq.cache.num_tokens += 1;
-    ids.push_back(token);  // capacity checked above: no allocation
+    seq.data.append(token);  // capacity checked above: no allocation
     seq.num_pushed_tokens += 1;
     num_accepted[i] = 1;
   }
@@ -219,8 +219,8 @@ __attribute__((always_inline)) inline int Scheduler::book_plain_(Sequence &seq, 
   }
   // Accepted drafts exist only with speculation configured (see book_decode_).
   if (cfg_.num_speculative_tokens > 0 && !seq.draft.accepted_tokens.empty()) seq.draft.accepted_tokens.clear();
-  auto &ids = seq.data.token_ids;
-  ids.push_back(token);
+  seq.data.append(token);
+  const auto &ids = seq.data.token_ids;
   seq.num_pushed_tokens += 1;
   const int len = static_cast<int>(ids.size());
   const int output_len = len - seq.data.prompt_len;
@@ -244,7 +244,7 @@ __attribute__((always_inline)) inline int Scheduler::book_plain_(Sequence &seq, 
 }
 
 inline void Scheduler::append_token_(Sequence &seq, int32_t token, ProcessResult &res) {
-  seq.data.token_ids.push_back(token);
+  seq.data.append(token);
   seq.num_pushed_tokens += 1;
   if (seq.get_output_len() == 1) {
     seq.first_token_latency = now_seconds() - seq.arrival_time;

@@ -262,7 +262,6 @@ inline size_t Scheduler::emit_plain_rows_loop_(DecodeRows &rows, const SequenceP
   for (; j < limit; ++j) {
     const size_t at = r - 1 - j;
     if (at >= l + 2 * kPrefetchAhead) prefetch_hot_lines(run[at - 2 * kPrefetchAhead].get());
-    if (at >= l + kPrefetchAhead) prefetch_token_tail(run[at - kPrefetchAhead].get());
     Sequence &sq = *run[at];
     if (kSpeculative && !sq.draft.draft_tokens.empty()) break;
     const int len = static_cast<int>(sq.data.token_ids.size());
@@ -273,7 +272,8 @@ inline size_t Scheduler::emit_plain_rows_loop_(DecodeRows &rows, const SequenceP
     const int pos = sq.cache.num_tokens + inflight;
     epochs[j] = sq.epoch;
     seq_ids[j] = sq.seq_id;
-    input_ids[j] = pos < len ? sq.data.token_ids.data()[pos] : -1;
+    // The newest token (the usual case, in the hot lines), an older one, or -1: in flight.
+    input_ids[j] = pos >= len ? -1 : pos == len - 1 ? sq.data.last_token_id : sq.data.token_ids.data()[pos];
     positions[j] = pos;
     sq.schedule.start_inflight_step(1);
     sq.inflight_steps += 1;

@@ -51,6 +51,10 @@ inline void Scheduler::check_invariants() const {
   for (auto &kv : allocated_) seen[kv.second.get()] += 1;
   for (auto &kv : seen) {
     if (kv.second > 1) throw std::logic_error("sequence " + kv.first->request_id + " sits in two queues");
+    const auto &data = kv.first->data;
+    if (data.last_token_id != (data.token_ids.empty() ? -1 : data.token_ids.back())) {
+      throw std::logic_error("sequence " + kv.first->request_id + ": last_token_id is not its last token");
+    }
     // The inline stop ids agree with the vectors they were built from.
     Sequence copy;
     copy.eos_token_ids = kv.first->eos_token_ids;

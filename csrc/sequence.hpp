@@ -54,13 +54,24 @@ inline double now_seconds() {
 }
 
 struct SequenceData {
-  std::vector<int32_t> token_ids;
+  std::vector<int32_t> token_ids;  // grown through assign() and append() only
   int prompt_len{0};
+  // token_ids.back() beside the length, in the sequence's hot lines: a decode row
+  // feeds the newest token without reading the token array.
+  int32_t last_token_id{-1};
 
+  void assign(std::vector<int32_t> ids) {
+    token_ids = std::move(ids);
+    last_token_id = token_ids.empty() ? -1 : token_ids.back();
+  }
+  void append(int32_t token) {
+    token_ids.push_back(token);
+    last_token_id = token;
+  }
   int get_len() const { return static_cast<int>(token_ids.size()); }
   int get_prompt_len() const { return prompt_len; }
   int get_output_len() const { return get_len() - prompt_len; }
-  int32_t last_token() const { return token_ids.back(); }
+  int32_t last_token() const { return last_token_id; }
 
   // Room for the prompt and up to kOutputReserve outputs; longer outputs grow
   // the array geometrically (a few reallocations in a sequence's life). Not
