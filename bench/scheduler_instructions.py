@@ -59,7 +59,9 @@ def main() -> None:
         return
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed")
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}  # numpy's idle BLAS threads would count
+    # numpy's idle BLAS threads would count; a fixed hash seed keeps Python's dict work the same
+    # from run to run (randomized, it moved the count by a few thousand).
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     totals = []
     with tempfile.TemporaryDirectory() as tmp:
         for steps in _STEPS:

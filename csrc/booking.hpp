@@ -138,7 +138,7 @@ __attribute__((noinline)) inline int Scheduler::book_plain_rows_(const Scheduler
     if (i >= kPrefetchAhead) prefetch_token_tail(seqs[i - kPrefetchAhead].get());
     Sequence &seq = *seqs[i];
     const int32_t token = tokens[i];
-    auto &ids = seq.data.token_ids;
+    const auto &ids = seq.data.token_ids;
     const int len = static_cast<int>(ids.size()) + 1;  // after this token
     const int output_len = len - seq.data.prompt_len;
     if (seqlens_q[i] != 1 || seq.epoch != epochs[i] || seq.is_finished() || ids.size() == ids.capacity() ||
@@ -147,7 +147,9 @@ __attribute__((noinline)) inline int Scheduler::book_plain_rows_(const Scheduler
       break;
     }
     if (seq.stop_set.matches_inline(token)) break;
-    // book_plain_'s counters: the step leaves the pipeline, its token is committed.
+    // book_plain_'s counters: the step leaves the pipeline (finish_inflight_step,
+    // written branch-free), its token is committed (advance_optimistically(1) then
+    // commit_processed_tokens(1) is the first alone).
     seq.inflight_steps -= 1;
     auto &sched = seq.schedule;
     const int left = sched.total_inflight_tokens == sched.last_inflight_tokens ? 0 : sched.last_inflight_tokens;
