@@ -220,20 +220,9 @@ __attribute__((noinline)) inline size_t Scheduler::emit_plain_rows_(DecodeRows &
     if (seqs[j].get() != run[r - 1 - j].get()) seqs[j] = run[r - 1 - j];
   }
   plain_row_lengths(rows.seqlens_q + i0, rows.seqlens_k + i0, rows.positions + t0, n);
-  const int stride = rows.stride;
   for (int k = 0, num_stale = rows.num_stale; k < num_stale; ++k) {
     const int i = i0 + stale[k];
-    const Sequence &sq = *rows.seqs[i];
-    const auto &table = sq.cache.block_table;
-    const int num_blocks = static_cast<int>(table.size());
-    auto &rc = rows.row_cache[i];
-    if (rc.seq_id == sq.seq_id && rc.table_version == sq.cache.table_version && rc.len + 1 == num_blocks) {
-      rows.block_tables[static_cast<size_t>(i) * stride + num_blocks - 1] = table[num_blocks - 1];
-      rc.len = num_blocks;
-      rc.last_block = table[num_blocks - 1];
-    } else {
-      fill_block_row_(rows.out, i, sq);
-    }
+    fill_block_row_(rows.out, i, *rows.seqs[i]);  // writes only the blocks the row lacks
   }
   rows.num_stale = 0;
   rows.i = i0 + static_cast<int>(n);
