@@ -147,16 +147,11 @@ __attribute__((noinline)) inline int Scheduler::book_plain_rows_(const Scheduler
       break;
     }
     if (seq.stop_set.matches_inline(token)) break;
-    // book_plain_'s counters: the step leaves the pipeline (finish_inflight_step,
-    // written branch-free), its token is committed (advance_optimistically(1) then
-    // commit_processed_tokens(1) is the first alone).
+    // book_plain_'s counters: the step leaves the pipeline, its token is committed
+    // (advance_optimistically(1) then commit_processed_tokens(1) is the first alone).
     seq.inflight_steps -= 1;
-    auto &sched = seq.schedule;
-    const int left = sched.total_inflight_tokens == sched.last_inflight_tokens ? 0 : sched.last_inflight_tokens;
-    sched.total_inflight_tokens = left;
-    sched.last_inflight_tokens = left;
-    seq.cache.previous_num_tokens = seq.cache.num_tokens;
-    seq.cache.num_tokens += 1;
+    seq.schedule.finish_inflight_step();
+    seq.cache.advance_optimistically(1);
     seq.data.append(token);  // capacity checked above: no allocation
     seq.num_pushed_tokens += 1;
     num_accepted[i] = 1;
