@@ -31,9 +31,10 @@ RESULTS = Path(__file__).parent / "results" / "scheduler.json"
 ROUNDS = 5
 
 
-def _decode_step_us(num_seqs: int, prompt_len: int = 128, iters: int = 1000) -> float:
+def decoding_scheduler(num_seqs: int, prompt_len: int = 128, steps: int = 1000) -> Scheduler:
+    """num_seqs sequences prefilled and running, with blocks for `steps` more decode steps."""
     # Enough blocks that nothing is preempted while the sequences grow.
-    blocks_per_seq = (prompt_len + iters + 32) // 16 + 2
+    blocks_per_seq = (prompt_len + steps + 32) // 16 + 2
     cfg = SchedulerConfig(num_blocks=num_seqs * blocks_per_seq + 16, block_size=16, max_num_seqs=num_seqs,
                           max_num_batched_tokens=num_seqs * prompt_len, max_model_len=8192,
                           prefill_attempt_interval=1 << 30, prefill_any_attempt_interval=1 << 30)
@@ -43,15 +44,25 @@ def _decode_step_us(num_seqs: int, prompt_len: int = 128, iters: int = 1000) -> 
     out = sched.schedule()
     sched.process_outputs(out, np.full(len(out), 7, dtype=np.int32))
     assert sched.num_running() == num_seqs
+    return sched
+
+
+def decode_step(sched: Scheduler, tokens: np.ndarray) -> None:
+    """One decode step as a model runner drives it: the arrays it reads, then the booking."""
+    out = sched.schedule()
+    _ = out.block_tables, out.input_ids, out.positions, out.slot_mapping, out.seqlens_k
+    sched.process_outputs(out, tokens)
+
+
+def _decode_step_us(num_seqs: int, prompt_len: int = 128, iters: int = 1000) -> float:
+    sched = decoding_scheduler(num_seqs, prompt_len, iters)
     tokens = np.full(num_seqs, 7, dtype=np.int32)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        out = sched.schedule()
-        _ = out.block_tables, out.input_ids, out.positions, out.slot_mapping, out.seqlens_k
-        sched.process_outputs(out, tokens)
+        decode_step(sched, tokens)
         times.append(time.perf_counter() - t0)
-    assert len(out) == num_seqs and not out.prompt_run
+    assert sched.num_running() == num_seqs
     return statistics.median(times) * 1e6
 
 

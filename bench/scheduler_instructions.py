@@ -21,22 +21,12 @@ _STEPS = (100, 300)
 
 def _loop(num_seqs: int, steps: int) -> None:
     import numpy as np
+    from scheduler_bench import decode_step, decoding_scheduler
 
-    from baton.scheduler import Scheduler, SchedulerConfig
-
-    prompt_len = 128
-    cfg = SchedulerConfig(num_blocks=num_seqs * ((prompt_len + 1032) // 16 + 2) + 16, block_size=16,
-                          max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * prompt_len,
-                          max_model_len=8192, prefill_attempt_interval=1 << 30,
-                          prefill_any_attempt_interval=1 << 30)
-    sched = Scheduler(cfg)
-    for i in range(num_seqs):
-        sched.add_sequence(f"req-{i}", np.full(prompt_len, 10 + i % 100, dtype=np.int32), 100_000)
+    sched = decoding_scheduler(num_seqs)
     tokens = np.full(num_seqs, 7, dtype=np.int32)
-    for _ in range(steps + 1):  # the first step is the prefill
-        out = sched.schedule()
-        _ = out.block_tables, out.input_ids, out.positions, out.slot_mapping, out.seqlens_k
-        sched.process_outputs(out, tokens[:len(out)])
+    for _ in range(steps):
+        decode_step(sched, tokens)
 
 
 def _totals(path: Path) -> dict[str, int]:
