@@ -1,16 +1,20 @@
-"""The single-rank engine: scheduler (NORMAL mode) + paged model + sampler in one step loop.
+"""The engine: the one step loop (scheduler + model runner), shared by every role.
 
 A request's life in the engine:
-1. `add_request` tokenizes the prompt (str, or token ids as given) and queues it in the
-   scheduler's `waiting` queue; nothing is allocated yet.
+1. `add_request` checks the prompt (token ids, or text tokenized as is) and queues it in the
+   scheduler's `waiting` queue; nothing is allocated yet. A COMPLETION role instead allocates
+   through the scheduler itself (`allocate_prompted`) and registers the request with `track`.
 2. `step()`: `schedule()` picks a batch (a prompt step, possibly one chunk of a long prompt, or a
-   decode step over `running`) and allocates blocks; the model runs the flat batch, writing K/V
-   into the pool; rows whose prompt is complete are sampled; `process_outputs` appends the tokens.
+   decode step over `running`) and allocates blocks; the model runner runs it, writing K/V into
+   the pool, and samples the rows whose context is complete; `process_outputs` books the tokens.
 3. When the pool runs out, the scheduler preempts the youngest sequence and puts it back in
    `waiting`; it is later prefilled again from prompt + tokens so far (recompute). Its seeded
    generator is untouched by that, so its output does not change.
 4. EOS / stop token / max_tokens finish it (`process_outputs().finished`); `abort_request` finishes
-   it at once. Either way its blocks go back to the pool and the last delta says why.
+   it at once. Either way its blocks go back to the pool and the last output says why. In PROMPT
+   mode a finished prompt may instead leave with its blocks (`handed_off_block_ids`): the prompt
+   role holds them under a lease and returns them with `Scheduler.release_handed_off`.
+Outputs are token ids; text is the router's business (and `generate`'s, offline).
 """
 
 from __future__ import annotations
@@ -18,16 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from baton.model import IncrementalDetokenizer, KVCacheSpec, allocate_kv_cache, load_model
+from baton.model import load_model
 from baton.model.config import resolve_dtype
 from baton.model.loader import LoadedModel
-from baton.sampler import Sampler, SamplingParams
-from baton.scheduler import AllocStatus, EngineType, Scheduler, SchedulerConfig
+from baton.model_runner import ModelRunner
+from baton.sampler import SamplingParams
+from baton.scheduler import EngineType, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,9 @@ class EngineConfig:
     device: str | None = None  # None = cuda when present, else cpu
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks incl. the null block; 0 = fill kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 2**20  # budget used when num_blocks == 0
+    # Used when num_blocks == 0: the pool and the backend's copies of it together (the CPU
+    # backend's dense decode rows can hold each decoding token again: half goes to the pool).
+    kv_cache_memory_bytes: int = 2**30
     max_num_seqs: int = 64  # sequences in one decode batch
     max_num_batched_tokens: int = 2048  # tokens in one prompt step (chunk size)
     max_model_len: int = 0  # prompt + output; 0 = the model's context (capped by the pool)
@@ -83,7 +89,6 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     new_logprobs: list[float] | None
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | prompt_length_exceeded | ...
@@ -111,7 +116,6 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -133,12 +137,11 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
-        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.model_path = loaded.path
-        self.kv_spec = KVCacheSpec.from_model(self.model_config, config.block_size)
-        num_blocks = config.num_blocks or self.kv_spec.num_blocks_for_budget(
-            config.kv_cache_memory_bytes)
-        self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.model.device)
+        self.runner = ModelRunner(loaded, config.block_size, config.num_blocks,
+                                  config.kv_cache_memory_bytes)
+        num_blocks = self.runner.num_blocks
         # Never longer than the pool holds: such a prompt is refused at once, not left waiting.
         max_len = min(config.max_model_len or self.model_config.max_position,
                       self.model_config.max_position, (num_blocks - 1) * config.block_size)
@@ -154,10 +157,9 @@ class LLMEngine:
             prefill_any_attempt_interval=config.prefill_any_attempt_interval),
             all_reduce_min=all_reduce_min)
         self.max_model_len = max_len
-        self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
-        self._pending: list[RequestOutput] = []  # final deltas of aborted requests
+        self._pending: list[RequestOutput] = []  # final outputs of aborted requests
         self._next_id = 0
         self.num_recomputed = 0  # prompt steps that re-prefilled generated tokens (preemption)
         self.num_prompt_tokens = 0  # tokens run through prefill
@@ -175,6 +177,15 @@ class LLMEngine:
         """`LLMEngine.from_config(model=..., dtype=..., num_blocks=...)`: EngineConfig fields."""
         return cls(EngineConfig(**kwargs))
 
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The paged KV pool (what the KV exporter / importer register with NIXL)."""
+        return self.runner.kv_cache
+
+    @property
+    def kv_spec(self):
+        return self.runner.kv_spec
+
     # ------------------------------------------------------------------ counters
     def num_free_blocks(self) -> int:
         return self.scheduler.num_free_blocks()
@@ -183,7 +194,7 @@ class LLMEngine:
         return self.scheduler.num_total_blocks()
 
     def has_unfinished(self) -> bool:
-        """Work for `step()`: final deltas to send, or sequences in the scheduler's queues
+        """Work for `step()`: final outputs to send, or sequences in the scheduler's queues
         (finished ones too, until a step drops them). Prompts whose KV is still being pulled
         (COMPLETION) or has been handed off (PROMPT) need no step."""
         sched = self.scheduler
@@ -200,18 +211,15 @@ class LLMEngine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        ids = self._check_prompt(request_id, prompt)
-        req = self._new_request(request_id, ids, params)
+        ids = self.check_prompt(request_id, prompt)
         seq_id = self.scheduler.add_sequence(
             request_id, np.asarray(ids, dtype=np.int32), params.max_tokens,
-            eos_token_ids=self.model_config.eos_token_ids, stop_token_ids=params.stop_token_ids,
-            ignore_eos=params.ignore_eos)
-        req.seq_id = int(seq_id)
-        self._requests[request_id] = req
-        self._by_seq[req.seq_id] = req
+            **self.stop_options(params))
+        self.track(request_id, ids, params, int(seq_id))
         return request_id
 
-    def _check_prompt(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
+    def check_prompt(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids; ValueError when it is empty or holds an id out of range."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError(f"request {request_id!r}: empty prompt")
@@ -220,12 +228,38 @@ class LLMEngine:
                              f"[0, {self.model_config.vocab_size})")
         return ids
 
-    def _new_request(self, request_id: str, ids: list[int], params: SamplingParams) -> _Request:
-        return _Request(request_id, ids, params, params.make_generator(self.model.device),
-                        IncrementalDetokenizer(self.tokenizer))
+    def stop_options(self, params: SamplingParams) -> dict:
+        """The scheduler's stop settings (S31) for a request."""
+        return {"eos_token_ids": self.model_config.eos_token_ids,
+                "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos}
+
+    def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+              seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = ()) -> None:
+        """Register a request the scheduler already holds as `seq_id`. `token_ids` were sampled
+        elsewhere (a prompt engine's first token): a seeded generator draws once for each, so
+        the request samples what it would have on a single engine."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        req = _Request(request_id, prompt_token_ids, params,
+                       params.make_generator(self.runner.device), seq_id=seq_id)
+        req.token_ids.extend(int(t) for t in token_ids)
+        if params.logprobs:
+            req.logprobs.extend(float(lp) for lp in logprobs)
+        if req.generator is not None:
+            for _ in token_ids:
+                torch.multinomial(torch.ones(self.model_config.vocab_size), 1,
+                                  generator=req.generator)
+        self._requests[request_id] = req
+        self._by_seq[seq_id] = req
+
+    def untrack(self, request_id: str) -> None:
+        """Forget a request the scheduler no longer holds (freed by its role)."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._by_seq.pop(req.seq_id, None)
 
     def abort_request(self, request_id: str) -> bool:
-        """Finish a request now and free its blocks; its final delta comes with the next
+        """Finish a request now and free its blocks; its final output comes with the next
         `step()`. False when it is unknown or already finished."""
         req = self._requests.get(request_id)
         if req is None:
@@ -236,75 +270,13 @@ class LLMEngine:
 
     def _finish(self, req: _Request, reason: str) -> RequestOutput:
         req.finish_reason = reason
-        self._requests.pop(req.request_id, None)
-        self._by_seq.pop(req.seq_id, None)
-        return RequestOutput(req.request_id, [], req.detok.flush(),
-                             [] if req.params.logprobs else None, True, reason)
-
-    # ------------------------------------------------------------------ disaggregation
-    @property
-    def fingerprint(self) -> str:
-        """Model and KV layout identity, published in the registry."""
-        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}"
-
-    def kv_fingerprint(self):
-        """What two engines must share to exchange KV blocks byte for byte (kv_transfer)."""
-        from kv_transfer.protocol import Fingerprint
-
-        spec = self.kv_spec
-        return Fingerprint(model=Path(self.model_path).name,
-                           dtype=str(spec.dtype).removeprefix("torch."),
-                           num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                           head_dim=spec.head_dim, block_size=spec.block_size)
-
-    def release_handed_off(self, request_id: str) -> None:
-        """PROMPT engine: the lease on a handed-off prompt ended; its blocks return."""
-        self.scheduler.release_handed_off(request_id)
-
-    def add_prompted_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                             first_token_id: int, first_logprob: float,
-                             params: SamplingParams) -> tuple[AllocStatus, np.ndarray]:
-        """COMPLETION engine: allocate the blocks a prompt's KV will be pulled into.
-
-        OK registers the request (its first token, sampled by the prompt engine, is output 1)
-        and returns the block ids; LATER and NEVER change nothing. Then `commit_prompted` once
-        the KV landed, or `free_prompted` if it never will."""
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already running")
-        ids = self._check_prompt(request_id, prompt_token_ids)
-        status, block_ids = self.scheduler.allocate_prompted(
-            request_id, np.asarray(ids, dtype=np.int32), int(first_token_id), params.max_tokens,
-            eos_token_ids=self.model_config.eos_token_ids, stop_token_ids=params.stop_token_ids,
-            ignore_eos=params.ignore_eos)
-        if status != AllocStatus.OK:
-            return status, block_ids
-        req = self._new_request(request_id, ids, params)
-        req.token_ids.append(int(first_token_id))
-        if params.logprobs:
-            req.logprobs.append(float(first_logprob))
-        req.detok.add(int(first_token_id))  # the router already streamed its text
-        if req.generator is not None:
-            # The prompt engine drew once for the first token: draw once here too, so a seeded
-            # request samples the same tokens as on a single engine.
-            torch.multinomial(torch.ones(self.model_config.vocab_size), 1, generator=req.generator)
-        req.seq_id = int(self.scheduler.sequence_info(request_id)["seq_id"])
-        self._requests[request_id] = req
-        self._by_seq[req.seq_id] = req
-        return status, np.array(block_ids, copy=True)
-
-    def commit_prompted(self, request_id: str) -> None:
-        self.scheduler.commit_prompted(request_id)
-
-    def free_prompted(self, request_id: str) -> None:
-        """The KV never landed (transfer failed, aborted): forget the request, free its blocks."""
-        self.scheduler.free_prompted(request_id)
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self._by_seq.pop(req.seq_id, None)
+        self.untrack(req.request_id)
+        return RequestOutput(req.request_id, [], [] if req.params.logprobs else None, True,
+                             reason)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One schedule -> forward -> sample -> process_outputs round; the deltas it produced."""
+        """One schedule -> run -> process_outputs round; what it produced, per request."""
         outputs, self._pending = self._pending, []
         sched_out = self.scheduler.schedule()
         for request_id, reason in [*sched_out.ignored, *sched_out.finished]:
@@ -319,14 +291,16 @@ class LLMEngine:
         if len(seq_ids) == 0:
             return outputs
         reqs = [self._by_seq[int(s)] for s in seq_ids]
-        logits = self.model(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
-                            sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
-                            self.kv_cache, seq_ids)
-        seqlens_q = np.asarray(sched_out.seqlens_q)
+        seqlens_q, seqlens_k = np.asarray(sched_out.seqlens_q), np.asarray(sched_out.seqlens_k)
         if sched_out.prompt_run:
             self.num_prompt_tokens += int(seqlens_q.sum())
-            self.num_recomputed += sum(1 for r, q in zip(reqs, seqlens_q, strict=True) if r.token_ids and q > 1)
-        sampled, logprobs = self._sample(reqs, logits, np.asarray(sched_out.seqlens_k))
+            self.num_recomputed += sum(1 for r, q in zip(reqs, seqlens_q, strict=True)
+                                       if r.token_ids and q > 1)
+        # Only a row whose context is complete is sampled: a non-final prompt chunk is not.
+        complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
+        sampled, logprobs = self.runner.execute(
+            sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
+            [r.generator for r in reqs])
         result = self.scheduler.process_outputs(sched_out, sampled)
         for req, accepted, token, logprob in zip(reqs, np.asarray(result.num_accepted),
                                                  sampled, logprobs, strict=True):
@@ -338,11 +312,11 @@ class LLMEngine:
 
     def _hand_off(self, outputs: list[RequestOutput], handed_off) -> None:
         """PROMPT mode: prompts that left the scheduler with their blocks leave the engine too;
-        their delta carries the first token and the block ids for the lease."""
+        their output names the blocks, for the prompt role to hold under a lease."""
         by_id = {out.request_id: out for out in outputs}
         for request_id, block_ids in handed_off:
-            req = self._requests.pop(request_id)
-            self._by_seq.pop(req.seq_id, None)
+            req = self._requests[request_id]
+            self.untrack(request_id)
             out = by_id[request_id]
             out.handed_off_block_ids = [int(b) for b in block_ids]
             out.num_prompt_tokens = len(req.prompt_token_ids)
@@ -351,35 +325,18 @@ class LLMEngine:
         for out in outputs:
             reason = finished.pop(out.request_id, None)
             if reason is not None and out.request_id in self._requests:
-                final = self._finish(self._requests[out.request_id], reason)
-                out.new_text += final.new_text
+                self._finish(self._requests[out.request_id], reason)
                 out.finished, out.finish_reason = True, reason
         for request_id, reason in finished.items():  # finished without a token this step
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
-
-    def _sample(self, reqs: list[_Request], logits: torch.Tensor,
-                seqlens_k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Sample the rows whose context is complete; a non-final prompt chunk gets a dummy 0
-        (the scheduler ignores it) and does not advance its generator."""
-        n = len(reqs)
-        sampled = np.zeros(n, dtype=np.int32)
-        logprobs = np.zeros(n, dtype=np.float32)
-        rows = [i for i, r in enumerate(reqs) if int(seqlens_k[i]) == r.num_tokens]
-        if rows:
-            ids, lps = self.sampler(logits[rows], [reqs[i].params for i in rows],
-                                    [reqs[i].generator for i in rows])
-            sampled[rows] = ids.cpu().numpy()
-            logprobs[rows] = lps.cpu().numpy()
-        return sampled, logprobs
 
     def _append(self, req: _Request, token: int, logprob: float) -> RequestOutput:
         self.num_generated_tokens += 1
         req.token_ids.append(token)
         if req.params.logprobs:
             req.logprobs.append(logprob)
-        return RequestOutput(req.request_id, [token], req.detok.add(token),
-                             [logprob] if req.params.logprobs else None)
+        return RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None)
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],

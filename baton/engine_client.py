@@ -6,6 +6,7 @@ timeout, over a fresh DEALER socket that is closed before returning.
 
 from __future__ import annotations
 
+import collections
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import zmq
 
 from baton.protocol import (
     AbortRequest,
+    EngineOutputs,
     EngineStats,
     GenerateRequest,
     SamplingOptions,
@@ -35,6 +37,7 @@ class EngineClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
+        self._inbox: collections.deque[TokenDelta | EngineStats] = collections.deque()
 
     def close(self) -> None:
         self.sock.close(0)
@@ -49,9 +52,13 @@ class EngineClient:
         self.sock.send(encode(msg))
 
     def recv(self, timeout_s: float) -> TokenDelta | EngineStats:
-        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise EngineTimeout(f"no reply from {self.address} within {timeout_s}s")
-        return decode_to_router(self.sock.recv())
+        """The next delta (an engine's `EngineOutputs` are taken apart) or stats reply."""
+        while not self._inbox:
+            if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+                raise EngineTimeout(f"no reply from {self.address} within {timeout_s}s")
+            msg = decode_to_router(self.sock.recv())
+            self._inbox.extend(msg.outputs if isinstance(msg, EngineOutputs) else [msg])
+        return self._inbox.popleft()
 
     def stats(self, timeout_s: float = 5.0) -> EngineStats:
         nonce = uuid.uuid4().int & 0x7FFFFFFF

@@ -52,9 +52,9 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
 
     engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min)
     if role == "normal":
-        from baton.normal_worker import NormalWorker
+        from baton.worker import EngineWorker
 
-        return NormalWorker(engine)
+        return EngineWorker(engine)
     if role == "prompt":
         from prompt_engine.worker import PromptWorker
 

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from baton.engine import EngineConfig, LLMEngine
-    from baton.model import ModelLoadError
+    from baton.model import IncrementalDetokenizer, ModelLoadError
     from baton.sampler import SamplingParams
 
     try:
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
                                         num_threads=args.threads,
-                                        kv_cache_memory_bytes=128 * 2**20))
+                                        kv_cache_memory_bytes=256 * 2**20))
     except (ModelLoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -45,10 +45,11 @@ def run(args: argparse.Namespace) -> int:
     ids = engine.tokenizer.encode(prompt, add_special_tokens=not args.chat)
     start = time.perf_counter()
     engine.add_request("cli", ids, params)
+    detok = IncrementalDetokenizer(engine.tokenizer)  # the engine streams token ids only
     num_tokens, reason = 0, None
     while engine.has_unfinished():
         for delta in engine.step():
-            sys.stdout.write(delta.new_text)
+            sys.stdout.write(detok.add(delta.new_token_ids) + (detok.flush() if delta.finished else ""))
             sys.stdout.flush()
             num_tokens += len(delta.new_token_ids)
             reason = delta.finish_reason or reason

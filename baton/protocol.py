@@ -4,7 +4,11 @@ The router holds a ZMQ DEALER per engine; every engine (NORMAL, PROMPT, COMPLETI
 ROUTER socket and speaks these messages, msgpack-encoded with msgspec. New fields go at the end.
 
     router -> engine   GenerateRequest | AbortRequest | StatsRequest
-    engine -> router   TokenDelta      | EngineStats
+    engine -> router   EngineOutputs   | EngineStats
+
+An engine sends one `EngineOutputs` per step per router connection, carrying a `TokenDelta` for
+every request of that router the step touched (vLLM's `EngineCoreOutputs`): at batch 64 one
+message a step instead of 64. Token ids only: the router detokenizes.
 
 The KV handle is opaque here: the prompt engine encodes it (kv_transfer.protocol), the router
 only carries the bytes from one engine to the other, and the completion engine decodes and
@@ -65,6 +69,12 @@ class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=Tru
     num_prompt_tokens: int = 0
 
 
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
+    """What one engine step (or one incoming message) produced for one router connection."""
+
+    outputs: list[TokenDelta] = []
+
+
 class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=True):
     engine_id: str
     role: str
@@ -83,7 +93,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
 
 
 RouterToEngine = GenerateRequest | AbortRequest | StatsRequest
-EngineToRouter = TokenDelta | EngineStats
+EngineToRouter = EngineOutputs | EngineStats
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(RouterToEngine)

@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,6 +75,14 @@ class AllocStatus(enum.IntEnum):
     OK = 0  # allocated now
     LATER = 1  # not now; retry after blocks are freed
     NEVER = 2  # can never fit; waiting will not help
+
+
+class PromptedAllocation(NamedTuple):
+    """What `Scheduler.allocate_prompted` hands back."""
+
+    status: AllocStatus
+    block_ids: np.ndarray  # int32, the blocks the prompt's KV lands in (empty unless OK)
+    seq_id: int  # the sequence's stable id (-1 unless OK)
 
 
 @dataclasses.dataclass
@@ -179,14 +188,15 @@ class Scheduler:
                           eos_token_ids: Iterable[int] = (), stop_token_ids: Iterable[int] = (),
                           ignore_eos: bool = False, schedulable: bool = True,
                           chunk_checkpoints: Iterable[int] = (),
-                          structured_output: bool = False) -> tuple[AllocStatus, np.ndarray]:
-        """COMPLETION engine: allocate the blocks a prompt's KV lands in, all or nothing."""
-        status, block_ids = self._impl.allocate_prompted(
+                          structured_output: bool = False) -> PromptedAllocation:
+        """COMPLETION engine: allocate the blocks a prompt's KV lands in, all or nothing. OK
+        gives the block ids and the sequence's ``seq_id``; LATER and NEVER change nothing."""
+        status, block_ids, seq_id = self._impl.allocate_prompted(
             request_id, prompt_token_ids, first_token_id, max_tokens,
             eos_token_ids=tuple(eos_token_ids), stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos, schedulable=schedulable,
             chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output)
-        return AllocStatus(status), block_ids
+        return PromptedAllocation(AllocStatus(status), block_ids, int(seq_id))
 
     def commit_prompted(self, request_id: str) -> None:
         """The KV landed: the sequence joins ``prompted``, then ``running``."""

@@ -6,7 +6,8 @@ One process, one thread of control:
    `GenerateRequest`, `AbortRequest`, `StatsRequest` (baton/protocol.py). Each is decoded with
    size and type checks; an undecodable message is dropped and counted, never trusted.
 2. A `GenerateRequest` goes to the role's worker (`add_request`); the router's identity is kept
-   per request so every later `TokenDelta` goes back to the socket that asked.
+   per request so every later `TokenDelta` goes back to the socket that asked: whatever one
+   step (or one message) produced for one router travels as one `EngineOutputs`.
 3. While the worker has work, the loop alternates "drain the socket" and `worker.step()`; with
    no work it blocks in poll for a few milliseconds, so an idle engine costs no CPU.
 4. SIGTERM/SIGINT: stop taking work (new requests finish at once with reason `abort` and an
@@ -29,6 +30,7 @@ from baton.dp import DPGroup
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequest,
+    EngineOutputs,
     EngineStats,
     GenerateRequest,
     ProtocolError,
@@ -208,46 +210,49 @@ class EngineService:
         elif isinstance(msg, AbortRequest):
             # A handed-off prompt is no longer tracked here but may still hold a KV lease:
             # the worker decides; replies for untracked requests go to whoever aborted.
-            for delta in self.worker.abort_request(msg.req_id):
-                if delta.req_id in self.req_to_identity:
-                    self._send_all([delta])
-                else:
-                    self._send(identity, delta)
+            self._send_all(self.worker.abort_request(msg.req_id), fallback=identity)
         elif isinstance(msg, StatsRequest):
             self._send(identity, self.stats(msg.nonce))
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         if self._stop.is_set():
-            self._send(identity, TokenDelta(req.req_id, finish_reason="abort",
-                                            error="engine is shutting down"))
+            self._send(identity, EngineOutputs([TokenDelta(req.req_id, finish_reason="abort",
+                                                           error="engine is shutting down")]))
             return
         if req.req_id in self.req_to_identity:
-            self._send(identity, TokenDelta(req.req_id, finish_reason="error",
-                                            error=f"duplicate request id {req.req_id!r}"))
+            self._send(identity, EngineOutputs([TokenDelta(
+                req.req_id, finish_reason="error", error=f"duplicate request id {req.req_id!r}")]))
             return
         self.counters.num_requests += 1
         self.req_to_identity[req.req_id] = identity
         self._send_all(self.worker.add_request(req))
 
     # --- replies ---------------------------------------------------------------------------
-    def _send_all(self, deltas: list[TokenDelta]) -> None:
+    def _send_all(self, deltas: list[TokenDelta], fallback: bytes | None = None) -> None:
+        """One `EngineOutputs` per router connection. A delta of a request not (or no longer)
+        tracked goes to `fallback`, or nowhere (it was already finished and forgotten)."""
+        batches: dict[bytes, list[TokenDelta]] = {}
         for delta in deltas:
             identity = self.req_to_identity.get(delta.req_id)
             if identity is None:
-                continue  # the request was already finished and forgotten
-            if delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
+                if fallback is None:
+                    continue
+                identity = fallback
+            elif delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
                 del self.req_to_identity[delta.req_id]
                 self.counters.num_requests_finished += 1
-            self._send(identity, delta)
+            batches.setdefault(identity, []).append(delta)
+        for identity, batch in batches.items():
+            self._send(identity, EngineOutputs(batch))
 
-    def _send(self, identity: bytes, msg: TokenDelta | EngineStats) -> None:
+    def _send(self, identity: bytes, msg: EngineOutputs | EngineStats) -> None:
         try:
             self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError) as exc:
             # The router is gone or its queue is full: its requests are lost to it anyway;
             # finishing them here keeps the pools whole.
-            logger.warning("cannot reach router for %s: %s", getattr(msg, "req_id", "stats"), exc)
-            if isinstance(msg, TokenDelta) and not msg.finish_reason:
+            logger.warning("cannot reach router %r: %s", identity, exc)
+            if isinstance(msg, EngineOutputs):
                 self._abort_for_identity(identity)
 
     def _abort_for_identity(self, identity: bytes) -> None:

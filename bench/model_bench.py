@@ -158,7 +158,7 @@ def main() -> None:
     from baton.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=64,
-                                    kv_cache_memory_bytes=768 * 2**20))
+                                    kv_cache_memory_bytes=1536 * 2**20))
     path = Path(engine.model_path)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.float32).eval()
@@ -178,7 +178,7 @@ def main() -> None:
     for batch in (int(x) for x in args.mixed_batches.split(",") if x):
         # max_num_seqs = batch: Baton may never run more requests at once than transformers does.
         mixed_engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=batch,
-                                              kv_cache_memory_bytes=768 * 2**20))
+                                              kv_cache_memory_bytes=1536 * 2**20))
         work = make_mixed(engine.tokenizer, batch)
         b, h = alternate(partial(baton_mixed, mixed_engine, work), partial(hf_mixed, hf, work, batch),
                          args.repeats)

@@ -246,7 +246,8 @@ PYBIND11_MODULE(_scheduler, m) {
                               schedulable, std::move(checkpoints), so));
              py::array_t<int32_t> arr(static_cast<py::ssize_t>(blocks.size()));
              std::copy(blocks.begin(), blocks.end(), arr.mutable_data());
-             return py::make_tuple(static_cast<int>(st), arr);
+             auto seq = st == AllocStatus::OK ? s.find(rid) : nullptr;
+             return py::make_tuple(static_cast<int>(st), arr, seq ? seq->seq_id : -1);
            },
            py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("first_token_id"), py::arg("max_tokens"),
            py::kw_only(), py::arg("eos_token_ids") = py::tuple(), py::arg("stop_token_ids") = py::tuple(),

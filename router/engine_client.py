@@ -1,7 +1,8 @@
 """One DEALER socket per engine address, with one receive task that demultiplexes by req_id.
 
 Every request the router sends to an engine opens a queue keyed by its req_id; the receive task
-puts each TokenDelta into the queue of its request. A socket monitor notices a dropped
+takes each `EngineOutputs` (one per engine step) apart and puts each TokenDelta into the queue of
+its request. A socket monitor notices a dropped
 connection at once, so requests on a killed engine fail in milliseconds instead of waiting for
 their timeout.
 """
@@ -17,7 +18,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from baton import protocol
-from baton.protocol import AbortRequest, GenerateRequest, TokenDelta
+from baton.protocol import AbortRequest, EngineOutputs, GenerateRequest, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,12 @@ class EngineClient:
             except protocol.ProtocolError as exc:
                 logger.warning("dropping a bad message from %s: %s", self.address, exc)
                 continue
-            if isinstance(msg, TokenDelta):  # the router sends no StatsRequest: no stats here
-                queue = self._queues.get(msg.req_id)
+            if not isinstance(msg, EngineOutputs):  # the router asks no stats: none come
+                continue
+            for delta in msg.outputs:
+                queue = self._queues.get(delta.req_id)
                 if queue is not None:  # else: a late delta of a request already given up
-                    queue.put_nowait(msg)
+                    queue.put_nowait(delta)
 
     async def _monitor_loop(self) -> None:
         while True:

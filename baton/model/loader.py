@@ -20,7 +20,7 @@ import torch
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.llama import LlamaModel
 from baton.model.tokenizer import Tokenizer
-from baton.model.weights import MissingWeightError
+from baton.model.weights import MissingWeightError, assign_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
         model = LlamaModel(config)
     model = model.to_empty(device=device)
     try:
-        model.load_hf_state_dict(weights)
+        assign_hf_weights(model, weights)
     except MissingWeightError as e:
         raise ModelLoadError(path, f"missing tensor {e.args[0]}") from None
     except ValueError as e:

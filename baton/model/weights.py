@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from baton.model.llama import LlamaModel
+from torch import nn
 
 
 class MissingWeightError(KeyError):
@@ -27,8 +23,8 @@ def _copy(dst: torch.nn.Parameter, src: torch.Tensor, name: str) -> None:
         dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
 
 
-def assign_hf_weights(model: LlamaModel, weights: dict[str, torch.Tensor]) -> None:
-    """Fill every parameter of `model`; MissingWeightError/ValueError on a gap or shape mismatch."""
+def assign_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Fill every parameter of a `LlamaModel`; MissingWeightError/ValueError on a gap or shape mismatch."""
     _copy(model.embed_tokens, _take(weights, "model.embed_tokens.weight"), "embed_tokens")
     _copy(model.norm, _take(weights, "model.norm.weight"), "norm")
     if model.lm_head is not None:

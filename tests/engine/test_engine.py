@@ -117,15 +117,15 @@ def test_decode_rows_across_length_classes(engine) -> None:
     its steps from the first group: two attention groups per step, the same tokens."""
     long_prompt = prompt_of_length(463) + prompt_of_length(45)
     short = [prompt_of_length(1), prompt_of_length(17)]
-    gathered = engine.model.decode_rows.num_gathered
+    gathered = engine.runner.backend.decode_rows.num_gathered
     outs = engine.generate([long_prompt, *short], GREEDY)
     eos = baton_model().config.eos_token_ids
     assert outs[0].token_ids == truncate_at_eos(reference_greedy(tuple(long_prompt), MAX_TOKENS), eos)
     assert len(outs[0].token_ids) == MAX_TOKENS  # long enough to cross 512
-    assert engine.model.decode_rows.num_gathered - gathered == 4  # three rows + one move
+    assert engine.runner.backend.decode_rows.num_gathered - gathered == 4  # three rows + one move
     # Rows are masked past their length with an additive -inf, which needs finite keys there:
     # a workspace is zeroed when allocated, never left with what freed memory held.
-    for group in engine.model.decode_rows.groups:
+    for group in engine.runner.backend.decode_rows.groups:
         assert group.ws is None or bool(torch.isfinite(group.ws).all())
     for prompt, out in zip(short, outs[1:], strict=True):
         assert out.token_ids == engine.generate(prompt, GREEDY)[0].token_ids

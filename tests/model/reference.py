@@ -85,12 +85,9 @@ class PagedDriver:
     free: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from baton.model import KVCacheSpec, allocate_kv_cache
+        from baton.model_runner import ModelRunner
 
-        lm = baton_model()
-        self.model = lm.model
-        self.kv = allocate_kv_cache(KVCacheSpec.from_model(lm.config, self.block_size),
-                                    self.num_blocks)
+        self.runner = ModelRunner(baton_model(), self.block_size, num_blocks=self.num_blocks)
         self.free = list(range(self.num_blocks - 1, 0, -1))  # block 0 is the null block
 
     def _step(self, seqs: list[dict], chunks: list[list[int]]) -> torch.Tensor:
@@ -111,9 +108,9 @@ class PagedDriver:
         tables = np.zeros((len(seqs), width), dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s["blocks"])] = s["blocks"]
-        return self.model(np.array(ids, np.int32), np.array(pos, np.int32),
-                          np.array(slots, np.int64), np.array(q, np.int32),
-                          np.array(k, np.int32), tables, self.kv)
+        return self.runner.forward(np.array(ids, np.int32), np.array(pos, np.int32),
+                                   np.array(slots, np.int64), np.array(q, np.int32),
+                                   np.array(k, np.int32), tables)
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int,
                chunk_size: int | list[int] | None = None) -> list[list[int]]:

@@ -67,13 +67,13 @@ def test_hf_folder_matches_transformers(tmp_path: Path) -> None:
     ref = _tiny_hf_folder(tmp_path)
     lm = load_model(tmp_path, device="cpu")
     assert not lm.config.tie_word_embeddings and lm.config.eos_token_ids == (2,)
-    from baton.model import KVCacheSpec, allocate_kv_cache
+    from baton.model_runner import ModelRunner
 
-    kv = allocate_kv_cache(KVCacheSpec.from_model(lm.config), 8)
+    runner = ModelRunner(lm, 16, num_blocks=8)
     ids = lm.tokenizer.encode("Hello there, how are you doing today?")
     n = len(ids)
-    logits = lm.model(ids, range(n), [16 + p for p in range(n)], [n], [n],
-                      np.array([[1, 2]], np.int32), kv)
+    logits = runner.forward(ids, range(n), [16 + p for p in range(n)], [n], [n],
+                            np.array([[1, 2]], np.int32))
     with torch.inference_mode():
         want = ref(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4)

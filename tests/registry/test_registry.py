@@ -6,6 +6,7 @@ import pytest
 
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
+    EngineOutputs,
     EngineStats,
     GenerateRequest,
     ProtocolError,
@@ -94,8 +95,9 @@ def test_redis_port_in_use_is_a_clear_error(redis_server):
 def test_protocol_round_trip_and_untrusted_input():
     req = GenerateRequest("r1", [1, 2, 3], SamplingOptions(max_tokens=4, seed=3))
     assert decode_to_engine(encode(req)) == req
-    delta = TokenDelta("r1", [5], [-0.1], finish_reason="stop")
-    assert decode_to_router(encode(delta)) == delta
+    outputs = EngineOutputs([TokenDelta("r1", [5], [-0.1], finish_reason="stop"),
+                             TokenDelta("r2", [7])])
+    assert decode_to_router(encode(outputs)) == outputs
     assert decode_to_router(encode(EngineStats("e", "prompt"))).role == "prompt"
     with pytest.raises(ProtocolError):
         decode_to_engine(b"\x93garbage")

@@ -19,6 +19,7 @@ import zmq
 
 from baton.protocol import (
     AbortRequest,
+    EngineOutputs,
     EngineStats,
     GenerateRequest,
     StatsRequest,
@@ -121,4 +122,6 @@ class ScriptedEngine:
                                                 finish_reason=finish))
 
     def _send(self, identity: bytes, msg) -> None:
+        if isinstance(msg, TokenDelta):  # engines send their deltas as EngineOutputs
+            msg = EngineOutputs([msg])
         self._sock.send_multipart([identity, encode(msg)])

@@ -1,20 +1,24 @@
-"""The NORMAL role: whole requests (prefill and decode) in one engine.
+"""An engine on the wire: `EngineWorker` serves an `LLMEngine` to the service loop.
 
+On its own it is the NORMAL role, whole requests (prefill and decode) in one engine:
 1. `GenerateRequest` -> sampling options checked -> `LLMEngine.add_request` (`waiting`).
 2. Each `step()` turns the engine's `RequestOutput`s into `TokenDelta`s for the router.
 3. Abort: the engine finishes the request and its final delta (reason `abort`) follows.
 This is the co-located baseline that every disaggregation figure is compared with, and a
-fallback when no prompt/completion pair is up.
+fallback when no prompt/completion pair is up. The PROMPT and COMPLETION roles
+(`prompt_engine/`, `completion_engine/`) extend it with their own parts of a request's life.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from baton.engine import LLMEngine, RequestOutput
 from baton.protocol import EngineStats, GenerateRequest, SamplingOptions, TokenDelta
 from baton.registry import EngineRecord
 from baton.sampler import SamplingParams
+from kv_transfer.protocol import Fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -30,20 +34,35 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
 
 def to_delta(out: RequestOutput) -> TokenDelta:
     return TokenDelta(out.request_id, list(out.new_token_ids), list(out.new_logprobs or []),
-                      (out.finish_reason or "") if out.finished else "")
+                      (out.finish_reason or "") if out.finished else "",
+                      num_prompt_tokens=out.num_prompt_tokens)
 
 
 def error_delta(req_id: str, message: str, reason: str = "error") -> TokenDelta:
     return TokenDelta(req_id, finish_reason=reason, error=message)
 
 
-class NormalWorker:
-    """The NORMAL role, and the base of the PROMPT and COMPLETION workers."""
+class EngineWorker:
+    """An `LLMEngine` behind the service loop: the NORMAL role, and the base of the PROMPT and
+    COMPLETION roles."""
 
     role = "normal"
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+
+    @property
+    def model_fingerprint(self) -> str:
+        """Model and KV layout identity, published in the registry."""
+        return f"{Path(self.engine.model_path).name}/{self.engine.kv_spec.fingerprint()}"
+
+    def kv_fingerprint(self) -> Fingerprint:
+        """What two engines must share to exchange KV blocks byte for byte (kv_transfer)."""
+        spec = self.engine.kv_spec
+        return Fingerprint(model=Path(self.engine.model_path).name,
+                           dtype=str(spec.dtype).removeprefix("torch."),
+                           num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                           head_dim=spec.head_dim, block_size=spec.block_size)
 
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         try:
@@ -83,7 +102,7 @@ class NormalWorker:
 
     def fill_record(self, record: EngineRecord) -> None:
         engine, sched = self.engine, self.engine.scheduler
-        record.model_fingerprint = engine.fingerprint
+        record.model_fingerprint = self.model_fingerprint
         record.block_size = engine.config.block_size
         record.num_free_blocks = sched.num_free_blocks()
         record.num_total_blocks = sched.num_total_blocks()

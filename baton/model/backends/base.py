@@ -1,0 +1,63 @@
+"""What a model backend provides: the device-specific half of a forward.
+
+The model file (`baton/model/llama.py`) holds only the Llama math; everything that depends on
+the device or on a kernel library goes through a `Backend`:
+
+* `linear` / `lm_head`: the GEMMs (the CPU backend threads few-row GEMMs itself);
+* `prepare`: per-step attention metadata from the scheduler's flat batch, built once and shared
+  by every layer (slots, decode rows, prefill masks, which tokens reach the LM head);
+* `attention`: write one layer's new K/V into the paged pool and attend over it;
+* `finish_step`: whatever state the backend keeps across steps learns that the step ran;
+* `kv_memory_factor`: bytes the backend keeps beside the pool per pool byte, so the engine's
+  memory budget covers both (the CPU backend mirrors decoding sequences' K/V in dense rows).
+
+A CUDA backend (flash attention over the paged pool, no dense rows) goes beside `cpu.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepBatch:
+    """One scheduler step as tensors on the model's device (built by the model runner)."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # int64 [n, max_blocks], padded with the null block 0
+    seqlens_q: np.ndarray  # int64 [n] new tokens of each sequence
+    seqlens_k: np.ndarray  # int64 [n] context length of each sequence after this step
+    seq_ids: np.ndarray | None  # int64 [n] the scheduler's ids; None = no identity across steps
+
+
+class Backend(Protocol):
+    """The device-specific operations a model forward runs through."""
+
+    name: str
+    kv_memory_factor: float
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def prepare(self, batch: StepBatch, kv_cache: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Attention metadata for this step; passed back to `attention` and `finish_step`."""
+
+    def last_tokens(self, meta: Any) -> torch.Tensor | None:
+        """Flat index of each sequence's last token (the LM head's rows); None = every token."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  layer_kv: torch.Tensor, meta: Any, layer: int) -> torch.Tensor:
+        """Store k, v [T, Hkv, D] at their slots of `layer_kv` [num_blocks, 2, block_size, Hkv,
+        D] and return attention of q [T, Hq, D] over each sequence's context: [T, Hq, D]."""
+
+    def finish_step(self, meta: Any) -> None: ...
+
+    def reset(self) -> None:
+        """Forget any state kept across steps (another pool, or sequences without ids)."""

@@ -1,0 +1,275 @@
+"""The CPU backend: threaded few-row GEMMs, oneDNN's LM head, paged attention with dense
+decode rows.
+
+Per step, everything index-like (slots, decode rows, masks, last tokens) is built once in
+`AttentionMetadata` and shared by all layers. Per layer, every new token's K/V is written into
+the pool at its slot, then attention runs:
+  * sequences with one query token (decode) are served together over dense rows that persist
+    from step to step (`DecodeRows`, `[layers, 2, rows, kv_heads, capacity, head_dim]`, grouped
+    by length class so that one long sequence does not pad every short one): a row is gathered
+    from the blocks once, when its sequence starts decoding, and then each layer appends the new
+    token's K/V to it as well as to the pool, and runs one masked attention call over views of
+    it (no per-step gather, no GQA repeat);
+  * longer chunks (prefill) run one sequence at a time with a causal mask shifted by the number
+    of tokens already cached, so a chunk sees the earlier chunks of its prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from baton.model.backends.base import StepBatch
+from baton.model.backends.cpu_decode_rows import DecodeRows, RowGroup
+
+logger = logging.getLogger(__name__)
+
+# Few rows: MKL runs these GEMMs on one thread whatever torch.set_num_threads says (measured on
+# the 2-core CPU: 1 and 2 threads take the same time up to ~64 rows).
+_SPLIT_MAX_ROWS = 64
+_ONEDNN = torch.backends.mkldnn.is_available()
+_MATH_ATTENTION_MAX_LEN = 256  # decode contexts up to this use matmul + softmax, longer SDPA
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` (no bias) that keeps every intra-op thread busy for a decode batch:
+    the weight's output rows are cut into one part per thread, viewed as a batch (no copy), and
+    one `bmm` runs the parts in parallel. 1.3-1.5x faster for 1-32 rows on 2 threads; large
+    batches (prefill) keep MKL's own threading."""
+    parts = torch.get_num_threads()
+    rows, (n, k) = x.shape[0], weight.shape
+    if parts < 2 or rows > _SPLIT_MAX_ROWS or n % parts:
+        return F.linear(x, weight)
+    w = weight.view(parts, n // parts, k).transpose(1, 2)  # [parts, k, n / parts]
+    return torch.bmm(x.expand(parts, rows, k), w).transpose(0, 1).reshape(rows, n)
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The vocabulary projection, the largest GEMM of a decode step (49152 x 576 for SmolLM2):
+    oneDNN's matmul, which threads it, beats MKL's 1.3-1.8x on this CPU at 8-256 rows."""
+    if _ONEDNN and x.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence with more than one new token."""
+
+    start: int  # first token in the flat batch
+    num_q: int
+    num_k: int  # context length after this step
+    num_blocks: int  # blocks holding num_k tokens
+    block_row: torch.Tensor  # int64 [num_blocks]
+    mask: torch.Tensor | None  # bool [num_q, num_k]; None when nothing was cached (plain causal)
+
+
+@dataclass
+class DecodeGroup:
+    """The batch entries whose rows live in one `RowGroup`, viewed as `kv [num_layers, 2, n,
+    num_kv_heads, max_len, head_dim]`; each layer writes its new K/V there too and runs one masked
+    attention call over its slice. Rows are a permutation of the entries: `rows[i]` is entry i's."""
+
+    group: RowGroup
+    index: torch.Tensor | None  # int64 [n] entries of the decode batch; None = all of them
+    rows: torch.Tensor  # int64 [n] row of each entry
+    permutation: torch.Tensor | None  # = rows, or None when rows are 0..n-1 in entry order
+    new_pos: torch.Tensor  # int64 [n] position of the new token (context length - 1)
+    lens: np.ndarray  # int64 [n] context length of each entry after this step
+    mask: torch.Tensor  # additive [n, 1, 1, max_len] in row order: 0 up to the length, -inf after
+    kv: torch.Tensor  # the workspace view described above
+
+
+@dataclass
+class DecodeBatch:
+    """The sequences with one new token, served from their persistent dense rows
+    (`DecodeRows`), one attention call per length-class group."""
+
+    tokens: torch.Tensor | None  # int64 [n] flat index of each token; None = the whole batch
+    groups: list[DecodeGroup]
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs, built once per forward and shared by all layers."""
+
+    slot_blocks: torch.Tensor  # int64 [T] block id of each new token
+    slot_offsets: torch.Tensor  # int64 [T] offset inside that block
+    decode: DecodeBatch | None
+    prefills: list[PrefillSlice]
+    last_token: torch.Tensor | None  # int64 [n] flat index of each sequence's last token; None = all
+
+
+def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
+                 seq_ids: np.ndarray, block_tables: torch.Tensor, kv_cache: torch.Tensor,
+                 decode_rows: DecodeRows, dtype: torch.dtype) -> DecodeBatch | None:
+    dec = np.flatnonzero(seqlens_q == 1)
+    if len(dec) == 0:
+        return None
+    device = block_tables.device
+    lens = seqlens_k[dec]
+    is_all = len(dec) == len(seqlens_q)
+    tables = block_tables if is_all else block_tables[torch.as_tensor(dec, device=device)]
+    groups = []
+    prepared = decode_rows.prepare(seq_ids[dec], lens, tables, kv_cache, kv_cache.shape[3])
+    for group, index, rows in prepared:
+        glens = lens[index]
+        n, max_len = len(index), int(glens.max())
+        identity = bool((rows == torch.arange(n, device=device)).all())
+        lens_t = torch.as_tensor(glens, device=device)
+        row_lens = lens_t if identity else torch.empty_like(lens_t).index_copy_(0, rows, lens_t)
+        mask = torch.zeros((n, max_len), dtype=dtype, device=device)
+        mask.masked_fill_(torch.arange(max_len, device=device)[None, :] >= row_lens[:, None],
+                          float("-inf"))
+        groups.append(DecodeGroup(
+            group, None if len(prepared) == 1 else torch.as_tensor(index, device=device), rows,
+            None if identity else rows, lens_t - 1, glens, mask[:, None, None, :],
+            group.ws[:, :, :n, :, :max_len]))
+    tokens = None if is_all else torch.as_tensor(starts[dec], device=device)
+    return DecodeBatch(tokens, groups)
+
+
+def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor,
+                   decode_rows: DecodeRows, dtype: torch.dtype) -> AttentionMetadata:
+    seqlens_q, seqlens_k, block_tables = batch.seqlens_q, batch.seqlens_k, batch.block_tables
+    device = block_tables.device
+    block_size = kv_cache.shape[3]
+    starts = np.concatenate([[0], np.cumsum(seqlens_q)[:-1]]).astype(np.int64)
+    decode_rows.forget(seq_ids[seqlens_q > 1])  # their K/V is being (re)written by a prefill
+    decode = build_decode(seqlens_q, seqlens_k, starts, seq_ids, block_tables, kv_cache,
+                          decode_rows, dtype)
+    prefills = []
+    for i in np.flatnonzero(seqlens_q > 1):
+        q, k = int(seqlens_q[i]), int(seqlens_k[i])
+        cached = k - q
+        mask = None
+        if cached:
+            rows = torch.arange(q, device=device)[:, None] + cached
+            mask = torch.arange(k, device=device)[None, :] <= rows
+        nb = -(-k // block_size)
+        prefills.append(PrefillSlice(int(starts[i]), q, k, nb, block_tables[i, :nb], mask))
+    last = None  # an all-decode batch: every token is its sequence's last
+    if decode is None or decode.tokens is not None:
+        last = torch.as_tensor(starts + seqlens_q - 1, device=device)
+    slots = batch.slot_mapping
+    return AttentionMetadata(slots // block_size, slots % block_size, decode, prefills, last)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
+                     layer: int) -> torch.Tensor:
+    """Attention of all single-token sequences, one call per row group; returns [n, Hq, D]."""
+    if d.tokens is not None:
+        q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
+    if len(d.groups) == 1:
+        return group_attention(q, k, v, d.groups[0], layer)
+    out = torch.empty_like(q)
+    for g in d.groups:
+        out[g.index] = group_attention(q[g.index], k[g.index], v[g.index], g, layer)
+    return out
+
+
+def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: DecodeGroup,
+                    layer: int) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    dense = g.kv[layer]  # [2, n, Hkv, max_len, D]
+    # Advanced indices on dims 1 and 3 around a slice: the indexed view is [n, 2, Hkv, D].
+    dense[:, g.rows, :, g.new_pos] = torch.stack((k, v), dim=1)
+    # The query heads sharing a KV head ride as its query rows: no K/V repeat, no copy.
+    qd = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if g.permutation is not None:
+        qd = torch.empty_like(qd).index_copy_(0, g.permutation, qd)
+    keys, vals = dense[0], dense[1]  # [n, Hkv, max_len, D]
+    if keys.shape[2] <= _MATH_ATTENTION_MAX_LEN:
+        # Two batched GEMMs and a softmax: for short contexts the fused CPU kernel's own
+        # overhead dominates (batch 32 x 80 tokens: 221 vs 364 us a layer on 2 threads).
+        scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(head_dim ** -0.5).add_(g.mask)
+        out = torch.matmul(scores.softmax(-1), vals)
+    else:
+        out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=g.mask)
+    if g.permutation is not None:
+        out = out[g.permutation]
+    return out.reshape(n, num_heads, head_dim)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
+                    meta: AttentionMetadata, layer: int) -> torch.Tensor:
+    """Attention of each new token over its sequence's cached + new K/V. q [T, Hq, D]."""
+    d = meta.decode
+    if d is not None and d.tokens is None:
+        return decode_attention(q, k, v, d, layer)
+    out = torch.empty_like(q)
+    if d is not None:
+        out[d.tokens] = decode_attention(q, k, v, d, layer)
+    _, _, block_size, num_kv_heads, head_dim = layer_kv.shape
+    gqa = q.shape[1] > num_kv_heads
+    for p in meta.prefills:
+        qs = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, Hq, q, D]
+        if p.mask is None:
+            ks = k[p.start:p.start + p.num_q].transpose(0, 1)[None]
+            vs = v[p.start:p.start + p.num_q].transpose(0, 1)[None]
+        else:
+            kv = layer_kv[p.block_row].transpose(0, 1)  # [2, nb, B, Hkv, D]
+            kv = kv.reshape(2, p.num_blocks * block_size, num_kv_heads, head_dim)
+            ks = kv[0, :p.num_k].transpose(0, 1)[None]
+            vs = kv[1, :p.num_k].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask,
+                                           is_causal=p.mask is None, enable_gqa=gqa)
+        out[p.start:p.start + p.num_q] = o[0].transpose(0, 1)
+    return out
+
+
+class CPUBackend:
+    """The CPU backend (`baton/model/backends/base.py` says what a backend provides)."""
+
+    name = "cpu"
+    # Each decoding sequence's K/V is mirrored in its dense row: up to the pool's size again.
+    kv_memory_factor = 1.0
+
+    def __init__(self) -> None:
+        self.decode_rows = DecodeRows()  # decode K/V, kept across steps
+
+    linear = staticmethod(linear)
+    lm_head = staticmethod(lm_head)
+
+    def prepare(self, batch: StepBatch, kv_cache: torch.Tensor,
+                dtype: torch.dtype) -> AttentionMetadata:
+        seq_ids = batch.seq_ids
+        if seq_ids is None:
+            self.decode_rows.reset()  # no identities: nothing may be matched across steps
+            seq_ids = np.arange(len(batch.seqlens_q))
+        return build_metadata(batch, seq_ids, kv_cache, self.decode_rows, dtype)
+
+    @staticmethod
+    def last_tokens(meta: AttentionMetadata) -> torch.Tensor | None:
+        return meta.last_token
+
+    @staticmethod
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
+                  meta: AttentionMetadata, layer: int) -> torch.Tensor:
+        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
+        layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)
+        return paged_attention(q, k, v, layer_kv, meta, layer)
+
+    @staticmethod
+    def finish_step(meta: AttentionMetadata) -> None:
+        if meta.decode is not None:  # every layer wrote this step's token into the rows
+            for g in meta.decode.groups:
+                g.group.commit(g.rows, g.lens)
+
+    def reset(self) -> None:
+        self.decode_rows.reset()
+
+
+class PortableBackend(CPUBackend):
+    """Plain torch ops on any device (CUDA included): the CPU backend's attention without its
+    CPU-only GEMM tricks. Not tuned: a CUDA backend (paged flash attention, no dense rows)
+    replaces it; these machines have no GPU to build and measure one on."""
+
+    name = "portable"
+    linear = staticmethod(F.linear)
+    lm_head = staticmethod(F.linear)

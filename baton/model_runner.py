@@ -1,0 +1,90 @@
+"""The model runner: a scheduler step in, sampled tokens out (nano-vllm's `ModelRunner`).
+
+It owns what the model needs from one step to the next on its device: the paged KV pool, the
+backend (whose dense decode rows persist across steps) and the sampler. `execute` turns the
+scheduler's numpy views into tensors, runs the model (the backend writes K/V into the pool),
+and samples the rows the engine asks for; the engine never touches a tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from baton.model import KVCacheSpec, allocate_kv_cache
+from baton.model.backends import Backend, StepBatch, get_backend
+from baton.model.loader import LoadedModel
+from baton.sampler import Sampler, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """One model, its KV pool and its backend on one device."""
+
+    def __init__(self, loaded: LoadedModel, block_size: int = 16, num_blocks: int = 0,
+                 kv_cache_memory_bytes: int = 0, backend: Backend | None = None) -> None:
+        """`num_blocks` (null block included), or 0 to fit `kv_cache_memory_bytes`: the pool
+        and what the backend keeps beside it (`Backend.kv_memory_factor`) together."""
+        self.model, self.config = loaded.model, loaded.config
+        self.device = self.model.device
+        self.backend = backend or get_backend(self.device)
+        self.kv_spec = KVCacheSpec.from_model(self.config, block_size)
+        if not num_blocks:
+            pool_bytes = int(kv_cache_memory_bytes / (1.0 + self.backend.kv_memory_factor))
+            num_blocks = self.kv_spec.num_blocks_for_budget(pool_bytes)
+        self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
+        self.sampler = Sampler()
+        logger.info("model runner: %s backend, %d KV blocks (+%.0f%% for the backend's rows)",
+                    self.backend.name, num_blocks, 100 * self.backend.kv_memory_factor)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[0]
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values), device=self.device).long()
+
+    def forward(self, input_ids, positions, slot_mapping, seqlens_q, seqlens_k, block_tables,
+                seq_ids=None) -> torch.Tensor:
+        """Run one flat batch (array-likes as the scheduler gives them); fp32 logits [n, vocab]
+        of each sequence's last token. `slot_mapping` is block_id * block_size + offset of each
+        token; `seqlens_k` each sequence's context length after the step. `seq_ids` (the
+        scheduler's, unique per live sequence) let the backend keep a decoding sequence's state
+        (the CPU backend's dense rows) from step to step; without them nothing is kept."""
+        batch = StepBatch(
+            input_ids=self._tensor(input_ids), positions=self._tensor(positions),
+            slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
+            seqlens_q=np.asarray(seqlens_q, dtype=np.int64),
+            seqlens_k=np.asarray(seqlens_k, dtype=np.int64),
+            seq_ids=None if seq_ids is None else np.asarray(seq_ids, dtype=np.int64))
+        num_tokens = int(batch.seqlens_q.sum())
+        assert num_tokens == batch.input_ids.shape[0] == batch.positions.shape[0] \
+            == batch.slot_mapping.shape[0], "ragged batch"
+        meta = self.backend.prepare(batch, self.kv_cache, self.config.dtype)
+        logits = self.model(batch.input_ids, batch.positions, self.kv_cache, meta, self.backend)
+        self.backend.finish_step(meta)
+        return logits
+
+    def execute(self, sched_out, seq_ids: np.ndarray,
+                params: Sequence[SamplingParams | None],
+                generators: Sequence[torch.Generator | None]) -> tuple[np.ndarray, np.ndarray]:
+        """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
+        does not end its prompt; it gets a dummy 0, which the scheduler ignores, and draws
+        nothing). Returns (token ids int32 [n], their log-probs fp32 [n])."""
+        logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
+                              sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
+                              seq_ids)
+        n = len(params)
+        sampled = np.zeros(n, dtype=np.int32)
+        logprobs = np.zeros(n, dtype=np.float32)
+        rows = [i for i, p in enumerate(params) if p is not None]
+        if rows:
+            ids, lps = self.sampler(logits[rows], [params[i] for i in rows],
+                                    [generators[i] for i in rows])
+            sampled[rows] = ids.cpu().numpy()
+            logprobs[rows] = lps.cpu().numpy()
+        return sampled, logprobs

@@ -1,0 +1,158 @@
+"""The completion side of the hand-off: admit a prompt, pull its KV, commit it for decoding.
+
+1. `add` queues a checked request (its KV handle decoded) in arrival order.
+2. `admit` (every loop iteration) allocates from the head: the scheduler allocates blocks for
+   the whole prompt (`allocate_prompted`: OK, LATER = wait for room, keep the order; NEVER =
+   cannot ever fit, finish with `insufficient_system_resource`), the engine tracks the request
+   (its first token, sampled by the prompt engine, is output 1) and the importer starts pulling
+   into those blocks.
+3. The importer's result: DONE -> `commit_prompted` (the sequence joins `prompted`, then
+   `running` on the next decode step); FAILED -> `free_prompted`, finish with
+   `kv_transfer_failed` and the importer's reason (peer gone, lease expired, timeout...).
+4. `abort`: in admission the request just leaves; during the pull the importer is told and the
+   blocks are freed once its result arrives (never while a NIXL read may still write into
+   them); after the commit the engine's own abort applies (the caller's business).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from baton.engine import LLMEngine
+from baton.protocol import GenerateRequest, TokenDelta
+from baton.sampler import SamplingParams
+from baton.scheduler import AllocStatus
+from baton.worker import error_delta
+from kv_transfer import protocol as kvproto
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import TransferState
+from kv_transfer.importer import KVImporter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Admission:
+    req: GenerateRequest
+    prompt_token_ids: list[int]
+    handle: kvproto.KVHandle
+    params: SamplingParams
+    aborted: bool = False
+
+
+def check_handle(req: GenerateRequest, block_size: int, vocab_size: int) -> kvproto.KVHandle:
+    """The request's KV handle, decoded and checked against its prompt; ValueError if not."""
+    if not req.kv_handle:
+        raise ValueError("a completion engine needs the prompt's KV handle")
+    try:
+        handle = kvproto.decode_handle(req.kv_handle)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"undecodable KV handle: {exc}") from None
+    num_prompt = len(req.prompt_token_ids)
+    if handle.request_id != req.req_id:
+        raise ValueError(f"KV handle is for {handle.request_id!r}, not {req.req_id!r}")
+    if handle.num_tokens != num_prompt:
+        raise ValueError(f"KV handle covers {handle.num_tokens} tokens, prompt has {num_prompt}")
+    if len(handle.block_ids) != -(-num_prompt // block_size):
+        raise ValueError(f"KV handle has {len(handle.block_ids)} blocks for {num_prompt} "
+                         f"tokens of block size {block_size}")
+    if not 0 <= req.first_token_id < vocab_size:
+        raise ValueError(f"first token id {req.first_token_id} out of range")
+    return handle
+
+
+class Admission:
+    """Prompts waiting for blocks (`queue`), prompts being pulled (`pulling`)."""
+
+    def __init__(self, engine: LLMEngine, kv_cache: torch.Tensor, transfer: TransferConfig,
+                 fingerprint: kvproto.Fingerprint, engine_id: str):
+        self.engine = engine
+        self.importer = KVImporter(kv_cache, transfer, fingerprint, engine_id=engine_id)
+        self.queue: collections.deque[_Admission] = collections.deque()
+        self.pulling: dict[str, _Admission] = {}
+        self.num_pulls_done = 0
+        self.num_pulls_failed = 0
+
+    def add(self, req: GenerateRequest, params: SamplingParams) -> None:
+        """Queue a request; ValueError (nothing queued) when its prompt or handle does not
+        check out."""
+        engine = self.engine
+        ids = engine.check_prompt(req.req_id, req.prompt_token_ids)
+        handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size)
+        self.queue.append(_Admission(req, ids, handle, params))
+
+    def abort(self, req_id: str) -> list[TokenDelta] | None:
+        """None when the request is past admission (decoding, or unknown)."""
+        for adm in self.queue:
+            if adm.req.req_id == req_id:
+                self.queue.remove(adm)
+                return [TokenDelta(req_id, finish_reason="abort")]
+        if req_id in self.pulling:
+            self.pulling[req_id].aborted = True
+            self.importer.abort(req_id)  # blocks are freed when the pull's result arrives
+            return []
+        return None
+
+    def admit(self) -> list[TokenDelta]:
+        """Collect finished pulls, then allocate and start pulls from the head of the queue."""
+        deltas = self._collect_pulls()
+        while self.queue:
+            adm = self.queue[0]
+            status = self._allocate(adm)
+            if status == AllocStatus.LATER:
+                break  # no room now: keep arrival order, retry when blocks free up
+            self.queue.popleft()
+            if status == AllocStatus.NEVER:
+                deltas.append(error_delta(adm.req.req_id, "the prompt needs more KV blocks than "
+                                          "this engine has", "insufficient_system_resource"))
+        return deltas
+
+    def _allocate(self, adm: _Admission) -> AllocStatus:
+        req, engine, ids = adm.req, self.engine, adm.prompt_token_ids
+        alloc = engine.scheduler.allocate_prompted(
+            req.req_id, ids, req.first_token_id, adm.params.max_tokens,
+            **engine.stop_options(adm.params))
+        if alloc.status == AllocStatus.OK:
+            engine.track(req.req_id, ids, adm.params, alloc.seq_id,
+                         token_ids=[req.first_token_id], logprobs=[req.first_logprob])
+            self.pulling[req.req_id] = adm
+            self.importer.start_pull(adm.handle, [int(b) for b in alloc.block_ids])
+        return alloc.status
+
+    def _collect_pulls(self) -> list[TokenDelta]:
+        deltas = []
+        for result in self.importer.collect():
+            adm = self.pulling.pop(result.request_id, None)
+            if adm is None:
+                continue
+            if result.state == TransferState.DONE and not adm.aborted:
+                self.num_pulls_done += 1
+                self.engine.scheduler.commit_prompted(result.request_id)
+                continue
+            self.engine.scheduler.free_prompted(result.request_id)
+            self.engine.untrack(result.request_id)
+            if adm.aborted:
+                deltas.append(TokenDelta(result.request_id, finish_reason="abort"))
+            else:
+                self.num_pulls_failed += 1
+                logger.warning("KV pull for %s failed: %s %s", result.request_id, result.reason,
+                               result.message)
+                deltas.append(error_delta(result.request_id,
+                                          f"KV transfer failed ({result.reason}): {result.message}",
+                                          "kv_transfer_failed"))
+        return deltas
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queue) + len(self.pulling)
+
+    def metrics(self) -> dict:
+        return self.importer.metrics()
+
+    def close(self) -> None:
+        self.importer.close()
