@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from baton.protocol import (
@@ -24,18 +22,11 @@ from baton.registry import (
     StaticRegistry,
     make_registry,
 )
+from tests.cluster import wait_for
 
 
 def _record(role: str = "prompt", engine_id: str = "p0", **kw) -> EngineRecord:
     return EngineRecord(role=role, engine_id=engine_id, address="tcp://127.0.0.1:1", **kw)
-
-
-def _wait_for(predicate, timeout_s: float = 10.0) -> None:
-    """Until `predicate()` holds; the bound only stops a hung test, no assert rests on it."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def _pttl_ms(redis_url: str, key: str) -> int:
@@ -59,7 +50,7 @@ def test_publish_list_and_ttl_expiry(redis_url):
     assert (rec.engine_id, rec.num_free_blocks) == ("p0", 7)
     assert [r.engine_id for r in reg.list("completion")] == ["c0"]
     # ...and then nobody lists it.
-    _wait_for(lambda: reg.list("prompt") == [] and reg.list("completion") == [])
+    wait_for(lambda: reg.list("prompt") == [] and reg.list("completion") == [])
     reg.close()
 
 
@@ -75,7 +66,7 @@ def test_heartbeat_renews_and_deregisters(redis_url):
     hb = Heartbeat(reg, make, cfg.heartbeat_s).start()
     # Five intervals (each at least heartbeat_s) after the first record: past its TTL, so only
     # renewal keeps it; the sixth beat has begun, so the fifth record is in place.
-    _wait_for(lambda: len(beats) >= 6)
+    wait_for(lambda: len(beats) >= 6)
     [rec] = reg.list("normal")
     assert rec.num_running >= 5
     assert 0 < _pttl_ms(redis_url, "baton:engine:normal:n0") <= 400

@@ -17,7 +17,7 @@ import pytest
 from baton.protocol import AbortRequest, GenerateRequest, SamplingOptions, TokenDelta
 from baton.registry import RedisRegistry, RegistryConfig
 from kv_transfer.config import TransferConfig
-from tests.cluster import EngineProcess, start_all, wait_whole
+from tests.cluster import EngineProcess, start_all, wait_for, wait_whole
 
 pytestmark = pytest.mark.slow
 
@@ -134,13 +134,6 @@ def _collect(client, req_id: str, timeout_s: float = 60.0) -> TokenDelta:
     raise AssertionError(f"{req_id}: no final delta")
 
 
-def _wait_for(predicate, timeout_s: float = 60.0) -> None:
-    """Until `predicate()` holds; the bound only stops a hung test, no assert rests on it."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-
-
 def test_abort_before_prefill(cluster):
     """No race: the request waits behind a prompt that cannot have its blocks yet (LATER while a
     lease holds part of the pool, S10) and `waiting` keeps arrival order, so it is aborted
@@ -170,7 +163,8 @@ def test_abort_during_prefill(cluster):
     with cluster["prompt"].client() as c:
         before = c.stats().num_steps
         c.send(GenerateRequest("ab1", _ids(64 * num_chunks, seed=1), GREEDY))
-        _wait_for(lambda: c.stats().num_steps > before)
+        # Each stats call waits for the step in progress: poll without sleeping.
+        wait_for(lambda: c.stats().num_steps > before, timeout_s=60.0, poll_s=0.0)
         c.send(AbortRequest("ab1"))
         out = _collect(c, "ab1")
         assert out.finish_reason == "abort" and not out.kv_handle, out
