@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.baton-installed
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*.hpp csrc/*.cpp)
 
-.PHONY: install build test serve bench lint clean
+.PHONY: install build test test-fast serve bench lint clean
 
 install: $(STAMP)
 
@@ -23,8 +23,13 @@ $(STAMP): $(SOURCES)
 
 build: install
 
+# --durations: CI's log (.ci/run runs `make test`) names the slowest tests.
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+# Everything not marked `slow` (no model reference runs, no multi-process deployments).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 serve: install
 	$(PY) -m baton.cli up $(SERVE_ARGS)

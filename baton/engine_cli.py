@@ -17,20 +17,6 @@ logger = logging.getLogger(__name__)
 ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engine": "completion"}
 
 
-def parse_cpus(spec: str) -> set[int]:
-    """`0`, `2-3`, `0,2-3` -> a CPU set; ValueError naming the spec otherwise."""
-    cpus: set[int] = set()
-    try:
-        for part in filter(None, spec.split(",")):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"--cpus {spec!r}: expected CPU numbers and ranges like 0,2-3") from None
-    if not cpus or min(cpus) < 0:
-        raise ValueError(f"--cpus {spec!r}: expected CPU numbers and ranges like 0,2-3")
-    return cpus
-
-
 def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     g = p.add_argument_group("service")
     g.add_argument("--engine-id", default=f"{role}-{socket.gethostname()}-{os.getpid()}",

@@ -17,8 +17,7 @@ import sys
 import torch
 
 from baton.dp import DPConfig, DPGroup
-from baton.engine_cli import parse_cpus
-from baton.launcher import die_with_parent, engine_threads
+from baton.launcher import die_with_parent, engine_threads, parse_cpus
 from baton.registry import RegistryConfig, make_registry
 from baton.service import EngineService, ServiceConfig
 

@@ -105,6 +105,21 @@ def cpu_shares(num_engines: int, threads: int) -> list[str]:
     return [",".join(map(str, cpus[i * threads:(i + 1) * threads])) for i in range(num_engines)]
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """A `--cpus` value as cpu_shares writes it (`0`, `2-3`, `0,2-3`) -> a CPU set; ValueError
+    naming the spec otherwise."""
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, spec.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--cpus {spec!r}: expected CPU numbers and ranges like 0,2-3") from None
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"--cpus {spec!r}: expected CPU numbers and ranges like 0,2-3")
+    return cpus
+
+
 def wait_engine_ready(address: str, deadline: float, child: Child) -> None:
     from baton.engine_client import probe_engine
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import msgspec
 
-import baton
-
-# Bumped whenever a message changes shape; part of the fingerprint, so two Batons that would
-# misread each other refuse to talk instead of corrupting a transfer.
+# Bumped whenever a message changes shape; part of the fingerprint, so two engines
+# that would misread each other refuse to talk instead of corrupting a transfer. It is the KV
+# wire's own version, not the Baton release's: kv_transfer depends on nothing in baton.
 PROTOCOL_VERSION = 1
 
 
@@ -34,7 +33,7 @@ class Fingerprint(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     head_dim: int
     block_size: int
     layout: str = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
-    version: str = f"baton-{baton.__version__}/kv-{PROTOCOL_VERSION}"
+    version: str = f"kv-{PROTOCOL_VERSION}"
 
     def describe(self) -> str:
         return (

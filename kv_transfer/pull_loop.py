@@ -2,22 +2,24 @@
 
 Each turn: take new pulls and aborts, wait up to a poll period for side-channel replies,
 advance every pull (route -> handshake -> claim -> post -> check), enforce every deadline,
-drive UCX progress. See importer.py for the life of one pull.
+drive UCX progress. See importer.py for the life of one pull. The loop talks to the engine's
+threads only through its PullTable (pulls.py): it takes the inbox and writes states and results.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
+import threading
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from kv_transfer import protocol as proto
+from kv_transfer.agent import NixlAgent
 from kv_transfer.blocks import check_block_ids
+from kv_transfer.config import PoolSpec, TransferConfig
 from kv_transfer.errors import (
     BadHandleError,
     FailReason,
@@ -26,10 +28,7 @@ from kv_transfer.errors import (
     TransferState,
 )
 from kv_transfer.peers import Peer, check_address, check_handshake
-from kv_transfer.pulls import Pull, TransferResult
-
-if TYPE_CHECKING:
-    from kv_transfer.importer import KVImporter
+from kv_transfer.pulls import Pull, PullTable, TransferResult
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +36,21 @@ _IDLE_POLL_MS = 100
 
 
 class PullLoop:
-    def __init__(self, owner: KVImporter) -> None:
-        self.owner = owner
-        self.cfg = owner.config
-        self.agent = owner.agent
+    """The poller of one importer: owns its side-channel sockets and drives its NIXL agent.
+
+    `spec` and `fingerprint` are the local pool's, checked against every peer's handshake;
+    `table` is where pulls come in and results go out; run() returns after stop().
+    """
+
+    def __init__(self, agent: NixlAgent, config: TransferConfig, spec: PoolSpec,
+                 fingerprint: proto.Fingerprint, table: PullTable, ctx: zmq.Context) -> None:
+        self.cfg = config
+        self.agent = agent
+        self.spec = spec
+        self.fingerprint = fingerprint
+        self.table = table
+        self.ctx = ctx
+        self._stop = threading.Event()
         self.pulls: dict[str, Pull] = {}
         self.peers: dict[str, Peer] = {}  # by side-channel address
         self.claims: dict[int, Pull] = {}  # by claim seq
@@ -48,16 +58,25 @@ class PullLoop:
         self.retired: set[str] = set()  # peer names to remove once no xfer names them
         self.seq = 0
         self.poller = zmq.Poller()
-        self.poller.register(owner._wake_r, zmq.POLLIN)
+        self.poller.register(table.wake_fd, zmq.POLLIN)
+
+    @property
+    def is_stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Ask run() to return; pending pulls then fail with 'closed'."""
+        self._stop.set()
+        self.table.wake()
 
     def run(self) -> None:
         fast_ms = max(1, int(self.cfg.poll_interval_s * 1000))
         try:
-            while not self.owner._stop.is_set():
+            while not self._stop.is_set():
                 self._take_inbox()
                 events = dict(self.poller.poll(fast_ms if self.pulls else _IDLE_POLL_MS))
-                if self.owner._wake_r in events:
-                    os.read(self.owner._wake_r, 4096)
+                if self.table.wake_fd in events:
+                    self.table.clear_wake()
                 for peer in list(self.peers.values()):
                     if peer.sock in events:
                         self._drain(peer)
@@ -70,10 +89,7 @@ class PullLoop:
     # ---- intake ----
 
     def _take_inbox(self) -> None:
-        with self.owner._lock:
-            items = list(self.owner._inbox)
-            self.owner._inbox.clear()
-        for kind, item in items:
+        for kind, item in self.table.take_inbox():
             if kind == "pull":
                 self._accept(item)
             else:
@@ -133,7 +149,7 @@ class PullLoop:
     def _on_handshake(self, peer: Peer, msg: proto.HandshakeReply) -> None:
         peer.hs_seq = -1
         try:
-            remote, mismatch = check_handshake(msg, self.owner.spec, self.owner.fingerprint)
+            remote, mismatch = check_handshake(msg, self.spec, self.fingerprint)
             if not mismatch and msg.agent_name != peer.agent_name:
                 name = self.agent.add_peer(msg.agent_metadata)
                 if name != msg.agent_name:
@@ -148,8 +164,7 @@ class PullLoop:
         peer.hs_time = time.monotonic()
         if not mismatch:
             peer.agent_name = msg.agent_name
-        with self.owner._lock:
-            self.owner._counters["handshakes"] += 1
+        self.table.count("handshakes")
         logger.debug("handshake with %s: instance %s", peer.address, peer.instance_id)
 
     def _on_claim(self, pull: Pull, msg: proto.ClaimReply) -> None:
@@ -192,7 +207,7 @@ class PullLoop:
         h = pull.handle
         peer = self.peers.get(h.side_channel)
         if peer is None:
-            peer = Peer.connect(self.owner._ctx, h.side_channel, self.cfg.max_msg_bytes)
+            peer = Peer.connect(self.ctx, h.side_channel, self.cfg.max_msg_bytes)
             self.peers[peer.address] = peer
             self.poller.register(peer.sock, zmq.POLLIN)
         if peer.hs_seq >= 0:
@@ -242,7 +257,7 @@ class PullLoop:
         pull.xfer, pull.state = xfer, TransferState.TRANSFERRING
         pull.deadline = time.monotonic() + self.cfg.transfer_timeout_s
         self.in_flight[peer.agent_name] += 1
-        self.owner._set_state(h.request_id, TransferState.TRANSFERRING)
+        self.table.set_state(h.request_id, TransferState.TRANSFERRING)
         if state == "DONE":
             self._complete(pull)
 
@@ -345,12 +360,12 @@ class PullLoop:
         result = TransferResult(
             rid, TransferState.DONE if done else TransferState.FAILED,
             "" if done else reason.value, text,
-            len(pull.local_ids) * self.owner.spec.block_bytes if done else 0,
+            len(pull.local_ids) * self.spec.block_bytes if done else 0,
             pull.num_descs, time.monotonic() - pull.started,
             pull.xfer_seconds if done else 0.0)
         if not done:
             logger.debug("pull %s failed: %s: %s", rid, reason.value, text)
-        self.owner._finish(result)
+        self.table.finish(result)
 
     def _shutdown(self) -> None:
         for pull in list(self.pulls.values()):

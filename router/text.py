@@ -1,9 +1,10 @@
 """The model's text side at the router: tokenizer, context length, and streamed output text.
 
-The tokenizer and chat template come from baton/model/tokenizer.py, read from the GGUF metadata
-(or a Hugging Face folder) without loading any weights. `TextStream` turns token ids into text
-deltas: the incremental detokenizer never splits a multi-byte character, and stop strings are
-found here, at the router, holding back any tail that could still become one.
+The tokenizer and chat template come from baton/tokenizer.py, read from the GGUF metadata (or a
+Hugging Face folder) through baton/model_files.py without loading any weights or torch.
+`TextStream` turns token ids into text deltas: the incremental detokenizer never splits a
+multi-byte character, and stop strings are found here, at the router, holding back any tail that
+could still become one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from baton.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from baton.model_files import ModelLoadError, default_model_path, gguf_field, read_gguf
+from baton.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +31,6 @@ class ModelInfo:
 
 def load_model_info(path: str = "", name: str = "", max_model_len: int = 0) -> ModelInfo:
     """Tokenizer and limits of the model at `path` (a GGUF file, a folder; empty = SmolLM2)."""
-    from baton.model.loader import ModelLoadError, default_model_path
-
     resolved = Path(path or default_model_path())
     if not resolved.exists():
         raise ModelLoadError(resolved, "no such file or directory")
@@ -56,14 +56,7 @@ def load_model_info(path: str = "", name: str = "", max_model_len: int = 0) -> M
 
 
 def _from_gguf(path: Path) -> tuple[Tokenizer, int]:
-    import gguf
-
-    from baton.model.loader import ModelLoadError, gguf_field
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/struct errors on a corrupt file
-        raise ModelLoadError(path, f"unreadable GGUF ({type(exc).__name__}: {exc})") from None
+    reader = read_gguf(path)
     arch = gguf_field(reader, "general.architecture", "llama")
     context = int(gguf_field(reader, f"{arch}.context_length", 4096))
     return Tokenizer.from_gguf(reader), context

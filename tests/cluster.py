@@ -68,6 +68,14 @@ def start_all(engines: list[EngineProcess], timeout_s: float = 240.0) -> None:
         engine.wait_ready(deadline)
 
 
+def wait_for(predicate, timeout_s: float = 10.0, poll_s: float = 0.01) -> None:
+    """Until `predicate()` holds; the bound only stops a hung test, no assert rests on it."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(poll_s)
+
+
 def is_whole(stats: EngineStats) -> bool:
     """Every block free, nothing running or queued, no KV lease or pull left."""
     return (stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0

@@ -6,7 +6,7 @@ from baton.model.config import ModelConfig
 from baton.model.kv_cache import KVCacheSpec, allocate_kv_cache
 from baton.model.llama import LlamaModel
 from baton.model.loader import ModelLoadError, default_model_path, load_model
-from baton.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from baton.tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = [
     "IncrementalDetokenizer",

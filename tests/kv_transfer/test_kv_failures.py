@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 from kv_helpers import BLOCK_BYTES, FAST, NUM_BLOCKS, assert_whole, wait_until
@@ -19,13 +18,12 @@ BIG_BLOCKS, BIG_BYTES = 97, 1 << 20  # 96 MiB per pull: long enough to kill mid-
 
 def _pull(importer, local, handle, seed):
     ids = local.allocate(len(handle.block_ids))
-    t0 = time.monotonic()
     try:
         result = importer.transfer(handle, ids)
         exact = result.state == TransferState.DONE and local.is_exact(ids, seed)
     finally:
         local.release(ids)
-    return result, exact, time.monotonic() - t0
+    return result, exact
 
 
 def _free_port() -> int:
@@ -39,19 +37,22 @@ def test_peer_killed_before_pull_then_restarted(importer, local_pool):
     cfg = {**FAST, "side_channel_port": port}
     first = PeerProcess(NUM_BLOCKS, BLOCK_BYTES, cfg=cfg)
     try:
-        ok, exact, _ = _pull(importer, local_pool, first.hold("a", [1, 2], seed=1), seed=1)
+        ok, exact = _pull(importer, local_pool, first.hold("a", [1, 2], seed=1), seed=1)
         assert ok.state == TransferState.DONE and exact
         stale = first.hold("b", [3, 4], seed=2)
         first.kill()
-        result, _, seconds = _pull(importer, local_pool, stale, seed=2)
-        assert result.reason == "peer_gone" and seconds < 2.0, (result, seconds)
+        result, _ = _pull(importer, local_pool, stale, seed=2)
+        # The claim's own deadline (rpc_timeout_s) fails it, not transfer()'s longer limit.
+        assert result.reason == "peer_gone", result
+        assert result.message.startswith("no claim answer from ") and \
+            result.message.endswith(f"within {FAST['rpc_timeout_s']}s"), result
         # Same address, new process: the importer handshakes again (new instance id).
         second = PeerProcess(NUM_BLOCKS, BLOCK_BYTES, cfg=cfg)
         assert second.instance_id != first.instance_id
         handle = second.hold("c", [3, 4, 9], seed=3)
-        result, exact, _ = _pull(importer, local_pool, handle, seed=3)
+        result, exact = _pull(importer, local_pool, handle, seed=3)
         assert result.state == TransferState.DONE and exact, result
-        result, _, _ = _pull(importer, local_pool, stale, seed=2)
+        result, _ = _pull(importer, local_pool, stale, seed=2)
         assert result.reason == "peer_restarted", result
         assert_whole(second, importer, local_pool)
         second.stop()
@@ -61,10 +62,10 @@ def test_peer_killed_before_pull_then_restarted(importer, local_pool):
 
 def test_peer_killed_after_pull_survivor_stays_usable(peer, importer, local_pool):
     doomed = PeerProcess(NUM_BLOCKS, BLOCK_BYTES, cfg=FAST)
-    result, exact, _ = _pull(importer, local_pool, doomed.hold("x", [5], seed=5), seed=5)
+    result, exact = _pull(importer, local_pool, doomed.hold("x", [5], seed=5), seed=5)
     assert result.state == TransferState.DONE and exact
     doomed.kill()
-    result, exact, _ = _pull(importer, local_pool, peer.hold("y", [5, 6], seed=6), seed=6)
+    result, exact = _pull(importer, local_pool, peer.hold("y", [5, 6], seed=6), seed=6)
     assert result.state == TransferState.DONE and exact
     assert_whole(peer, importer, local_pool)
 
@@ -94,18 +95,18 @@ def _kill_mid_transfer(victim, importer, handle, seed):
     importer.call("start", handle, list(range(1, len(handle.block_ids) + 1)), seed)
     assert wait_until(lambda: importer.call("state", handle.request_id) != 0, 5)
     victim.kill()
-    return time.monotonic()
 
 
 def test_exporter_killed_during_pull(tcp_importer):
     exporter = PeerProcess(BIG_BLOCKS, BIG_BYTES, cfg=FAST, env=TCP)
     try:
         handle = exporter.hold("mid", list(range(1, BIG_BLOCKS)), seed=4)
-        killed = _kill_mid_transfer(exporter, tcp_importer, handle, seed=4)
+        _kill_mid_transfer(exporter, tcp_importer, handle, seed=4)
         state, reason, message, _, _ = tcp_importer.call("wait", "mid", 5.0)
-        assert time.monotonic() - killed < 2.0
-        # A race can let the copy finish before the kill lands; a failure must be peer_gone.
-        assert state == TransferState.DONE or reason == "peer_gone", (reason, message)
+        # A race can let the copy finish before the kill lands; a failure must be NIXL seeing
+        # the peer disconnect, not a deadline (transfer_timeout_s) running out.
+        assert state == TransferState.DONE or (
+            reason == "peer_gone" and "peer disconnected" in message), (reason, message)
         assert tcp_importer.call("stats")[0] == 0
     finally:
         exporter.stop()

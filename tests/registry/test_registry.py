@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from baton.protocol import (
@@ -25,21 +23,35 @@ from baton.registry import (
     StaticRegistry,
     make_registry,
 )
+from tests.cluster import wait_for
 
 
 def _record(role: str = "prompt", engine_id: str = "p0", **kw) -> EngineRecord:
     return EngineRecord(role=role, engine_id=engine_id, address="tcp://127.0.0.1:1", **kw)
 
 
+def _pttl_ms(redis_url: str, key: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return client.pttl(key)
+    finally:
+        client.close()
+
+
 def test_publish_list_and_ttl_expiry(redis_url):
     reg = RedisRegistry(RegistryConfig(url=redis_url, ttl_s=0.5, heartbeat_s=0.1))
     reg.publish(_record("prompt", "p0", num_free_blocks=7))
     reg.publish(_record("completion", "c0"))
+    # Redis itself drops each record within one TTL unless it is renewed...
+    for key in ("baton:engine:prompt:p0", "baton:engine:completion:c0"):
+        assert 0 < _pttl_ms(redis_url, key) <= 500, key
     [rec] = reg.list("prompt")
     assert (rec.engine_id, rec.num_free_blocks) == ("p0", 7)
     assert [r.engine_id for r in reg.list("completion")] == ["c0"]
-    time.sleep(0.7)  # nobody renewed: gone within one TTL
-    assert reg.list("prompt") == [] and reg.list("completion") == []
+    # ...and then nobody lists it.
+    wait_for(lambda: reg.list("prompt") == [] and reg.list("completion") == [])
     reg.close()
 
 
@@ -53,9 +65,12 @@ def test_heartbeat_renews_and_deregisters(redis_url):
         return _record("normal", "n0", num_running=len(beats))
 
     hb = Heartbeat(reg, make, cfg.heartbeat_s).start()
-    time.sleep(1.0)  # longer than the TTL: only renewal keeps it
+    # Five intervals (each at least heartbeat_s) after the first record: past its TTL, so only
+    # renewal keeps it; the sixth beat has begun, so the fifth record is in place.
+    wait_for(lambda: len(beats) >= 6)
     [rec] = reg.list("normal")
     assert rec.num_running >= 5
+    assert 0 < _pttl_ms(redis_url, "baton:engine:normal:n0") <= 400
     hb.stop()
     assert reg.list("normal") == []
     reg.close()

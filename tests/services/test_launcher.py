@@ -14,8 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from baton.engine_cli import parse_cpus
-from baton.launcher import cpu_shares
+from baton.launcher import cpu_shares, parse_cpus
 from baton.redis_server import free_port
 
 pytestmark = pytest.mark.slow

@@ -2,6 +2,7 @@
 an incremental detokenizer for streaming.
 
 Built the way transformers builds it from the same file, so token ids agree with the reference.
+No torch here: the router uses this module without the model runtime (baton/model re-exports it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from baton.model_files import gguf_field
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,6 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader) -> Tokenizer:
         """From a `gguf.GGUFReader`'s metadata (byte-level BPE only); ValueError otherwise."""
-        from baton.model.loader import gguf_field
-
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2)")
