@@ -54,10 +54,17 @@ happy early late""".split()
 
 
 # --------------------------------------------------------------------------- workload
+DATASETS = ("fixed", "uniform", "mix", "multi-turn", "shared-prefix")
+
+
 @dataclass
 class WorkloadConfig:
     # fixed: every request input_len/output_len; uniform: lengths drawn from the ranges;
-    # mix: chat traffic (short_* ranges) with a long_fraction of long prompts among it.
+    # mix: chat traffic (short_* ranges) with a long_fraction of long prompts among it;
+    # multi-turn: conversations of `turns` turns behind one shared system prompt of
+    # system_prompt_len words, each turn's prompt the conversation so far plus a new user
+    # message (short_* ranges), sent when the previous answer is complete;
+    # shared-prefix: independent requests, each behind one of num_system_prompts system prompts.
     dataset: str = "mix"
     input_len: int = 64
     output_len: int = 96
@@ -68,11 +75,18 @@ class WorkloadConfig:
     long_fraction: float = 0.1
     long_input_range: tuple[int, int] = (1400, 1600)  # "~1500 tokens" documents
     long_output_range: tuple[int, int] = (16, 32)
+    turns: int = 6  # multi-turn: turns per conversation (num_requests counts conversations)
+    system_prompt_len: int = 512  # multi-turn, shared-prefix: words of each system prompt
+    num_system_prompts: int = 4  # shared-prefix
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dataset not in ("fixed", "uniform", "mix"):
-            raise ValueError(f"dataset must be fixed, uniform or mix, got {self.dataset!r}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}")
+        if self.turns < 1 or self.num_system_prompts < 1 or self.system_prompt_len < 0:
+            raise ValueError(f"turns and num_system_prompts must be >= 1 and system_prompt_len "
+                             f">= 0, got {self.turns}/{self.num_system_prompts}/"
+                             f"{self.system_prompt_len}")
         if not 0.0 <= self.long_fraction <= 1.0:
             raise ValueError(f"long_fraction must be in [0, 1], got {self.long_fraction}")
         for name in ("input_range", "output_range", "short_input_range", "short_output_range",
@@ -89,9 +103,12 @@ class WorkloadConfig:
 class RequestSpec:
     idx: int
     kind: str  # "fixed" | "uniform" | "short" | "long": metrics are also reported per kind
-    prompt: str
+    prompt: str  # the user message
     num_prompt_words: int
     max_tokens: int
+    system: str = ""  # a system message before it ("" = none)
+    conversation: int = -1  # multi-turn: the conversation and turn of this request
+    turn: int = 0
 
 
 def _lengths(cfg: WorkloadConfig, rng: random.Random) -> tuple[str, int, int]:
@@ -104,14 +121,34 @@ def _lengths(cfg: WorkloadConfig, rng: random.Random) -> tuple[str, int, int]:
     return "short", rng.randint(*cfg.short_input_range), rng.randint(*cfg.short_output_range)
 
 
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
 def build_workload(cfg: WorkloadConfig, num_requests: int) -> list[RequestSpec]:
-    """The same seed gives the same prompts and lengths, whatever the rate or the server."""
+    """The same seed gives the same prompts and lengths, whatever the rate or the server.
+    multi-turn: `num_requests` conversations of `cfg.turns` turns, in conversation order."""
     rng = random.Random(cfg.seed)
+    if cfg.dataset == "multi-turn":
+        system = _words(rng, cfg.system_prompt_len)
+        specs = []
+        for conv in range(num_requests):
+            for turn in range(cfg.turns):
+                num_in = rng.randint(*cfg.short_input_range)
+                specs.append(RequestSpec(len(specs), "turn", _words(rng, num_in), num_in,
+                                         rng.randint(*cfg.short_output_range), system, conv,
+                                         turn))
+        return specs
+    systems = [_words(rng, cfg.system_prompt_len) for _ in range(cfg.num_system_prompts)]
     specs = []
     for idx in range(num_requests):
+        if cfg.dataset == "shared-prefix":
+            num_in = rng.randint(*cfg.short_input_range)
+            specs.append(RequestSpec(idx, "shared", _words(rng, num_in), num_in,
+                                     rng.randint(*cfg.short_output_range), rng.choice(systems)))
+            continue
         kind, num_in, num_out = _lengths(cfg, rng)
-        prompt = " ".join(rng.choice(WORDS) for _ in range(num_in))
-        specs.append(RequestSpec(idx, kind, prompt, num_in, num_out))
+        specs.append(RequestSpec(idx, kind, _words(rng, num_in), num_in, num_out))
     return specs
 
 
@@ -138,9 +175,11 @@ class RequestResult:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     prompt_tokens: int = 0  # from the server's usage when it sends one, else words
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when the server says
     output_tokens: int = 0
     expected_output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)  # gaps between successive text chunks
+    text: str = ""  # the answer (multi-turn: the next turn's history)
 
     @property
     def tpot_s(self) -> float:
@@ -180,15 +219,19 @@ class BenchConfig:
             raise ValueError(f"unknown SLO {sorted(unknown)}; known: {sorted(SLO_KEYS)}")
 
 
-def _payload(cfg: BenchConfig, spec: RequestSpec, model: str, ignore_eos: bool) -> dict:
+def _payload(cfg: BenchConfig, spec: RequestSpec, model: str, ignore_eos: bool,
+             history: list[dict] | None = None) -> dict:
+    """`history`: the conversation's earlier user and assistant messages (multi-turn)."""
     body: dict = {"model": model, "max_tokens": spec.max_tokens, "temperature": 0.0,
                   "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
+    messages = [{"role": "system", "content": spec.system}] if spec.system else []
+    messages += [*(history or []), {"role": "user", "content": spec.prompt}]
     if cfg.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
-    else:
-        body["prompt"] = spec.prompt
+        body["messages"] = messages
+    else:  # the completions endpoint has no roles: the turns one after another
+        body["prompt"] = "\n\n".join(m["content"] for m in messages)
     return body
 
 
@@ -215,10 +258,14 @@ async def _consume_stream(resp, cfg: BenchConfig, res: RequestResult, t0: float)
             raise RuntimeError(f"stream error: {chunk['error']}")
         now = time.perf_counter()
         if chunk.get("usage"):
-            res.prompt_tokens = chunk["usage"].get("prompt_tokens", res.prompt_tokens)
-            res.output_tokens = chunk["usage"].get("completion_tokens", 0)
-        if not _chunk_text(chunk, cfg.endpoint):
+            usage = chunk["usage"]
+            res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+            res.output_tokens = usage.get("completion_tokens", 0)
+            res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        text = _chunk_text(chunk, cfg.endpoint)
+        if not text:
             continue
+        res.text += text
         num_chunks += 1
         if last is None:
             res.ttft_s = now - t0
@@ -232,7 +279,8 @@ async def _consume_stream(resp, cfg: BenchConfig, res: RequestResult, t0: float)
 
 
 async def send_request(client, cfg: BenchConfig, spec: RequestSpec, model: str,
-                       ignore_eos: bool, run_t0: float) -> RequestResult:
+                       ignore_eos: bool, run_t0: float,
+                       history: list[dict] | None = None) -> RequestResult:
     """Stream one request; never raises: failures are recorded in the result."""
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
     res = RequestResult(spec.idx, spec.kind, prompt_tokens=spec.num_prompt_words,
@@ -240,7 +288,7 @@ async def send_request(client, cfg: BenchConfig, spec: RequestSpec, model: str,
     t0 = time.perf_counter()
     res.start_s = t0 - run_t0
     try:
-        async with client.stream("POST", path, json=_payload(cfg, spec, model, ignore_eos)) as r:
+        async with client.stream("POST", path, json=_payload(cfg, spec, model, ignore_eos, history)) as r:
             if r.status_code != 200:
                 body = (await r.aread()).decode(errors="replace")[:300]
                 raise RuntimeError(f"HTTP {r.status_code}: {body}")
@@ -324,47 +372,68 @@ class _Issuer:
         self.last_send = self.run_t0
         self.sent: set[int] = set()  # request indices actually sent
 
-    async def one(self, spec: RequestSpec, progress: Progress) -> RequestResult | None:
+    async def one(self, spec: RequestSpec, progress: Progress,
+                  history: list[dict] | None = None) -> RequestResult | None:
         try:
             if self.gate is None:
-                return await self._send(spec)
+                return await self._send(spec, history)
             async with self.gate:
-                return await self._send(spec)
+                return await self._send(spec, history)
         finally:
             progress.update()
 
-    async def _send(self, spec: RequestSpec) -> RequestResult | None:
+    async def _send(self, spec: RequestSpec, history: list[dict] | None) -> RequestResult | None:
         self.num_passed += 1
         if time.perf_counter() >= self.deadline:
             return None
         self.last_send = time.perf_counter()
         self.sent.add(spec.idx)
         return await send_request(self.client, self.cfg, spec, self.model, self.ignore_eos,
-                                  self.run_t0)
+                                  self.run_t0, history)
+
+    async def conversation(self, turns: list[RequestSpec], progress: Progress) -> None:
+        """Send the turns one after another, each with the answers so far; a failed turn
+        ends its conversation (its later turns are not sent)."""
+        history: list[dict] = []
+        for spec in turns:
+            res = await self.one(spec, progress, history)
+            if res is None:
+                return
+            self.results[spec.idx] = res
+            if not res.ok:
+                return
+            history += [{"role": "user", "content": spec.prompt},
+                        {"role": "assistant", "content": res.text}]
 
     async def run(self, specs: list[RequestSpec], seed: int) -> list[RequestResult]:
-        offsets = arrival_offsets(len(specs), self.cfg.request_rate, seed)
+        """Arrivals are per conversation (a single request is a conversation of one turn)."""
+        units: dict[int, list[RequestSpec]] = {}
+        for spec in specs:
+            units.setdefault(spec.conversation if spec.conversation >= 0 else -1 - spec.idx,
+                             []).append(spec)
+        self.num_specs = len(specs)
+        self.results: dict[int, RequestResult] = {}
+        offsets = arrival_offsets(len(units), self.cfg.request_rate, seed)
         progress = Progress(len(specs), self.cfg.progress, self.cfg.label)
         tasks: list[asyncio.Task] = []
-        for spec, offset in zip(specs, offsets, strict=True):
+        for unit, offset in zip(units.values(), offsets, strict=True):
             if self.run_t0 + offset >= self.deadline:
                 break  # the time limit ends issuing; what is in flight may still finish
             delay = self.run_t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(self.one(spec, progress)))
+            tasks.append(asyncio.create_task(self.conversation(unit, progress)))
         await self._drain(tasks)
         progress.close()
-        results = [t.result() if not t.cancelled() else
-                   RequestResult(spec.idx, spec.kind, error="cancelled at the time limit")
-                   for t, spec in zip(tasks, specs, strict=False)]  # fewer tasks at a limit
-        return [r for r in results if r is not None and r.idx in self.sent]
+        return [self.results.get(spec.idx) or
+                RequestResult(spec.idx, spec.kind, error="cancelled at the time limit")
+                for spec in specs if spec.idx in self.sent]
 
     async def _drain(self, tasks: list[asyncio.Task]) -> None:
         pending = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=0.25)
-            issued_until = self.deadline if self.num_passed < len(tasks) else \
+            issued_until = self.deadline if self.num_passed < self.num_specs else \
                 min(self.deadline, self.last_send)
             if pending and time.perf_counter() >= issued_until + self.cfg.drain_timeout_s:
                 for task in pending:
@@ -438,6 +507,9 @@ def summarize(results: list[RequestResult], wall_s: float, slos_ms: dict[str, fl
         "errors": errors, "duration_s": wall_s,
         "num_short_outputs": sum(r.output_tokens < r.expected_output_tokens for r in ok),
         "total_prompt_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": num_out,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
+        "cached_token_fraction": (sum(r.cached_tokens for r in ok)
+                                  / max(1, sum(r.prompt_tokens for r in ok))),
         "request_throughput": len(ok) / wall_s if wall_s else 0.0,
         "output_throughput": num_out / wall_s if wall_s else 0.0,
         "slos_ms": slos_ms, "num_good": len(good),
@@ -458,7 +530,8 @@ def format_table(record: dict) -> str:
         f"(failed {s['num_failed']}, short outputs {s['num_short_outputs']})",
         f"request throughput {s['request_throughput']:.3f} req/s   "
         f"output {s['output_throughput']:.1f} tok/s   "
-        f"goodput {s['goodput']:.3f} req/s ({s['num_good']} met SLOs: {slos})",
+        f"goodput {s['goodput']:.3f} req/s ({s['num_good']} met SLOs: {slos})   "
+        f"cached prompt tokens {s['total_cached_tokens']} ({100 * s['cached_token_fraction']:.0f}%)",
         f"{'metric (ms)':<12}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}",
     ]
     for key in STAT_KEYS:
@@ -518,7 +591,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
                    help="SLOs a good request meets, e.g. ttft:3000 tpot:250 e2e:20000")
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default=w.dataset, choices=["fixed", "uniform", "mix"])
+    g.add_argument("--dataset", default=w.dataset, choices=list(DATASETS))
+    g.add_argument("--turns", type=int, default=w.turns,
+                   help="multi-turn: turns per conversation (--num-requests conversations)")
+    g.add_argument("--system-prompt-len", type=int, default=w.system_prompt_len,
+                   help="multi-turn, shared-prefix: words of each system prompt")
+    g.add_argument("--num-system-prompts", type=int, default=w.num_system_prompts,
+                   help="shared-prefix: how many system prompts the requests share")
     g.add_argument("--seed", type=int, default=w.seed)
     g.add_argument("--input-len", type=int, default=w.input_len, help="fixed: prompt words")
     g.add_argument("--output-len", type=int, default=w.output_len, help="fixed: output tokens")
@@ -551,7 +630,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[BenchConfig, WorkloadCo
         output_len=args.output_len, input_range=args.input_range, output_range=args.output_range,
         short_input_range=args.short_input_range, short_output_range=args.short_output_range,
         long_fraction=args.long_fraction, long_input_range=args.long_input_range,
-        long_output_range=args.long_output_range)
+        long_output_range=args.long_output_range, turns=args.turns,
+        system_prompt_len=args.system_prompt_len, num_system_prompts=args.num_system_prompts)
     return bench, workload
 
 
