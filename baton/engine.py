@@ -154,7 +154,7 @@ class LLMEngine:
             prefill_any_attempt_interval=config.prefill_any_attempt_interval),
             all_reduce_min=all_reduce_min)
         self.max_model_len = max_len
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._pending: list[RequestOutput] = []  # final deltas of aborted requests
@@ -368,7 +368,9 @@ class LLMEngine:
         rows = [i for i, r in enumerate(reqs) if int(seqlens_k[i]) == r.num_tokens]
         if rows:
             ids, lps = self.sampler(logits[rows], [reqs[i].params for i in rows],
-                                    [reqs[i].generator for i in rows])
+                                    [reqs[i].generator for i in rows],
+                                    prompt_token_ids=[reqs[i].prompt_token_ids for i in rows],
+                                    output_token_ids=[reqs[i].token_ids for i in rows])
             sampled[rows] = ids.cpu().numpy()
             logprobs[rows] = lps.cpu().numpy()
         return sampled, logprobs
