@@ -21,7 +21,10 @@ def model_info() -> ModelInfo:
 
 @pytest.fixture
 def make_client(model_info):
-    """`make_client(**RouterConfig fields)` -> a TestClient over a fresh app, lifespan running."""
+    """`make_client(**RouterConfig fields)` -> a TestClient over a fresh app, lifespan running.
+
+    It prepares requests on a thread (num_prepare_workers=0) unless told otherwise: spawning
+    worker processes for each of many apps would dominate these tests."""
     from fastapi.testclient import TestClient
 
     from router.app import create_app
@@ -29,6 +32,7 @@ def make_client(model_info):
     clients = []
 
     def make(**overrides) -> TestClient:
+        overrides.setdefault("num_prepare_workers", 0)
         client = TestClient(create_app(RouterConfig(**overrides), info=model_info))
         client.__enter__()
         clients.append(client)
