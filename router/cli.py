@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds a connection may take to send a request's headers")
     p.add_argument("--keep-alive-timeout", type=int, default=5,
                    help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--prepare-workers", type=int, default=2,
+                   help="processes that parse and tokenize request bodies off the event loop")
     p.set_defaults(func=run)
 
 
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout,
         graceful_shutdown_s=args.graceful_shutdown, max_request_bytes=args.max_request_bytes,
         max_concurrent_requests=args.max_concurrent_requests, body_timeout_s=args.body_timeout,
-        header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout)
+        header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        num_prepare_workers=args.prepare_workers)
     logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=logging.getLogger().getEffectiveLevel(), access_log=False,

@@ -6,8 +6,11 @@ every stream the event loop serves; in a worker process they do not. A worker ge
 tokenizer once, as its JSON (no model file is read again), and then only raw bodies in and
 `Prepared` requests (or an APIError) out.
 
-`num_workers=0` prepares on one thread of this process instead: the same code, for tests that
-build many apps and for embedding; it bounds nothing about the GIL.
+A body of at most INLINE_BYTES is prepared on the event loop itself: a few milliseconds at
+most, and it never queues behind a heavy body in the workers (a small request's latency must
+not depend on what others send). `num_workers=0` prepares every body on one thread of this
+process instead: the same code, for tests that build many apps and for embedding; it bounds
+nothing about the GIL.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ logger = logging.getLogger(__name__)
 _KINDS = {"completion": (CompletionRequest, prepare_completion),
           "chat": (ChatCompletionRequest, prepare_chat)}
 _worker_info: ModelInfo | None = None  # set once in each worker process
+# 8 KiB of text tokenizes in ~5 ms (640k characters take 0.5 s), the chat template as fast.
+INLINE_BYTES = 8 * 1024
 
 
 def prepare_raw(raw: bytes, kind: str, info: ModelInfo | None = None) -> Prepared:
@@ -55,6 +60,8 @@ class PreparePool:
                                for _ in range(max(1, self.num_workers))))
 
     async def prepare(self, raw: bytes, kind: str) -> Prepared:
+        if len(raw) <= INLINE_BYTES and self.num_workers:
+            return prepare_raw(raw, kind, self.info)
         loop = asyncio.get_running_loop()
         call = (functools.partial(prepare_raw, raw, kind) if self.num_workers
                 else functools.partial(prepare_raw, raw, kind, self.info))
