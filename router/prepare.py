@@ -1,9 +1,10 @@
 """From a parsed OpenAI body to what the engines get: prompt token ids and SamplingOptions.
 
 Every check here is about the client's input and answers 400 (404 for an unknown model) with
-the bad value in the message, before any engine is involved. This runs on a worker thread
-(router/app.py); a text so long that it must exceed the context is refused before tokenizing:
-no token covers more than `ModelInfo.max_token_chars` characters.
+the bad value in the message, before any engine is involved. It runs in a prepare worker
+process (router/prepare_pool.py); the cheap checks come first, and a text so long that it must
+exceed the context is refused before tokenizing: no token covers more than
+`ModelInfo.max_token_chars` characters.
 """
 
 from __future__ import annotations
