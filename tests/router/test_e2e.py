@@ -218,6 +218,13 @@ def test_logit_bias_penalties_and_min_tokens_through_the_router(deployments, mod
                                                    "temperature": 0, **penalties})
     assert done["choices"][0]["text"] == tok.decode(penalised)
 
+    k = next(i for i in range(2, 24) if long_plain[i] not in long_plain[:i])
+    stopped = _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                                      "temperature": 0,
+                                                      "stop_token_ids": [long_plain[k]]})
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == k + 1, k  # the stop id is output
+
     messages = [{"role": "user", "content": "Answer with one word: is water wet?"}]
     short = _both(deployments, "/v1/chat/completions", {"messages": messages, "max_tokens": 40,
                                                          "temperature": 0})
