@@ -177,9 +177,9 @@ class Sampler:
                 stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
                 stops = [t for t in stops if t < vocab]
                 logits[i, stops] = float("-inf")
-            if p.has_penalties:
-                prompt = prompt_token_ids[i] if prompt_token_ids is not None else None
-                logits[i] = _apply_penalties(logits[i], p, prompt, output_token_ids[i])
+        penalised = [i for i in rows if params[i].has_penalties]
+        if penalised:
+            _apply_penalties(logits, params, prompt_token_ids, output_token_ids, penalised)
         return logits
 
     @staticmethod
@@ -208,21 +208,33 @@ class Sampler:
         return out
 
 
-def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: Sequence[int] | None,
-                     output: Sequence[int]) -> torch.Tensor:
-    """vLLM's formula on one row: repetition (prompt and output tokens: positive logits
-    divided by it, negative ones multiplied), then frequency (times the output count) and
-    presence (once per token output)."""
-    vocab = row.shape[-1]
-    out_ids = torch.tensor([t for t in output if t < vocab], dtype=torch.long, device=row.device)
-    counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
-    if p.repetition_penalty != 1:
-        if prompt is None:
+def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     prompt_token_ids: Sequence[Sequence[int]] | None,
+                     output_token_ids: Sequence[Sequence[int]], rows: list[int]) -> None:
+    """vLLM's formula, in place, on rows `rows`: repetition (prompt and output tokens: positive
+    logits divided by it, negative ones multiplied), then frequency (times the output count)
+    and presence (once per token output). Only the rows' distinct tokens are touched, as flat
+    indices into the batch, not a dense [rows, vocab] pass per term."""
+    vocab = logits.shape[-1]
+    flat_logits = logits.view(-1)
+    device = logits.device
+
+    def flat(ids_of: Sequence[Sequence[int]]) -> torch.Tensor:
+        ids = [t + i * vocab for i in rows for t in ids_of[i] if t < vocab]
+        return torch.tensor(ids, dtype=torch.long, device=device)
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], device=device,
+                            dtype=logits.dtype)
+
+    out_idx, out_counts = torch.unique(flat(output_token_ids), return_counts=True)
+    if any(params[i].repetition_penalty != 1 for i in rows):
+        if prompt_token_ids is None:
             raise ValueError("repetition_penalty needs the rows' prompt_token_ids")
-        seen = counts > 0
-        prompt_ids = torch.tensor([t for t in prompt if t < vocab], dtype=torch.long,
-                                  device=row.device)
-        seen[prompt_ids] = True
-        scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row = torch.where(seen, scaled, row)
-    return row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+        seen = torch.unique(torch.cat([out_idx, flat(prompt_token_ids)]))
+        r = per_row("repetition_penalty")[seen // vocab]
+        x = flat_logits[seen]
+        flat_logits[seen] = torch.where(x > 0, x / r, x * r)
+    owner = out_idx // vocab
+    flat_logits[out_idx] -= (per_row("frequency_penalty")[owner] * out_counts.to(logits.dtype)
+                             + per_row("presence_penalty")[owner])
