@@ -300,7 +300,8 @@ class LLMEngine:
         complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
         sampled, logprobs = self.runner.execute(
             sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
-            [r.generator for r in reqs])
+            [r.generator for r in reqs], [r.prompt_token_ids for r in reqs],
+            [r.token_ids for r in reqs])
         result = self.scheduler.process_outputs(sched_out, sampled)
         for req, accepted, token, logprob in zip(reqs, np.asarray(result.num_accepted),
                                                  sampled, logprobs, strict=True):

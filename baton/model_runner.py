@@ -37,7 +37,7 @@ class ModelRunner:
             pool_bytes = int(kv_cache_memory_bytes / (1.0 + self.backend.kv_memory_factor))
             num_blocks = self.kv_spec.num_blocks_for_budget(pool_bytes)
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         logger.info("model runner: %s backend, %d KV blocks (+%.0f%% for the backend's rows)",
                     self.backend.name, num_blocks, 100 * self.backend.kv_memory_factor)
 
@@ -71,10 +71,13 @@ class ModelRunner:
 
     def execute(self, sched_out, seq_ids: np.ndarray,
                 params: Sequence[SamplingParams | None],
-                generators: Sequence[torch.Generator | None]) -> tuple[np.ndarray, np.ndarray]:
+                generators: Sequence[torch.Generator | None],
+                prompt_token_ids: Sequence[Sequence[int]],
+                output_token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
         does not end its prompt; it gets a dummy 0, which the scheduler ignores, and draws
-        nothing). Returns (token ids int32 [n], their log-probs fp32 [n])."""
+        nothing); penalties and min_tokens read each row's prompt and output ids so far.
+        Returns (token ids int32 [n], their log-probs fp32 [n])."""
         logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
                               sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
                               seq_ids)
@@ -84,7 +87,9 @@ class ModelRunner:
         rows = [i for i, p in enumerate(params) if p is not None]
         if rows:
             ids, lps = self.sampler(logits[rows], [params[i] for i in rows],
-                                    [generators[i] for i in rows])
+                                    [generators[i] for i in rows],
+                                    prompt_token_ids=[prompt_token_ids[i] for i in rows],
+                                    output_token_ids=[output_token_ids[i] for i in rows])
             sampled[rows] = ids.cpu().numpy()
             logprobs[rows] = lps.cpu().numpy()
         return sampled, logprobs

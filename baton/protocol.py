@@ -33,6 +33,12 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}  # token id -> bias in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are masked before this many outputs
+    min_p: float = 0.0
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):

@@ -1,20 +1,32 @@
-"""Sampling parameters and a batched sampler (greedy, temperature, top-k, top-p, per-request seed).
+"""Sampling parameters and a batched sampler (greedy, temperature, top-k, top-p, min-p,
+per-request seed, penalties, logit bias, min_tokens).
 
 A seeded request owns a `torch.Generator`: its draws depend only on its seed and how many tokens
 it has sampled, never on what else shares the batch, so the same seed gives the same tokens.
+
+The logits of a row go through, in vLLM's order: logit_bias, the min_tokens mask (EOS and stop
+ids at -inf while fewer than min_tokens outputs exist), repetition_penalty (over prompt and
+output tokens), frequency and presence penalties (over output tokens), then greedy argmax or
+temperature, min_p, top-k/top-p and a draw. Every input of that chain is the request's own
+token ids, passed per call, so a migrated or recomputed request is in the same state.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-5  # temperatures below this are greedy
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -29,6 +41,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") on any of these
     ignore_eos: bool = False  # keep going past the model's EOS tokens
     logprobs: bool = False  # return the log-probability of each chosen token
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for any token already output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this per earlier output of the token
+    repetition_penalty: float = 1.0  # vLLM's/CTRL's: a prompt or output token's logit / (or *) it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many outputs
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -44,8 +62,35 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        self._check_penalties()
         if self.top_k == -1:
             self.top_k = 0
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {r!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        for token, bias in dict(self.logit_bias).items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not _is_real(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} "
+                                 f"for token {token}")
+        self.logit_bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     @property
     def is_greedy(self) -> bool:
@@ -80,19 +125,29 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 class Sampler:
     """Chooses one token per row of a logits batch."""
 
+    def __init__(self, eos_token_ids: Sequence[int] = ()):
+        # min_tokens masks these (unless ignore_eos) along with each request's stop_token_ids.
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 output_token_ids: Sequence[Sequence[int]] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits fp32 [n, vocab] -> (token ids int64 [n], their log-probs fp32 [n]).
 
-        Log-probs are of the model's distribution (before temperature / top-k / top-p).
-        `generators[i]` (from `SamplingParams.make_generator`) drives row i when given.
+        Log-probs are of the model's distribution (before bias, penalties, temperature, top-k,
+        top-p, min-p). `generators[i]` (from `SamplingParams.make_generator`) drives row i when
+        given. `prompt_token_ids[i]` / `output_token_ids[i]` are row i's prompt and its outputs
+        so far; penalties and min_tokens need them (a request using those without them is an
+        error), plain sampling does not.
         """
         n = logits.shape[0]
         assert len(params) == n, (len(params), n)
         generators = generators if generators is not None else [None] * n
         logits = logits.float()
         logprobs_all = logits.log_softmax(dim=-1)
+        logits = self._process(logits, params, prompt_token_ids, output_token_ids)
         chosen = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if rows:
@@ -100,12 +155,44 @@ class Sampler:
                                              [generators[i] for i in rows])
         return chosen, logprobs_all.gather(-1, chosen[:, None])[:, 0]
 
+    def _process(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 prompt_token_ids: Sequence[Sequence[int]] | None,
+                 output_token_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
+        """Logit bias, the min_tokens mask and the penalties, row by row where asked for."""
+        rows = [i for i, p in enumerate(params)
+                if p.logit_bias or p.min_tokens or p.has_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            p = params[i]
+            if (p.min_tokens or p.has_penalties) and output_token_ids is None:
+                raise ValueError("penalties and min_tokens need the rows' output_token_ids")
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
+                bias = torch.tensor([b for t, b in p.logit_bias.items() if t < vocab])
+                logits[i].index_add_(0, ids.to(logits.device), bias.to(logits.device))
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+                stops = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+                stops = [t for t in stops if t < vocab]
+                logits[i, stops] = float("-inf")
+        penalised = [i for i in rows if params[i].has_penalties]
+        if penalised:
+            _apply_penalties(logits, params, prompt_token_ids, output_token_ids, penalised)
+        return logits
+
     @staticmethod
     def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[torch.Generator | None]) -> torch.Tensor:
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device)
         logits = logits / temps[:, None]
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+            probs = logits.softmax(dim=-1)
+            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(~keep, float("-inf"))
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             top_k = torch.tensor([p.top_k for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
@@ -119,3 +206,35 @@ class Sampler:
             if gen is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
         return out
+
+
+def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     prompt_token_ids: Sequence[Sequence[int]] | None,
+                     output_token_ids: Sequence[Sequence[int]], rows: list[int]) -> None:
+    """vLLM's formula, in place, on rows `rows`: repetition (prompt and output tokens: positive
+    logits divided by it, negative ones multiplied), then frequency (times the output count)
+    and presence (once per token output). Only the rows' distinct tokens are touched, as flat
+    indices into the batch, not a dense [rows, vocab] pass per term."""
+    vocab = logits.shape[-1]
+    flat_logits = logits.view(-1)
+    device = logits.device
+
+    def flat(ids_of: Sequence[Sequence[int]]) -> torch.Tensor:
+        ids = [t + i * vocab for i in rows for t in ids_of[i] if t < vocab]
+        return torch.tensor(ids, dtype=torch.long, device=device)
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], device=device,
+                            dtype=logits.dtype)
+
+    out_idx, out_counts = torch.unique(flat(output_token_ids), return_counts=True)
+    if any(params[i].repetition_penalty != 1 for i in rows):
+        if prompt_token_ids is None:
+            raise ValueError("repetition_penalty needs the rows' prompt_token_ids")
+        seen = torch.unique(torch.cat([out_idx, flat(prompt_token_ids)]))
+        r = per_row("repetition_penalty")[seen // vocab]
+        x = flat_logits[seen]
+        flat_logits[seen] = torch.where(x > 0, x / r, x * r)
+    owner = out_idx // vocab
+    flat_logits[out_idx] -= (per_row("frequency_penalty")[owner] * out_counts.to(logits.dtype)
+                             + per_row("presence_penalty")[owner])

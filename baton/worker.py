@@ -29,7 +29,10 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
         temperature=float(opts.temperature), top_k=int(opts.top_k), top_p=float(opts.top_p),
         seed=opts.seed, max_tokens=int(opts.max_tokens),
         stop_token_ids=tuple(int(t) for t in opts.stop_token_ids),
-        ignore_eos=bool(opts.ignore_eos), logprobs=bool(opts.logprobs))
+        ignore_eos=bool(opts.ignore_eos), logprobs=bool(opts.logprobs),
+        presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
+        repetition_penalty=opts.repetition_penalty, logit_bias=dict(opts.logit_bias),
+        min_tokens=opts.min_tokens, min_p=opts.min_p)
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:

@@ -2,9 +2,13 @@
 
 Life of one request:
 1. auth middleware (when an API key is set) answers 401 to a wrong or missing key;
-2. the handler parses the raw body itself (malformed JSON, wrong types -> 400 naming the field),
-   checks values and the model name, tokenizes (router/prepare.py);
-3. router/serving.py runs it through the engines (router/dispatch.py) and builds the response.
+2. router/limits.py bounds what is read: 429 past the requests in flight, 413 past the body
+   size, 408 past the body time;
+3. the handler hands the raw body to a worker process (router/prepare_pool.py), which parses it (malformed JSON, wrong
+   types, too deep, out-of-range numbers -> 400 naming the field), checks values and the model
+   name, renders the chat template and tokenizes (router/prepare.py): none of that runs on the
+   event loop, so a heavy body does not stall the other streams;
+4. router/serving.py runs it through the engines (router/dispatch.py) and builds the response.
 Every error leaves as an OpenAI error body; FastAPI's 422 is turned into a 400.
 """
 
@@ -26,15 +30,11 @@ from baton.registry import Registry
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.engine_pool import EnginePool, NoEngineError
+from router.limits import RequestLimits
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.openai_protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_body,
-    validation_error,
-)
-from router.prepare import prepare_chat, prepare_completion
+from router.openai_protocol import APIError, validation_error
+from router.prepare import Prepared
+from router.prepare_pool import PreparePool
 from router.serving import Server
 from router.text import ModelInfo, load_model_info
 
@@ -62,6 +62,8 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
                                 config.token_timeout_s)
         app.state.model = model
         app.state.pool = pool
+        app.state.prepare_pool = PreparePool(model, config.num_prepare_workers)
+        await app.state.prepare_pool.start()
         app.state.server = Server(dispatcher, model, metrics)
         logger.info("router ready: model %s, engines %s", model.name,
                     {role: len(pool.records(role)) for role in ("normal", "prompt", "completion")})
@@ -70,6 +72,7 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
         finally:
             await dispatcher.drain_aborts()
             await pool.close()
+            app.state.prepare_pool.close()
 
     app = FastAPI(title="Baton router", lifespan=lifespan)
     app.state.config = config
@@ -83,7 +86,11 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
 
 def _add_middleware(app: FastAPI, config: RouterConfig, metrics: RouterMetrics) -> None:
     # Plain ASGI rather than @app.middleware: BaseHTTPMiddleware re-wraps streaming bodies and
-    # would stand between a departing client and the cancellation of its stream.
+    # would stand between a departing client and the cancellation of its stream. The last
+    # added runs first: auth and counting see every answer, the limits' 413/429 included.
+    app.add_middleware(RequestLimits, max_request_bytes=config.max_request_bytes,
+                       max_concurrent_requests=config.max_concurrent_requests,
+                       body_timeout_s=config.body_timeout_s)
     app.add_middleware(_AuthAndCount, api_key=config.api_key, metrics=metrics)
 
 
@@ -144,19 +151,23 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+async def _off_loop(request: Request, kind: str) -> Prepared:
+    """Parse, validate and tokenize the body in a prepare worker (APIError -> 4xx)."""
+    raw = await request.body()  # already read, and bounded, by RequestLimits
+    return await request.app.state.prepare_pool.prepare(raw, kind)
+
+
 def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.monotonic()
-        body = parse_body(await request.body(), CompletionRequest)
-        prep = prepare_completion(body, request.app.state.model)
+        prep = await _off_loop(request, "completion")
         return await request.app.state.server.respond(prep, request, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.monotonic()
-        body = parse_body(await request.body(), ChatCompletionRequest)
-        prep = prepare_chat(body, request.app.state.model)
+        prep = await _off_loop(request, "chat")
         return await request.app.state.server.respond(prep, request, arrival)
 
     @app.get("/v1/models")

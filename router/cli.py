@@ -29,6 +29,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds an engine may stay silent in a running request")
     p.add_argument("--graceful-shutdown", type=int, default=10,
                    help="seconds in-flight requests may still run at shutdown")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body read; past it, 413")
+    p.add_argument("--max-concurrent-requests", type=int, default=512,
+                   help="generation requests in flight at once; past it, 429 with Retry-After")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive; past it, 408")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers")
+    p.add_argument("--keep-alive-timeout", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--prepare-workers", type=int, default=2,
+                   help="processes that parse and tokenize request bodies off the event loop")
     p.set_defaults(func=run)
 
 
@@ -37,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     from router.app import create_app
     from router.config import RouterConfig
+    from router.limits import uvicorn_limits
 
     config = RouterConfig(
         host=args.host, port=args.port, registry_url=args.redis_url,
@@ -44,9 +57,12 @@ def run(args: argparse.Namespace) -> int:
         model_path=args.model, model_name=args.served_model_name,
         max_model_len=args.max_model_len, refresh_s=args.refresh,
         first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout,
-        graceful_shutdown_s=args.graceful_shutdown)
+        graceful_shutdown_s=args.graceful_shutdown, max_request_bytes=args.max_request_bytes,
+        max_concurrent_requests=args.max_concurrent_requests, body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+        num_prepare_workers=args.prepare_workers)
     logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
-                timeout_graceful_shutdown=config.graceful_shutdown_s)
+                **uvicorn_limits(config))
     return 0

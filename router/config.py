@@ -41,6 +41,21 @@ class RouterConfig:
     connect_grace_s: float = 2.0
     # Shutdown: how long in-flight HTTP requests may still run before they are cut.
     graceful_shutdown_s: int = 10
+    # Largest request body read (declared or chunked); past it, 413. The longest legal prompt
+    # of SmolLM2 (8192 tokens of at most 81 characters) is ~0.7 MB of text.
+    max_request_bytes: int = 4 * 1024 * 1024
+    # Generation requests in flight at once (reading, tokenizing, generating); past it, 429.
+    max_concurrent_requests: int = 512
+    # A request body must arrive within this long of its headers; past it, 408.
+    body_timeout_s: float = 30.0
+    # A connection must send a request's whole headers within this long of opening (or of
+    # its previous response); past it, the connection is dropped.
+    header_timeout_s: float = 10.0
+    # An idle keep-alive connection is closed after this long (uvicorn's timeout_keep_alive).
+    keep_alive_timeout_s: int = 5
+    # Processes that parse bodies, render chat templates and tokenize, off the event loop
+    # (tokenizing holds the GIL); 0 = one thread of the router process (tests).
+    num_prepare_workers: int = 2
 
     def __post_init__(self) -> None:
         if not self.api_key:
@@ -69,5 +84,11 @@ class RouterConfig:
             raise ValueError(f"connect_grace_s must be > 0, got {self.connect_grace_s}")
         if self.graceful_shutdown_s < 0:
             raise ValueError(f"graceful_shutdown_s must be >= 0, got {self.graceful_shutdown_s}")
+        for name in ("max_request_bytes", "max_concurrent_requests", "body_timeout_s",
+                     "header_timeout_s", "keep_alive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_prepare_workers < 0:
+            raise ValueError(f"num_prepare_workers must be >= 0, got {self.num_prepare_workers}")
         if self.failure_cooldown_s < 0:
             raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")

@@ -1,16 +1,20 @@
 """The OpenAI request bodies the router accepts, and the error body it answers with.
 
 Parsing is strict (no "5" for 5, no 1.5 for an int) so a wrong type is a 400 that names the
-field, never a silent coercion. Fields the router does not act on (`user`, penalties, ...) are
-accepted and ignored, as clients send them by default; fields it cannot honour (`n` > 1,
-`logprobs`, `echo`) are refused by `check_*` with a message saying so.
+field, never a silent coercion. JSON is decoded by msgspec, which bounds what it builds: ints
+beyond 64 bits, floats beyond double range, invalid UTF-8 and nesting past the recursion limit
+are all a 400 here, never a 5xx. Fields the router does not act on (`user`, ...) are accepted
+and ignored, as clients send them by default; fields it cannot honour (`n` > 1, `logprobs`,
+`echo`) are refused by router/prepare.py with a message saying so.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 
@@ -25,6 +29,9 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+
+    def __reduce__(self):  # it crosses from the prepare workers (router/prepare_pool.py)
+        return APIError, (self.status, self.message, self.type, self.param, self.code)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -55,6 +62,14 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     ignore_eos: bool | None = False  # vLLM's extension: generate exactly max_tokens
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    # vLLM's extensions
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
+    stop_token_ids: list[int] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,18 +101,51 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     """The request body as `model`, or APIError(400) naming the first problem."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("Request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
-        raise bad_request(f"Request body must be a JSON object, got {type(data).__name__}")
+        raise bad_request(f"Request body must be a JSON object, got {_json_type(data)}")
+    # A lone surrogate (an escape JSON allows) is no character: it cannot be tokenized or sent.
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise bad_request("Request body holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF "
+                          "without its pair): not a character")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
+    except RecursionError:
+        raise bad_request("Request body is nested too deeply") from None
+
+
+def _json_type(value: Any) -> str:
+    names = {str: "string", int: "number", float: "number", bool: "boolean", list: "array"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
@@ -118,14 +166,20 @@ def validation_error(errors: list[dict]) -> APIError:
     if first.get("type") == "extra_forbidden":
         return bad_request(f"Unknown field '{param}'", param=param)
     got = first.get("input")
-    shown = json.dumps(got)[:80] if _is_jsonable(got) else type(got).__name__
+    shown = _shown(got)
     return bad_request(f"Invalid value for '{param}': {first.get('msg', 'invalid')} (got {shown})",
                        param=param)
 
 
-def _is_jsonable(value: Any) -> bool:
+def _shown(value: Any) -> str:
+    """At most 80 characters of the offending value, without serialising all of a huge one."""
+    if isinstance(value, list) and len(value) > 8:
+        return f"an array of {len(value)} items"
+    if isinstance(value, dict) and len(value) > 8:
+        return f"an object of {len(value)} keys"
+    if isinstance(value, str) and len(value) > 80:
+        value = value[:80]
     try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
+        return json.dumps(value)[:80]
+    except (TypeError, ValueError, RecursionError):
+        return type(value).__name__

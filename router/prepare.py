@@ -1,7 +1,10 @@
 """From a parsed OpenAI body to what the engines get: prompt token ids and SamplingOptions.
 
 Every check here is about the client's input and answers 400 (404 for an unknown model) with
-the bad value in the message, before any engine is involved.
+the bad value in the message, before any engine is involved. It runs in a prepare worker
+process (router/prepare_pool.py); the cheap checks come first, and a text so long that it must
+exceed the context is refused before tokenizing: no token covers more than
+`ModelInfo.max_token_chars` characters.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from router.openai_protocol import (
 from router.text import ModelInfo
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 _SEED_LIMIT = 2**63  # the wire carries a signed 64-bit integer
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy endpoint's documented default
 
@@ -37,6 +41,7 @@ class Prepared:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    min_tokens: int = 0  # stop strings are not matched before this many tokens
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -55,11 +60,15 @@ def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
+        _check_text_length(len(prompt), "prompt", info)
         ids = info.tokenizer.encode(prompt)
     else:
         ids = list(prompt)
         if not ids:
             raise bad_request("'prompt' must not be empty", "prompt")
+        if len(ids) >= info.max_model_len:
+            raise bad_request(f"This model's maximum context length is {info.max_model_len} "
+                              f"tokens, but the prompt has {len(ids)} tokens", "prompt")
         vocab = info.tokenizer.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
@@ -78,6 +87,7 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     if not body.messages:
         raise bad_request("'messages' must hold at least one message", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    _check_text_length(sum(len(m["content"]) for m in messages), "messages", info)
     try:
         ids = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=True)
@@ -112,6 +122,56 @@ def _check_common(body: CompletionRequest | ChatCompletionRequest, info: ModelIn
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"At most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+    _check_penalties(body)
+    _check_token_ids(body, info)
+
+
+def _check_text_length(num_chars: int, param: str, info: ModelInfo) -> None:
+    """Refuse, without tokenizing, a text that cannot fit: each token covers at most
+    max_token_chars characters, so it is at least num_chars / max_token_chars tokens."""
+    if num_chars > info.max_model_len * info.max_token_chars:
+        raise bad_request(f"This model's maximum context length is {info.max_model_len} tokens, "
+                          f"but the {param} has {num_chars} characters, more than "
+                          f"{info.max_model_len} tokens of at most {info.max_token_chars} "
+                          "characters can hold", param)
+
+
+def _check_range(body, name: str, low: float, high: float) -> None:
+    value = getattr(body, name)
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise bad_request(f"'{name}' must be in [{low:g}, {high:g}], got {value}", name)
+
+
+def _check_penalties(body: CompletionRequest | ChatCompletionRequest) -> None:
+    _check_range(body, "presence_penalty", -2.0, 2.0)
+    _check_range(body, "frequency_penalty", -2.0, 2.0)
+    r = body.repetition_penalty
+    if r is not None and not (math.isfinite(r) and r > 0):
+        raise bad_request(f"'repetition_penalty' must be a finite number > 0, got {r}",
+                          "repetition_penalty")
+    _check_range(body, "min_p", 0.0, 1.0)
+    if body.min_tokens is not None and body.min_tokens < 0:
+        raise bad_request(f"'min_tokens' must be >= 0, got {body.min_tokens}", "min_tokens")
+
+
+def _check_token_ids(body: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> None:
+    vocab = info.tokenizer.vocab_size
+    stop_ids = body.stop_token_ids or []
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(stop_ids)}",
+                          "stop_token_ids")
+    bad = [t for t in stop_ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab})",
+                          "stop_token_ids")
+    for key, bias in (body.logit_bias or {}).items():
+        token = int(key) if key.isdecimal() and len(key) < 12 and key.isascii() else -1
+        if not 0 <= token < vocab:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab}), got "
+                              f"{key[:20]!r}", "logit_bias")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {bias} for token "
+                              f"{token}", "logit_bias")
 
 
 def _max_tokens(value: int | None, param: str, prompt_param: str, num_prompt: int,
@@ -134,18 +194,33 @@ def _max_tokens(value: int | None, param: str, prompt_param: str, num_prompt: in
 def _prepared(kind: str, prefix: str, body: CompletionRequest | ChatCompletionRequest,
               ids: list[int], max_tokens: int, info: ModelInfo) -> Prepared:
     ignore_eos = bool(body.ignore_eos)
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise bad_request(f"'min_tokens' ({min_tokens}) must be at most the maximum of tokens "
+                          f"to generate ({max_tokens})", "min_tokens")
+    eos_ids = [] if ignore_eos else list(info.stop_token_ids)
+    user_stop_ids = [t for t in body.stop_token_ids or [] if t not in eos_ids]
     sampling = SamplingOptions(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
-        top_k=max(0, body.top_k or 0),
+        # Past the vocabulary, top-k keeps every token: the same as off.
+        top_k=min(max(0, body.top_k or 0), info.tokenizer.vocab_size),
         seed=body.seed,
-        stop_token_ids=[] if ignore_eos else list(info.stop_token_ids),
+        stop_token_ids=eos_ids + list(dict.fromkeys(user_stop_ids)),
         ignore_eos=ignore_eos,
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if body.repetition_penalty is None
+        else float(body.repetition_penalty),
+        logit_bias={int(k): float(v) for k, v in (body.logit_bias or {}).items()},
+        min_tokens=min_tokens,
+        min_p=float(body.min_p or 0.0),
     )
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     options = body.stream_options
     return Prepared(kind=kind, req_id=f"{prefix}-{uuid.uuid4().hex}", model=info.name,
                     prompt_token_ids=ids, sampling=sampling, stop=[s for s in stops if s],
+                    min_tokens=min_tokens,
                     stream=bool(body.stream),
                     include_usage=bool(body.stream and options and options.include_usage))

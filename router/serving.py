@@ -74,7 +74,7 @@ class Server:
             return JSONResponse({"error": "client disconnected"}, status_code=499)
 
     async def _collect(self, prep: Prepared, first: TokenDelta, deltas, arrival: float):
-        text = TextStream(self.info.tokenizer, prep.stop)
+        text = TextStream(self.info.tokenizer, prep.stop, prep.min_tokens)
         progress = _Progress()
         try:
             async with aclosing(deltas):
@@ -118,7 +118,7 @@ class Server:
 
     async def _stream(self, prep: Prepared, first: TokenDelta, deltas,
                       arrival: float) -> AsyncIterator[bytes]:
-        text = TextStream(self.info.tokenizer, prep.stop)
+        text = TextStream(self.info.tokenizer, prep.stop, prep.min_tokens)
         progress = _Progress()
         usage_null = {"usage": None} if prep.include_usage else {}
         try:

@@ -27,6 +27,14 @@ class ModelInfo:
     tokenizer: Tokenizer
     max_model_len: int  # prompt + completion tokens the engines accept
     stop_token_ids: list[int] = field(default_factory=list)
+    # The most characters one token stands for: a text over max_model_len times this cannot
+    # fit, whatever the tokenizer makes of it (router/prepare.py refuses it untokenized).
+    max_token_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_token_chars:
+            vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+            self.max_token_chars = max(map(len, vocab), default=1)
 
 
 def load_model_info(path: str = "", name: str = "", max_model_len: int = 0) -> ModelInfo:
@@ -68,19 +76,35 @@ def _default_name(path: Path) -> str:
 
 
 class TextStream:
-    """Token ids in, text deltas out; stops at the first stop string, which is cut off."""
+    """Token ids in, text deltas out; stops at the first stop string, which is cut off.
 
-    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = ()):
+    With `min_tokens`, stop strings are looked for only in the text of the tokens after the
+    first min_tokens (the engines mask EOS and stop ids until then; vLLM does the same).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Iterable[str] = (), min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = [s for s in stop if s]
         self._held = ""  # decoded text that may be the start of a stop string
+        self._min_tokens = min_tokens
+        self.num_tokens = 0  # token ids added so far
         self.text = ""  # everything returned so far
         self.is_stopped = False  # a stop string was found; nothing more comes out
 
     def add(self, token_ids: Iterable[int]) -> str:
         if self.is_stopped:
             return ""
-        return self._emit(self._held + self._detok.add(list(token_ids)), final=False)
+        ids = list(token_ids)
+        num_unmatched = max(0, self._min_tokens - self.num_tokens)
+        self.num_tokens += len(ids)
+        out = ""
+        if num_unmatched:
+            unmatched, ids = ids[:num_unmatched], ids[num_unmatched:]
+            out = self._detok.add(unmatched)
+            self.text += out
+            if not ids:
+                return out
+        return out + self._emit(self._held + self._detok.add(ids), final=False)
 
     def flush(self) -> str:
         """At the end of the request: whatever was held back."""

@@ -57,3 +57,130 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
 
     assert draw(1) == draw(3)
     assert len(set(draw(1))) > 1  # it does sample
+
+
+# ---------------------------------------------------------------- penalties, bias, min_tokens
+
+@pytest.mark.parametrize("kwargs, bad", [
+    ({"presence_penalty": 2.5}, "2.5"), ({"frequency_penalty": -3.0}, "-3.0"),
+    ({"repetition_penalty": 0.0}, "0.0"), ({"min_p": 1.5}, "1.5"),
+    ({"min_tokens": 20, "max_tokens": 10}, "20"), ({"min_tokens": -1}, "-1"),
+    ({"logit_bias": {5: 101.0}}, "101"), ({"logit_bias": {-5: 1.0}}, "-5"),
+    ({"presence_penalty": float("nan")}, "nan"),
+])
+def test_bad_new_params_name_the_value(kwargs: dict, bad: str) -> None:
+    with pytest.raises(ValueError, match=bad):
+        SamplingParams(**kwargs)
+
+
+def _reference_process(logits: list[float], p: SamplingParams, prompt: list[int],
+                       output: list[int], eos: tuple[int, ...]) -> list[float]:
+    """The same formula, written out per token in plain Python."""
+    out = list(logits)
+    for token, bias in p.logit_bias.items():
+        out[token] += bias
+    if len(output) < p.min_tokens:
+        for token in (*p.stop_token_ids, *(() if p.ignore_eos else eos)):
+            out[token] = float("-inf")
+    for token in set(prompt) | set(output):
+        if p.repetition_penalty != 1:
+            x = out[token]
+            out[token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+    for token in set(output):
+        out[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
+    return out
+
+
+def test_penalties_equal_the_reference_formula() -> None:
+    logits = _logits(3, 40)
+    prompts = [[1, 2, 3, 3], [7, 8], [0]]
+    outputs = [[3, 5, 5, 9], [8, 8, 8], []]
+    params = [SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.4,
+                             repetition_penalty=1.3),
+              SamplingParams(temperature=0, frequency_penalty=-0.5, logit_bias={2: 3.5}),
+              SamplingParams(temperature=0, repetition_penalty=0.8, min_tokens=2,
+                             stop_token_ids=(4,))]
+    sampler = Sampler(eos_token_ids=(6,))
+    got = sampler._process(logits, params, prompts, outputs)
+    for i in range(3):
+        want = _reference_process(logits[i].tolist(), params[i], prompts[i], outputs[i], (6,))
+        assert torch.allclose(got[i], torch.tensor(want), atol=1e-6), i
+    ids, lps = sampler(logits, params, prompt_token_ids=prompts, output_token_ids=outputs)
+    assert torch.equal(ids, got.argmax(-1))
+    # Log-probs stay those of the model's raw distribution.
+    assert torch.allclose(lps, logits.log_softmax(-1).gather(-1, ids[:, None])[:, 0])
+
+
+def test_logit_bias_moves_the_greedy_token() -> None:
+    logits = _logits(1, 50)
+    top = int(logits.argmax())
+    ids, _ = Sampler()(logits, [SamplingParams(temperature=0, logit_bias={top: -100.0})])
+    assert int(ids[0]) != top
+    ids, _ = Sampler()(logits, [SamplingParams(temperature=0, logit_bias={17: 100.0})])
+    assert int(ids[0]) == 17
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 5.0  # EOS is the greedy token
+    logits[0, 4] = 4.0  # then a stop id
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(4,))
+    sampler = Sampler(eos_token_ids=(3,))
+    for output, want in (([], 0), ([9], 0), ([9, 9], 3)):
+        ids, _ = sampler(logits, [params], prompt_token_ids=[[1]], output_token_ids=[output])
+        assert int(ids[0]) == want, output
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    ids, _ = sampler(logits, [ignoring], output_token_ids=[[]])
+    assert int(ids[0]) == 3  # EOS does not stop such a request, so it is not masked
+    sampled = SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=(4,))
+    ids, _ = sampler(logits.repeat(64, 1), [sampled] * 64, output_token_ids=[[]] * 64)
+    assert not {3, 4} & set(ids.tolist())
+
+
+def test_min_p_restricts_support() -> None:
+    logits = _logits(1, 50).repeat(64, 1)
+    probs = logits[0].softmax(-1)
+    allowed = set(torch.nonzero(probs >= 0.3 * probs.max())[:, 0].tolist())
+    ids, _ = Sampler()(logits, [SamplingParams(temperature=1.0, min_p=0.3)] * 64)
+    assert set(ids.tolist()) <= allowed
+
+
+def test_penalties_without_token_ids_are_refused() -> None:
+    with pytest.raises(ValueError, match="output_token_ids"):
+        Sampler()(_logits(1), [SamplingParams(temperature=0, presence_penalty=1.0)])
+
+
+@pytest.mark.slow
+def test_penalised_greedy_run_equals_transformers_with_the_reference_formula() -> None:
+    """A greedy run over transformers' logits: the sampler's choice at every step equals the
+    argmax of transformers' own repetition-penalty processor plus the OpenAI formula."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from .reference import baton_model, reference_model
+
+    model, tok = reference_model(), baton_model().tokenizer
+    prompt = tok.encode("List the days of the week: Monday, Tuesday,")
+    eos = tuple(baton_model().config.eos_token_ids)
+    params = SamplingParams(temperature=0, presence_penalty=0.8, frequency_penalty=0.6,
+                            repetition_penalty=1.4, logit_bias={tok.encode(" Wednesday")[0]: -5.0},
+                            min_tokens=6, max_tokens=16, stop_token_ids=eos)
+    repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+    sampler, output, unpenalised = Sampler(eos_token_ids=eos), [], []
+    for _ in range(16):
+        ids = torch.tensor([prompt + output])
+        with torch.inference_mode():
+            logits = model(ids).logits[:, -1].float()
+        unpenalised.append(int(logits.argmax()))
+        want = logits.clone()
+        for token, bias in params.logit_bias.items():
+            want[0, token] += bias
+        if len(output) < params.min_tokens:
+            want[0, list(eos)] = float("-inf")
+        want = repetition(ids, want)
+        for token in set(output):
+            want[0, token] -= params.frequency_penalty * output.count(token)
+            want[0, token] -= params.presence_penalty
+        got, _ = sampler(logits, [params], prompt_token_ids=[prompt], output_token_ids=[output])
+        assert int(got[0]) == int(want.argmax()), (len(output), tok.decode(output))
+        output.append(int(got[0]))
+    assert output != unpenalised  # the penalties did change the run

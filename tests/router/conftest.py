@@ -21,7 +21,10 @@ def model_info() -> ModelInfo:
 
 @pytest.fixture
 def make_client(model_info):
-    """`make_client(**RouterConfig fields)` -> a TestClient over a fresh app, lifespan running."""
+    """`make_client(**RouterConfig fields)` -> a TestClient over a fresh app, lifespan running.
+
+    It prepares requests on a thread (num_prepare_workers=0) unless told otherwise: spawning
+    worker processes for each of many apps would dominate these tests."""
     from fastapi.testclient import TestClient
 
     from router.app import create_app
@@ -29,6 +32,7 @@ def make_client(model_info):
     clients = []
 
     def make(**overrides) -> TestClient:
+        overrides.setdefault("num_prepare_workers", 0)
         client = TestClient(create_app(RouterConfig(**overrides), info=model_info))
         client.__enter__()
         clients.append(client)
@@ -46,10 +50,12 @@ def serve_router(config: RouterConfig, info: ModelInfo | None = None) -> Iterato
 
     from baton.redis_server import free_port
     from router.app import create_app
+    from router.limits import uvicorn_limits
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config, info=info), host="127.0.0.1",
-                                           port=port, log_level="warning", access_log=False))
+                                           port=port, log_level="warning", access_log=False,
+                                           **uvicorn_limits(config)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -61,3 +67,40 @@ def serve_router(config: RouterConfig, info: ModelInfo | None = None) -> Iterato
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def router_process(*args: str, timeout_s: float = 60.0) -> Iterator[tuple[str, object]]:
+    """`baton router ARGS` as its own process on a free loopback port: (base URL, Popen).
+
+    For what the test process's own threads must not disturb (latency, memory)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from baton.redis_server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "router", "--port", str(port),
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "router did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

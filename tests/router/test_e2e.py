@@ -172,6 +172,81 @@ def test_64_concurrent_streams_match_their_whole_text(deployments):
     wait_whole([*deployments["prompts"], deployments["completion"]])
 
 
+def _engine_ids(engine: EngineProcess, info, ids: list[int], **sampling) -> list[int]:
+    from baton.engine_client import EngineClient
+
+    options = SamplingOptions(temperature=0.0, stop_token_ids=list(info.stop_token_ids),
+                              **sampling)
+    with EngineClient(engine.address) as client:
+        result = client.generate(ids, options, timeout_s=120)
+    assert result.finish_reason in ("stop", "length"), result.error
+    return result.token_ids
+
+
+def _both(deployments, path: str, body: dict) -> dict:
+    """The same request through the co-located and the disaggregated router: equal answers."""
+    answers = []
+    for deployment in ("normal", "pd"):
+        response = httpx.post(f"{deployments[deployment]}{path}", json={"model": MODEL, **body},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+    strip = [({**a["choices"][0]}, a["usage"]) for a in answers]
+    assert strip[0] == strip[1], answers
+    return answers[0]
+
+
+def test_logit_bias_penalties_and_min_tokens_through_the_router(deployments, model_info):
+    """Each changes greedy output as specified, on both deployments alike (the first token is
+    sampled on the prompt engine there) and as the engine itself samples it."""
+    tok, engine = model_info.tokenizer, deployments["normal_engine"]
+    prompt = "The capital of France is"
+    ids = tok.encode(prompt)
+    plain = _engine_ids(engine, model_info, ids, max_tokens=8)
+    biased = _engine_ids(engine, model_info, ids, max_tokens=8, logit_bias={plain[0]: -100.0})
+    assert biased[0] != plain[0]
+    done = _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                                   "temperature": 0,
+                                                   "logit_bias": {str(plain[0]): -100}})
+    assert done["choices"][0]["text"] == tok.decode(biased)
+
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
+    long_plain = _engine_ids(engine, model_info, ids, max_tokens=24)
+    penalised = _engine_ids(engine, model_info, ids, max_tokens=24, **penalties)
+    assert penalised != long_plain
+    done = _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                                   "temperature": 0, **penalties})
+    assert done["choices"][0]["text"] == tok.decode(penalised)
+
+    k = next(i for i in range(2, 24) if long_plain[i] not in long_plain[:i])
+    stopped = _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                                      "temperature": 0,
+                                                      "stop_token_ids": [long_plain[k]]})
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == k + 1, k  # the stop id is output
+
+    messages = [{"role": "user", "content": "Answer with one word: is water wet?"}]
+    short = _both(deployments, "/v1/chat/completions", {"messages": messages, "max_tokens": 40,
+                                                         "temperature": 0})
+    num_short = short["usage"]["completion_tokens"]
+    assert short["choices"][0]["finish_reason"] == "stop" and num_short < 30
+    longer = _both(deployments, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 40, "temperature": 0, "min_tokens": num_short + 6})
+    assert longer["usage"]["completion_tokens"] >= num_short + 6
+    assert longer["choices"][0]["message"]["content"].startswith(
+        short["choices"][0]["message"]["content"])
+    # A stop string in the first min_tokens tokens does not stop the request.
+    first_word = short["choices"][0]["message"]["content"].split()[0]
+    cut = _both(deployments, "/v1/chat/completions", {"messages": messages, "max_tokens": 40,
+                                                       "temperature": 0, "stop": [first_word]})
+    assert cut["choices"][0]["message"]["content"] == ""
+    held = _both(deployments, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 40, "temperature": 0, "stop": [first_word],
+        "min_tokens": num_short + 6})
+    assert held["choices"][0]["message"]["content"].startswith(first_word)
+    wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
+
+
 def test_killed_prompt_engine_requests_go_to_the_other(deployments):
     # Last in this module: it leaves one prompt engine.
     victim, survivor = deployments["prompts"]

@@ -36,6 +36,7 @@ def engines():
 
 
 def _config(*entries: ScriptedEngine, **overrides) -> RouterConfig:
+    overrides.setdefault("num_prepare_workers", 0)  # routing is under test, not preparing
     return RouterConfig(engines=[f"{e.role}={e.address}" for e in entries], **overrides)
 
 

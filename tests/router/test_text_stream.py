@@ -59,3 +59,23 @@ def test_stop_prefix_is_held_then_released(model_info):
         out += stream.add([i])
         assert not out.endswith("aus")  # could still become the stop string: held back
     assert out + stream.flush() == "Grüße aus Köln" and not stream.is_stopped
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_min_tokens_holds_back_stop_strings(model_info, step):
+    tok = model_info.tokenizer
+    text = "one, two, one, two, three"
+    ids = tok.encode(text, add_special_tokens=False)
+    first_two = len(tok.encode("one, two", add_special_tokens=False))
+    # Without min_tokens the first "two" stops; with it, only a "two" after that many tokens.
+    assert _stream_text(tok, ids, ["two"], 0, step) == "one, "
+    assert _stream_text(tok, ids, ["two"], first_two, step) == "one, two, one, "
+    assert _stream_text(tok, ids, ["two"], len(ids), step) == text
+
+
+def _stream_text(tok, ids, stop, min_tokens, step):
+    stream = TextStream(tok, stop, min_tokens)
+    out = "".join(stream.add(ids[i:i + step]) for i in range(0, len(ids), step))
+    out += stream.flush()
+    assert out == stream.text
+    return out

@@ -57,6 +57,24 @@ def test_malformed_bodies(client, path, raw, words):
     ({"model": MODEL, "prompt": [1, 10**6]}, "prompt", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": 1}},
      "stream_options.include_usage", "valid boolean"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty",
+     "[-2, 2], got 2.5"),
+    ({"model": MODEL, "prompt": "hi", "frequency_penalty": -2.01}, "frequency_penalty",
+     "got -2.01"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p", "[0, 1], got 1.5"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": -1}, "min_tokens", "got -1"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens",
+     "(9) must be at most"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"12": 101}}, "logit_bias", "got 101"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "'abc'"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias",
+     "token ids in [0, 49152)"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"12": "x"}}, "logit_bias.12",
+     "valid number"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids",
+     "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": 5}, "stop_token_ids", "valid list"),
 ])
 def test_completions_bad_input(client, body, param, words):
     error = _error(client.post("/v1/completions", json=body), 400)
@@ -162,3 +180,20 @@ def test_api_key(make_client, monkeypatch):
 def test_router_config_validation(overrides, words):
     with pytest.raises(ValueError, match=words):
         RouterConfig(**overrides)
+
+
+def test_sampling_fields_reach_the_engines(model_info):
+    import json
+
+    from router.prepare_pool import prepare_raw
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "presence_penalty": 0.5,
+            "frequency_penalty": -0.25, "repetition_penalty": 1.2, "logit_bias": {"42": -100},
+            "min_tokens": 3, "min_p": 0.1, "stop_token_ids": [7, 7, 9], "top_k": 10**12}
+    prep = prepare_raw(json.dumps(body).encode(), "completion", model_info)
+    s = prep.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert s.logit_bias == {42: -100.0} and s.min_tokens == 3 and s.min_p == 0.1
+    assert s.stop_token_ids == [*model_info.stop_token_ids, 7, 9]
+    assert s.top_k == model_info.tokenizer.vocab_size  # past the vocabulary: all, as off
+    assert prep.min_tokens == 3
