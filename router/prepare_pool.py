@@ -77,7 +77,9 @@ class PreparePool:
                            "service_unavailable", code="prepare_worker_failed") from None
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        # Waits for the workers to exit (they are idle by now: the server has stopped), so a
+        # stopped router leaves no process behind.
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _portable(info: ModelInfo) -> tuple:
@@ -89,6 +91,10 @@ def _portable(info: ModelInfo) -> tuple:
 
 def _init_worker(portable: tuple) -> None:
     from tokenizers import Tokenizer as HFTokenizer
+
+    from baton.launcher import die_with_parent
+
+    die_with_parent()  # a router that is killed (or exits without closing us) takes us along
 
     global _worker_info
     (name, max_model_len, stop_ids, max_token_chars, tokenizer_type, backend, bos, eos,
