@@ -222,10 +222,9 @@ class Scheduler {
 
   void finish_prefill_(const SequencePtr &seq, ProcessResult &res);
   int book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res);
-  int book_plain_(Sequence &seq, int32_t token, ProcessResult &res);
-  int book_plain_rows_(const SchedulerOutputs &out, const int32_t *tokens, int32_t *num_accepted, int hi);
+  void finish_(Sequence &seq, ProcessResult &res);
   void book_row_(SchedulerOutputs &out, int i, const int32_t *tokens, int width, ProcessResult &res,
-                 std::vector<SequencePtr> &chunks, bool &keep_clean);
+                 std::vector<SequencePtr> &chunks);
   void append_token_(Sequence &seq, int32_t token, ProcessResult &res);
   void check_stop_(Sequence &seq) const;
 
