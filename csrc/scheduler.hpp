@@ -127,6 +127,7 @@ class Scheduler {
   }
 
   void check_invariants() const;
+  // S13: the three queues.
   std::deque<SequencePtr> waiting;
   std::vector<SequencePtr> running;
   std::deque<std::tuple<SequencePtr, bool>> prompted;
@@ -161,6 +162,7 @@ class Scheduler {
     return p;
   }
 
+  // S37: one rank (no callback) votes with itself.
   int all_reduce_min_or_self_(int value) { return all_reduce_min_ ? all_reduce_min_(value) : value; }
 
   bool has_prefill_waiting_() const { return !waiting.empty() && waiting.front()->schedule.schedulable; }
