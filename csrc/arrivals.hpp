@@ -73,8 +73,7 @@ inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::stri
   child->schedule.total_inflight_tokens = 0;
   child->schedule.last_inflight_tokens = 0;
   // Only the blocks that hold KV are shared; the rest are the child's own business.
-  int bs = cfg_.block_size;
-  int num_kv_blocks = (parent->cache.num_tokens + bs - 1) / bs;
+  int num_kv_blocks = num_blocks_for(parent->cache.num_tokens, cfg_.block_size);
   child->cache.block_table.assign(parent->cache.block_table.begin(),
                                   parent->cache.block_table.begin() + num_kv_blocks);
   child->cache.table_version += 1;
@@ -106,8 +105,7 @@ inline std::pair<AllocStatus, std::vector<int32_t>> Scheduler::allocate_prompted
   auto seq = make_sequence_(request_id, std::move(prompt), max_tokens, opts);
   int prompt_len = seq->data.prompt_len;
   if (prompt_len + 1 > cfg_.max_model_len) return {AllocStatus::NEVER, {}};
-  int bs = cfg_.block_size;
-  int n = (prompt_len + bs - 1) / bs;  // the blocks the prompt KV lands in
+  int n = num_blocks_for(prompt_len, cfg_.block_size);  // the blocks the prompt KV lands in
   AllocStatus st = can_allocate_with_state_(n);
   if (st != AllocStatus::OK) return {st, {}};
   seq->arrival_time = now_seconds();

@@ -40,16 +40,13 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
     const SequencePtr &seq = run[r - 1];
     if (r - l > kPrefetchAhead) prefetch_hot_lines(run[r - 1 - kPrefetchAhead].get());
     Sequence &sq = *seq;
-    const bool speculative = cfg_.num_speculative_tokens > 0;
-    if (speculative && __builtin_expect(!sq.draft.draft_tokens.empty(), 0)) trim_drafts_(sq);
+    trim_drafts_(sq);
     // The article asks for one free block before every sequence. Baton asks for
     // the blocks this sequence really needs (often 0): with a full pool the
     // literal rule preempts a lone sequence that needs nothing, a livelock
     // under recompute.
-    const int nextn = speculative ? sq.draft.get_nextn_len() : 0;
-    const int num_tokens = sq.get_len() + sq.schedule.total_inflight_tokens + nextn;
-    const int num_blocks = rows.bs_shift >= 0 ? (num_tokens + rows.block_size - 1) >> rows.bs_shift
-                                              : (num_tokens + rows.block_size - 1) / rows.block_size;
+    const int nextn = sq.draft.get_nextn_len();
+    const int num_blocks = sq.get_num_blocks();
     const int need = num_blocks - static_cast<int>(sq.cache.block_table.size());
     if (__builtin_expect(need != 0, 0)) {
       if (need > 0) {

@@ -137,23 +137,17 @@ __attribute__((always_inline)) inline void Scheduler::emit_decode_row_(DecodeRow
   rows.seq_ids[i] = sq.seq_id;
   rows.seqlens_k[i] = pos + q;
   if (__builtin_expect(t + q > rows.token_capacity, 0)) grow_decode_tokens_(rows, t + q);
-  auto slot_of = [&](int p) -> int64_t {
-    if (rows.bs_shift >= 0) {
-      return (static_cast<int64_t>(table[p >> rows.bs_shift]) << rows.bs_shift) | (p & (rows.block_size - 1));
-    }
-    return static_cast<int64_t>(table[p / rows.block_size]) * rows.block_size + p % rows.block_size;
-  };
   const auto &tok = sq.data.token_ids;
   rows.input_ids[t] = pos < static_cast<int>(tok.size()) ? tok[pos] : -1;
   rows.positions[t] = pos;
-  rows.slots[t] = slot_of(pos);
+  rows.slots[t] = slot_of_(table, pos);
   sq.schedule.start_inflight_step(q);
   sq.inflight_steps += 1;
   if (__builtin_expect(q > 1, 0)) {
     for (int j = 1; j < q; ++j) {
       rows.input_ids[t + j] = sq.draft.draft_tokens[j - 1];
       rows.positions[t + j] = pos + j;
-      rows.slots[t + j] = slot_of(pos + j);
+      rows.slots[t + j] = slot_of_(table, pos + j);
     }
     sq.draft.num_drafted += q - 1;
     sq.draft.draft_tokens.clear();  // consumed: now counted as tokens in flight
@@ -182,11 +176,8 @@ __attribute__((always_inline)) inline void Scheduler::emit_decode_row_(DecodeRow
   rows.t = t + q;
 }
 
-// seqlens_q and seqlens_k of n one-token rows from their positions; O3
-// vectorizes it (the arrays never overlap).
-__attribute__((optimize("O3"))) inline void plain_row_lengths(int32_t *__restrict seqlens_q,
-                                                               int32_t *__restrict seqlens_k,
-                                                               const int32_t *__restrict positions, size_t n) {
+// seqlens_q and seqlens_k of n one-token rows from their positions.
+inline void plain_row_lengths(int32_t *seqlens_q, int32_t *seqlens_k, const int32_t *positions, size_t n) {
   for (size_t j = 0; j < n; ++j) {
     seqlens_q[j] = 1;
     seqlens_k[j] = positions[j] + 1;
@@ -203,14 +194,9 @@ __attribute__((noinline)) inline size_t Scheduler::emit_plain_rows_(DecodeRows &
   const size_t limit = std::min({r - l, static_cast<size_t>(max_rows - i0), static_cast<size_t>(rows.token_capacity - t0)});
   auto &stale = rows.out.stale_rows;
   if (stale.size() < limit) stale.resize(limit);
-  // Without speculation no sequence holds drafts: the draft ledger's line stays
-  // untouched. The usual block size as a constant: shifts by an immediate keep
-  // a register free in the loop (callgrind: 2% fewer instructions a step at
-  // 1024 running).
-  const bool speculative = cfg_.num_speculative_tokens > 0;
-  const size_t n = speculative           ? emit_plain_rows_loop_<true, -1>(rows, run, l, r, limit)
-                   : rows.bs_shift == 4 ? emit_plain_rows_loop_<false, 4>(rows, run, l, r, limit)
-                                        : emit_plain_rows_loop_<false, -1>(rows, run, l, r, limit);
+  // Without speculation no sequence holds drafts: the draft ledger's line stays untouched.
+  const size_t n = cfg_.num_speculative_tokens > 0 ? emit_plain_rows_loop_<true>(rows, run, l, r, limit)
+                                                   : emit_plain_rows_loop_<false>(rows, run, l, r, limit);
   // What the loop left out, over contiguous arrays: the batch's shared pointers
   // (assigning the same sequence again, the usual case, touches no reference
   // count), seqlens_q and seqlens_k, and the table rows that gained a block or
@@ -232,10 +218,10 @@ __attribute__((noinline)) inline size_t Scheduler::emit_plain_rows_(DecodeRows &
 
 // emit_plain_rows_'s loop: only what differs per row is written here, and no
 // call, so what it needs stays in registers. Returns the number of rows.
-template <bool kSpeculative, int kShift>
+template <bool kSpeculative>
 inline size_t Scheduler::emit_plain_rows_loop_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r,
                                                size_t limit) {
-  const int shift = kShift >= 0 ? kShift : rows.bs_shift, stride = rows.stride;
+  const int shift = rows.bs_shift, stride = rows.stride;
   const int i0 = rows.i, t0 = rows.t;
   int *__restrict epochs = rows.epochs + i0;
   int64_t *__restrict seq_ids = rows.seq_ids + i0;
@@ -245,7 +231,6 @@ inline size_t Scheduler::emit_plain_rows_loop_(DecodeRows &rows, const SequenceP
   const SchedulerOutputs::RowCache *row_cache = rows.row_cache + i0;
   int32_t *__restrict stale = rows.out.stale_rows.data();
   int num_stale = 0;
-  const int mask = (1 << shift) - 1;
   int max_blocks = rows.max_blocks;
   size_t j = 0;
   for (; j < limit; ++j) {
@@ -256,7 +241,7 @@ inline size_t Scheduler::emit_plain_rows_loop_(DecodeRows &rows, const SequenceP
     const int len = static_cast<int>(sq.data.token_ids.size());
     const int inflight = sq.schedule.total_inflight_tokens;
     const int num_blocks = static_cast<int>(sq.cache.block_table.size());
-    if (((len + inflight + mask) >> shift) != num_blocks) break;  // S28: needs a block (or gives one back)
+    if (num_blocks_for(len + inflight, rows.block_size) != num_blocks) break;  // needs a block (or gives one back)
     max_blocks = std::max(max_blocks, num_blocks);
     const int pos = sq.cache.num_tokens + inflight;
     epochs[j] = sq.epoch;
@@ -273,10 +258,10 @@ inline size_t Scheduler::emit_plain_rows_loop_(DecodeRows &rows, const SequenceP
     const bool row_whole =
         rc.seq_id == sq.seq_id && rc.table_version == sq.cache.table_version && rc.len == num_blocks;
     if (__builtin_expect(row_whole && (pos >> shift) == num_blocks - 1, 1)) {
-      slots[j] = (static_cast<int64_t>(rc.last_block) << shift) | (pos & mask);
+      slots[j] = slot_in_block_(rc.last_block, pos);
       continue;
     }
-    slots[j] = (static_cast<int64_t>(sq.cache.block_table.data()[pos >> shift]) << shift) | (pos & mask);
+    slots[j] = slot_of_(sq.cache.block_table.data(), pos);
     // Wider than the row: end_decode_rows_ lays the tables out again.
     if (!row_whole && num_blocks <= stride) stale[num_stale++] = static_cast<int32_t>(j);
   }
@@ -317,9 +302,8 @@ inline void Scheduler::end_decode_rows_(DecodeRows &rows) {
 }
 
 // The extremes over a decode step's finished arrays, not in the row loop:
-// fewer live values there, and plain reductions over contiguous ints, which
-// the compiler vectorizes at O3 (S38 needs only the largest k - q, not its row).
-__attribute__((optimize("O3"))) inline void Scheduler::decode_extremes_(SchedulerOutputs &out,
+// fewer live values there (S38 needs only the largest k - q, not its row).
+inline void Scheduler::decode_extremes_(SchedulerOutputs &out,
                                                                          const int32_t *seqlens_q,
                                                                          const int32_t *seqlens_k, int n) {
   int64_t sum_qxk = 0;

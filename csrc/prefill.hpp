@@ -15,6 +15,7 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_prefill_() {
   int64_t sum_k_remain = cfg_.prefill_max_sum_seqlen_k > 0 ? cfg_.prefill_max_sum_seqlen_k
                                                            : std::numeric_limits<int64_t>::max();
   int num_batched = 0;
+  // S17: the longest prompt admitted.
   const int prompt_limit = cfg_.enable_chunked_prefill ? cfg_.max_model_len
                                                        : std::min(cfg_.max_model_len, cfg_.max_num_batched_tokens);
   const int min_chunk = std::max(cfg_.lookahead_tokens, 1);

@@ -127,6 +127,7 @@ class Scheduler {
   }
 
   void check_invariants() const;
+  // S13: the three queues.
   std::deque<SequencePtr> waiting;
   std::vector<SequencePtr> running;
   std::deque<std::tuple<SequencePtr, bool>> prompted;
@@ -161,6 +162,7 @@ class Scheduler {
     return p;
   }
 
+  // S37: one rank (no callback) votes with itself.
   int all_reduce_min_or_self_(int value) { return all_reduce_min_ ? all_reduce_min_(value) : value; }
 
   bool has_prefill_waiting_() const { return !waiting.empty() && waiting.front()->schedule.schedulable; }
@@ -178,15 +180,15 @@ class Scheduler {
   void admit_prefix_hit_(Sequence &seq, int num_reserve_blocks, int to_allocate, SchedulerOutputs &out);
   void clone_state_(Sequence &seq, SchedulerOutputs &out);
 
-  // S5 and the slot of a position, by shifts when block_size is a power of two.
-  int blocks_for_(int num_tokens) const {
+  // The KV slot of a token position: its block's id times the block size plus
+  // its offset in the block (by shifts when block_size is a power of two).
+  int64_t slot_in_block_(int block_id, int pos) const {
     const int bs = cfg_.block_size;
-    return bs_shift_ >= 0 ? (num_tokens + bs - 1) >> bs_shift_ : (num_tokens + bs - 1) / bs;
+    if (bs_shift_ >= 0) return (static_cast<int64_t>(block_id) << bs_shift_) | (pos & (bs - 1));
+    return static_cast<int64_t>(block_id) * bs + pos % bs;
   }
   int64_t slot_of_(const int *table, int pos) const {
-    const int bs = cfg_.block_size;
-    if (bs_shift_ >= 0) return (static_cast<int64_t>(table[pos >> bs_shift_]) << bs_shift_) | (pos & (bs - 1));
-    return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs;
+    return slot_in_block_(table[bs_shift_ >= 0 ? pos >> bs_shift_ : pos / cfg_.block_size], pos);
   }
 
   // ---- _schedule_decode (S26-S28) ---------------------------------------------
@@ -211,7 +213,7 @@ class Scheduler {
   DecodeRows begin_decode_rows_(SchedulerOutputs &out, int max_rows);
   void emit_decode_row_(DecodeRows &rows, const SequencePtr &seq, int q);
   size_t emit_plain_rows_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r, int max_rows);
-  template <bool kSpeculative, int kShift>
+  template <bool kSpeculative>
   size_t emit_plain_rows_loop_(DecodeRows &rows, const SequencePtr *run, size_t l, size_t r, size_t limit);
   void grow_decode_tokens_(DecodeRows &rows, int num_tokens);
   void end_decode_rows_(DecodeRows &rows);
@@ -222,10 +224,9 @@ class Scheduler {
 
   void finish_prefill_(const SequencePtr &seq, ProcessResult &res);
   int book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res);
-  int book_plain_(Sequence &seq, int32_t token, ProcessResult &res);
-  int book_plain_rows_(const SchedulerOutputs &out, const int32_t *tokens, int32_t *num_accepted, int hi);
+  void finish_(Sequence &seq, ProcessResult &res);
   void book_row_(SchedulerOutputs &out, int i, const int32_t *tokens, int width, ProcessResult &res,
-                 std::vector<SequencePtr> &chunks, bool &keep_clean);
+                 std::vector<SequencePtr> &chunks);
   void append_token_(Sequence &seq, int32_t token, ProcessResult &res);
   void check_stop_(Sequence &seq) const;
 

@@ -85,6 +85,9 @@ struct SequenceData {
   }
 };
 
+// The blocks that hold num_tokens tokens: ceil(num_tokens / block_size).
+inline int num_blocks_for(int num_tokens, int block_size) { return (num_tokens + block_size - 1) / block_size; }
+
 struct KvCacheState {
   // Cold head, hot tail: Sequence ends its cold first line with this struct's head.
   int hit_tokens{0};
@@ -227,15 +230,12 @@ struct alignas(64) Sequence {
   int get_len() const { return data.get_len(); }
   int get_output_len() const { return data.get_output_len(); }
 
-  // S5: ceil((L + I + D) / P).
+  // S5: ceil((L + I + D) / P), and the block-table capacity reserved on
+  // arrival, one spare for drafts and alignment.
   int get_num_blocks() const {
-    int n = data.get_len() + schedule.total_inflight_tokens + draft.get_nextn_len();
-    return (n + cache.block_size - 1) / cache.block_size;
+    return num_blocks_for(data.get_len() + schedule.total_inflight_tokens + draft.get_nextn_len(), cache.block_size);
   }
-  // S5: capacity reserved on arrival, one spare for drafts and alignment.
-  int block_table_capacity() const {
-    return (data.get_prompt_len() + max_tokens + cache.block_size - 1) / cache.block_size + 1;
-  }
+  int block_table_capacity() const { return num_blocks_for(data.get_prompt_len() + max_tokens, cache.block_size) + 1; }
 
   const char *finish_reason() const {
     return finish_reason_override ? finish_reason_override : finish_reason_of(schedule.status);
@@ -268,19 +268,13 @@ using SequencePtr = std::shared_ptr<Sequence>;
 
 // The per-sequence passes walk sequences scattered over the heap: above a few
 // hundred running sequences each one is a cache miss the core waits for. These
-// ask for a sequence a few iterations ahead of its use, in two stages, since
-// the token array's address sits in the sequence's own hot lines.
+// ask for a sequence a few iterations ahead of its use.
 constexpr int kPrefetchAhead = 8;  // iterations; measured with bench/scheduler_bench.py
 
 inline void prefetch_hot_lines(const Sequence *seq) {
   const char *p = reinterpret_cast<const char *>(seq);
   __builtin_prefetch(p + 64, 1);
   __builtin_prefetch(p + 128, 1);
-}
-inline void prefetch_token_tail(const Sequence *seq) {
-  const auto &ids = seq->data.token_ids;
-  __builtin_prefetch(ids.data() + ids.size(), 1);  // the next token's slot; the last token is in its line or the one before
-  __builtin_prefetch(ids.data() + ids.size() - 1, 0);
 }
 
 }  // namespace baton

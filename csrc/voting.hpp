@@ -34,6 +34,7 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_() {
   bool is_any_point = decode_step_ != 0 && decode_step_ % cfg_.prefill_any_attempt_interval == 0;
   bool is_all_point = decode_step_ % cfg_.prefill_attempt_interval == 0;
   if (!is_any_point && !is_all_point) return schedule_decode_();
+  // S34: vote 1.
   bool want = get_gpu_cache_usage() <= cfg_.watermark && has_prefill_waiting_();
   bool do_prefill = is_any_point ? all_reduce_min_or_self_(want ? 0 : 1) == 0
                                  : all_reduce_min_or_self_(want ? 1 : 0) == 1;

@@ -21,12 +21,15 @@ def _prefilled(n: int, prompt_len: int = 16, **overrides):
 def test_s26_lcfs_order_and_preemption_from_the_head() -> None:
     # 3 x 16-token prompts: one block each, 4 usable blocks
     sched = _prefilled(3, num_blocks=5, stop_preempted_request=True)
-    sched.set_draft_tokens  # noqa: B018 - drafts are off here
+    with pytest.raises(ValueError, match="exceed num_speculative_tokens=0"):
+        sched.set_draft_tokens("r0", [5])  # drafts are off here
+    assert sched.num_free_blocks() == 1
     out, _ = step(sched)  # 17 tokens: each needs a second block; 1 free
-    assert out.finished[0][1] == "insufficient_system_resource"
-    # youngest first from the tail; oldest (r0, first in stable order) preempted
-    assert out.finished == [("r0", "insufficient_system_resource"), ("r1", "insufficient_system_resource")] \
-        or out.request_ids == ["r2", "r1"]
+    # youngest first from the tail: r2 takes the free block, r1 gets the block of
+    # the oldest, r0, preempted from the head
+    assert out.finished == [("r0", "insufficient_system_resource")]
+    assert out.request_ids == ["r2", "r1"]
+    assert sched.running_ids() == ["r1", "r2"]
     drain(sched)
 
 
@@ -183,7 +186,6 @@ def test_s31_drafts_and_stop_checks() -> None:
 
 def test_s31_eos_among_accepted_drafts_stops_there() -> None:
     sched = _prefilled(1, num_speculative_tokens=3)
-    sched.add_sequence  # noqa: B018
     sched.set_draft_tokens("r0", [20, 21, 22])
     out = sched.schedule()
     res = sched.process_outputs(out, np.array([[9, 20, 21, 22]], dtype=np.int32))

@@ -134,9 +134,10 @@ def test_s21_chunk_checkpoints() -> None:
     for _ in range(3):
         out, _ = step(sched)
         qs.append(list(out.seqlens_q))
-    assert qs == [[5], [35], [30]]  # 5, 40, 70, then the rest ... cut at each checkpoint
-    out, _ = step(sched)
-    assert list(out.seqlens_q) == [30] or qs[-1] == [30]
+    assert qs == [[5], [35], [30]]  # cut at each checkpoint: 5, 40, 70
+    out, res = step(sched)
+    assert out.prompt_run and list(out.seqlens_q) == [30]  # then the rest
+    assert res.finished == [("a", "length")]
     drain(sched)
 
 

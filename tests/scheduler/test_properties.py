@@ -16,18 +16,21 @@ OPS = ["add", "step", "schedule", "book", "abort", "fork", "drafts", "release", 
 trace = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10_000)), max_size=40)
 
 
-def _run(mode: EngineType, ops, stop_preempted: bool, state_slots: int) -> None:
+def _run(mode: EngineType, ops, stop_preempted: bool, state_slots: int, production: bool) -> None:
+    """production: block size 16 and no speculation, as the engines run; otherwise block size 4
+    with two drafts, so that a short trace crosses many block boundaries and verifies drafts."""
     sched = create_scheduler(
-        engine_type=mode, num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
-        max_model_len=64, stop_preempted_request=stop_preempted or mode == EngineType.COMPLETION,
-        num_state_slots=state_slots, num_speculative_tokens=2, prefill_attempt_interval=2,
-        prefill_any_attempt_interval=3)
+        engine_type=mode, num_blocks=24, block_size=16 if production else 4, max_num_seqs=4,
+        max_num_batched_tokens=24, max_model_len=64,
+        stop_preempted_request=stop_preempted or mode == EngineType.COMPLETION,
+        num_state_slots=state_slots, num_speculative_tokens=0 if production else 2,
+        prefill_attempt_interval=2, prefill_any_attempt_interval=3)
     pending = []  # at most one step in flight besides the one being booked
     handed, allocated = [], []
     n = 0
 
     def book(out, seed):
-        width = 1 + (seed % 3)
+        width = 1 if production else 1 + (seed % 3)
         rows = np.full((len(out), width), 7 + seed % 5, dtype=np.int32)
         if width > 1:
             rows[:, 1:] = np.where((np.arange(width - 1) + seed) % 2 == 0, 8, -1)
@@ -60,7 +63,7 @@ def _run(mode: EngineType, ops, stop_preempted: bool, state_slots: int) -> None:
                 n += 1
             except ValueError:
                 pass  # finished, or a step in flight
-        elif op == "drafts" and pick:
+        elif op == "drafts" and pick and not production:
             sched.set_draft_tokens(pick, [8, 8][: seed % 3])
         elif op == "release" and handed:
             sched.release_handed_off(handed.pop(seed % len(handed)))
@@ -83,18 +86,19 @@ def _run(mode: EngineType, ops, stop_preempted: bool, state_slots: int) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=trace, stop_preempted=st.booleans(), state_slots=st.sampled_from([0, 3]))
-def test_s9_s13_normal_traces(ops, stop_preempted, state_slots) -> None:
-    _run(EngineType.NORMAL, ops, stop_preempted, state_slots)
+@given(ops=trace, stop_preempted=st.booleans(), state_slots=st.sampled_from([0, 3]),
+       production=st.booleans())
+def test_s9_s13_normal_traces(ops, stop_preempted, state_slots, production) -> None:
+    _run(EngineType.NORMAL, ops, stop_preempted, state_slots, production)
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=trace, state_slots=st.sampled_from([0, 3]))
-def test_s9_s13_prompt_traces(ops, state_slots) -> None:
-    _run(EngineType.PROMPT, ops, False, state_slots)
+@given(ops=trace, state_slots=st.sampled_from([0, 3]), production=st.booleans())
+def test_s9_s13_prompt_traces(ops, state_slots, production) -> None:
+    _run(EngineType.PROMPT, ops, False, state_slots, production)
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=trace, state_slots=st.sampled_from([0, 3]))
-def test_s9_s13_completion_traces(ops, state_slots) -> None:
-    _run(EngineType.COMPLETION, ops, True, state_slots)
+@given(ops=trace, state_slots=st.sampled_from([0, 3]), production=st.booleans())
+def test_s9_s13_completion_traces(ops, state_slots, production) -> None:
+    _run(EngineType.COMPLETION, ops, True, state_slots, production)
