@@ -62,14 +62,17 @@ class KVImporter:
         logger.info("KV importer %s: %d blocks x %d bytes, %s", engine_id,
                     self.spec.num_blocks, self.spec.block_bytes, fingerprint.describe())
 
-    def start_pull(self, handle: proto.KVHandle, local_block_ids: list[int]) -> None:
-        """Begin pulling handle's blocks into local_block_ids; never blocks. A bad handle
-        becomes a FAILED result; bad local ids or a duplicate request id raise ValueError."""
+    def start_pull(self, handle: proto.KVHandle, local_block_ids: list[int],
+                   first_block: int = 0) -> None:
+        """Begin pulling handle's blocks from `first_block` on into local_block_ids (the ones
+        before it are already here: a prefix-cache hit; the lease is claimed whole and released
+        all the same); never blocks. A bad handle becomes a FAILED result; bad local ids or a
+        duplicate request id raise ValueError."""
         try:
             local = check_block_ids(local_block_ids, self.spec.num_blocks, "local block ids")
         except BadHandleError as exc:
             raise ValueError(str(exc)) from None
-        self._pulls.add(Pull(handle, local, time.monotonic()))
+        self._pulls.add(Pull(handle, local, time.monotonic(), first_block=first_block))
 
     def abort(self, request_id: str) -> None:
         """Stop a pull; its result (FAILED aborted, or DONE if it won the race) still comes,

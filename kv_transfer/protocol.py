@@ -52,6 +52,9 @@ class KVHandle(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    # Prefix-cache keys of the prompt's full blocks (a hash chain over their tokens, seeded
+    # with the model fingerprint): a completion engine holding some of them pulls only the rest.
+    block_keys: list[int] = []
 
 
 class Handshake(msgspec.Struct, tag="hs", array_like=True, omit_defaults=True):

@@ -99,9 +99,11 @@ class PullLoop:
         h = pull.handle
         try:
             check_address(h.side_channel)
-            if len(h.block_ids) != len(pull.local_ids):
+            if not 0 <= pull.first_block < len(h.block_ids) or \
+                    len(h.block_ids) - pull.first_block != len(pull.local_ids):
                 raise BadHandleError(f"handle has {len(h.block_ids)} blocks, "
-                                     f"{len(pull.local_ids)} local blocks given")
+                                     f"{len(pull.local_ids)} local blocks given from block "
+                                     f"{pull.first_block}")
             if not h.instance_id or len(h.instance_id) > 64:
                 raise BadHandleError(f"bad instance id {h.instance_id!r:.80}")
         except (ValueError, BadHandleError) as exc:
@@ -245,7 +247,8 @@ class PullLoop:
         pull.posted = time.monotonic()
         try:
             xfer, pull.num_descs, state = self.agent.post(
-                "READ", peer.agent_name, peer.spec, pull.local_ids, list(h.block_ids), note)
+                "READ", peer.agent_name, peer.spec, pull.local_ids,
+                list(h.block_ids[pull.first_block:]), note)
         except PeerGoneError as exc:
             self._finish(pull, FailReason.PEER_GONE, str(exc))
             self._peer_failed(peer, FailReason.PEER_GONE, str(exc))

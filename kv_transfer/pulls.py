@@ -39,8 +39,9 @@ class TransferResult(msgspec.Struct, omit_defaults=True):
 @dataclasses.dataclass
 class Pull:
     handle: proto.KVHandle
-    local_ids: list[int]
+    local_ids: list[int]  # where handle.block_ids[first_block:] land
     started: float
+    first_block: int = 0  # the handle's blocks before this are already here (prefix cache)
     state: TransferState = TransferState.PENDING
     peer: Peer | None = None
     seq: int = -1  # claim in flight when >= 0

@@ -34,6 +34,42 @@ def test_pull_is_byte_exact(peer, importer, local_pool, blocks):
     assert_whole(peer, importer, local_pool)
 
 
+def test_pull_from_a_block_on_reads_only_the_rest(peer, importer, local_pool):
+    """A prefix-cache hit of the first blocks: the lease is claimed and released whole, only
+    the blocks after the hit are read."""
+    import numpy as np
+    from kv_peer import pattern
+
+    handle = peer.hold("partial", [9, 4, 21, 22, 30], seed=11)
+    ids = local_pool.allocate(3)
+    try:
+        importer.start_pull(handle, ids, first_block=2)
+        results = []
+        assert wait_until(lambda: results.extend(importer.collect()) or results, 10)
+        result = results[0]
+        assert result.state == TransferState.DONE, result
+        assert result.num_bytes == 3 * local_pool.data.shape[1]
+        for j, b in enumerate(ids):
+            assert np.array_equal(local_pool.data[b], pattern(11, 2 + j, local_pool.data.shape[1]))
+    finally:
+        local_pool.release(ids)
+    assert_whole(peer, importer, local_pool)  # the lease ended: every peer block is back
+
+
+def test_pull_from_a_block_past_the_handle_is_refused(peer, importer, local_pool):
+    handle = peer.hold("partial-bad", [5, 6], seed=2)
+    ids = local_pool.allocate(1)
+    try:
+        importer.start_pull(handle, ids, first_block=2)
+        results = []
+        assert wait_until(lambda: results.extend(importer.collect()) or results, 10)
+        assert results[0].reason == "bad_handle", results[0]
+    finally:
+        local_pool.release(ids)
+    peer.call("abort", "partial-bad")
+    assert_whole(peer, importer, local_pool)
+
+
 def test_consecutive_blocks_merge_into_one_descriptor(peer, importer, local_pool):
     local_pool.free.sort()
     handle = peer.hold("merge", list(range(10, 30)), seed=3)
