@@ -19,9 +19,11 @@ Outputs are token ids; text is the router's business (and `generate`'s, offline)
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -62,6 +64,10 @@ class EngineConfig:
     prefill_attempt_interval: int = 1
     prefill_any_attempt_interval: int = 1
     watermark: float = 0.9  # prefill only at or below this cache usage
+    # Automatic prefix caching (SCHEDULER_SPEC P1-P8): full blocks keyed by a hash chain over
+    # their tokens; a prompt's cached run is not computed again (nor pulled, on a completion
+    # engine); freed keyed blocks stay cached until the pool needs them.
+    enable_prefix_caching: bool = True
     num_threads: int = 2  # torch intra-op threads; 0 = leave torch's default (all cores)
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
@@ -96,6 +102,8 @@ class RequestOutput:
     # engine to pull (released later with `release_handed_off`).
     handed_off_block_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    # On the request's first output: prompt tokens this engine took from its prefix cache.
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -108,6 +116,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[float] | None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 @dataclass
@@ -120,6 +129,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     seq_id: int = -1  # the scheduler's stable integer id
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +164,9 @@ class LLMEngine:
             # request finishes with insufficient_system_resource instead.
             stop_preempted_request=config.engine_type == "completion", watermark=config.watermark,
             prefill_attempt_interval=config.prefill_attempt_interval,
-            prefill_any_attempt_interval=config.prefill_any_attempt_interval),
+            prefill_any_attempt_interval=config.prefill_any_attempt_interval,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_cache_seed=self.prefix_cache_seed),
             all_reduce_min=all_reduce_min)
         self.max_model_len = max_len
         self._requests: dict[str, _Request] = {}
@@ -178,6 +190,18 @@ class LLMEngine:
         return cls(EngineConfig(**kwargs))
 
     @property
+    def model_fingerprint(self) -> str:
+        """Model and KV layout identity: published in the registry, and the seed of the
+        prefix-cache key chain, so two engines agree on a block's key only when they would
+        agree on its bytes."""
+        return f"{Path(self.model_path).name}/{self.runner.kv_spec.fingerprint()}"
+
+    @property
+    def prefix_cache_seed(self) -> int:
+        digest = hashlib.blake2b(self.model_fingerprint.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    @property
     def kv_cache(self) -> torch.Tensor:
         """The paged KV pool (what the KV exporter / importer register with NIXL)."""
         return self.runner.kv_cache
@@ -192,6 +216,11 @@ class LLMEngine:
 
     def num_total_blocks(self) -> int:
         return self.scheduler.num_total_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached-free block (vLLM's reset_prefix_cache); False, and nothing
+        done, while a KV pull into an allocated block could still be pending."""
+        return bool(self.scheduler.reset_prefix_cache())
 
     def has_unfinished(self) -> bool:
         """Work for `step()`: final outputs to send, or sequences in the scheduler's queues
@@ -293,6 +322,7 @@ class LLMEngine:
         reqs = [self._by_seq[int(s)] for s in seq_ids]
         seqlens_q, seqlens_k = np.asarray(sched_out.seqlens_q), np.asarray(sched_out.seqlens_k)
         if sched_out.prompt_run:
+            self._note_cache_hits(reqs)
             self.num_prompt_tokens += int(seqlens_q.sum())
             self.num_recomputed += sum(1 for r, q in zip(reqs, seqlens_q, strict=True)
                                        if r.token_ids and q > 1)
@@ -310,6 +340,13 @@ class LLMEngine:
         self._hand_off(outputs, result.handed_off)
         self._book_finished(outputs, dict(result.finished))
         return outputs
+
+    def _note_cache_hits(self, reqs: list[_Request]) -> None:
+        """A request's first prompt step: what its admission took from the prefix cache."""
+        for req in reqs:
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = int(
+                    self.scheduler.num_cached_prompt_tokens(req.request_id))
 
     def _hand_off(self, outputs: list[RequestOutput], handed_off) -> None:
         """PROMPT mode: prompts that left the scheduler with their blocks leave the engine too;
@@ -337,7 +374,10 @@ class LLMEngine:
         req.token_ids.append(token)
         if req.params.logprobs:
             req.logprobs.append(logprob)
-        return RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None)
+        out = RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None)
+        if len(req.token_ids) == 1:
+            out.num_cached_tokens = req.num_cached_tokens or 0
+        return out
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
@@ -355,5 +395,6 @@ class LLMEngine:
             self.step()
         return [CompletionOutput(rid, r.prompt_token_ids, list(r.token_ids),
                                  self.tokenizer.decode(r.token_ids), r.finish_reason,
-                                 list(r.logprobs) if r.params.logprobs else None)
+                                 list(r.logprobs) if r.params.logprobs else None,
+                                 r.num_cached_tokens or 0)
                 for rid, r in reqs.items()]

@@ -46,6 +46,9 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--max-num-seqs", type=int, default=64)
     m.add_argument("--max-num-batched-tokens", type=int, default=1024)
     m.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")
+    m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV blocks of cached prompt prefixes "
+                   "(on by default; --no-enable-prefix-caching turns it off)")
     if role in ("normal", "prompt"):
         m.add_argument("--data-parallel-size", type=int, default=1,
                        help="ranks, one scheduler each, voting on the step type over gloo")
@@ -82,6 +85,8 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("probe", help="exit 0 when the engine at ADDRESS answers and is healthy")
     p.add_argument("--address", required=True, help="e.g. tcp://127.0.0.1:7000")
     p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--json", action="store_true",
+                   help="print the engine's stats as one JSON object (counters flattened)")
     p.set_defaults(func=run_probe)
 
 
@@ -92,6 +97,14 @@ def run_probe(args: argparse.Namespace) -> int:
     if stats is None:
         print(f"no answer from {args.address} within {args.timeout}s", file=sys.stderr)
         return 1
+    if args.json:
+        import json
+
+        import msgspec
+
+        fields = msgspec.structs.asdict(stats)
+        print(json.dumps({**{k: v for k, v in fields.items() if k != "extra"}, **stats.extra}))
+        return 0 if stats.healthy and not stats.draining else 1
     print(f"{stats.role} {stats.engine_id}: free {stats.num_free_blocks}/{stats.num_total_blocks}"
           f" blocks, running {stats.num_running}, waiting {stats.num_waiting}")
     return 0 if stats.healthy and not stats.draining else 1

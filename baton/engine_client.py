@@ -15,9 +15,11 @@ import zmq
 
 from baton.protocol import (
     AbortRequest,
+    ControlReply,
     EngineOutputs,
     EngineStats,
     GenerateRequest,
+    ResetPrefixCache,
     SamplingOptions,
     StatsRequest,
     TokenDelta,
@@ -37,7 +39,8 @@ class EngineClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
-        self._inbox: collections.deque[TokenDelta | EngineStats] = collections.deque()
+        self._inbox: collections.deque[TokenDelta | EngineStats | ControlReply] = \
+            collections.deque()
 
     def close(self) -> None:
         self.sock.close(0)
@@ -51,7 +54,7 @@ class EngineClient:
     def send(self, msg: GenerateRequest | AbortRequest | StatsRequest) -> None:
         self.sock.send(encode(msg))
 
-    def recv(self, timeout_s: float) -> TokenDelta | EngineStats:
+    def recv(self, timeout_s: float) -> TokenDelta | EngineStats | ControlReply:
         """The next delta (an engine's `EngineOutputs` are taken apart) or stats reply."""
         while not self._inbox:
             if not self.sock.poll(int(timeout_s * 1000), zmq.POLLIN):
@@ -67,6 +70,15 @@ class EngineClient:
         while True:
             msg = self.recv(max(0.0, deadline - time.monotonic()))
             if isinstance(msg, EngineStats) and msg.nonce == nonce:
+                return msg
+
+    def reset_prefix_cache(self, timeout_s: float = 5.0) -> ControlReply:
+        nonce = uuid.uuid4().int & 0x7FFFFFFF
+        self.send(ResetPrefixCache(nonce))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self.recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, ControlReply) and msg.nonce == nonce:
                 return msg
 
     def stream(self, req: GenerateRequest, timeout_s: float = 60.0) -> Iterator[TokenDelta]:
@@ -92,6 +104,7 @@ class EngineClient:
             merged.finish_reason, merged.error = delta.finish_reason, delta.error
             merged.kv_handle = delta.kv_handle or merged.kv_handle
             merged.num_prompt_tokens = delta.num_prompt_tokens or merged.num_prompt_tokens
+            merged.num_cached_tokens = delta.num_cached_tokens or merged.num_cached_tokens
         return merged
 
 

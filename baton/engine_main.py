@@ -32,6 +32,7 @@ def engine_config(args: argparse.Namespace, role: str):
         block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
         # Standalone, assume one other engine shares the host (the launcher passes the share).
         num_threads=args.num_threads or engine_threads(2), engine_type=role)
 

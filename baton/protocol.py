@@ -3,8 +3,8 @@
 The router holds a ZMQ DEALER per engine; every engine (NORMAL, PROMPT, COMPLETION) binds a
 ROUTER socket and speaks these messages, msgpack-encoded with msgspec. New fields go at the end.
 
-    router -> engine   GenerateRequest | AbortRequest | StatsRequest
-    engine -> router   EngineOutputs   | EngineStats
+    router -> engine   GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
+    engine -> router   EngineOutputs   | EngineStats  | ControlReply
 
 An engine sends one `EngineOutputs` per step per router connection, carrying a `TokenDelta` for
 every request of that router the step touched (vLLM's `EngineCoreOutputs`): at batch 64 one
@@ -59,6 +59,21 @@ class StatsRequest(msgspec.Struct, tag="stats?", array_like=True, omit_defaults=
     nonce: int = 0
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True,
+                       omit_defaults=True):
+    """Forget every cached-free KV block (vLLM's `/reset_prefix_cache`)."""
+
+    nonce: int = 0
+
+
+class ControlReply(msgspec.Struct, tag="control", array_like=True, omit_defaults=True):
+    """The answer to a control request (`ResetPrefixCache`), matched by nonce."""
+
+    nonce: int
+    ok: bool
+    message: str = ""
+
+
 class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=True):
     """New tokens of one request; the last delta of a request carries its finish reason.
 
@@ -73,6 +88,9 @@ class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=Tru
     kv_handle: bytes = b""
     error: str = ""  # a human-readable reason when finish_reason is an error
     num_prompt_tokens: int = 0
+    # On a request's first token: prompt tokens the engine took from its prefix cache instead
+    # of computing them (the client's usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):
@@ -98,8 +116,8 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
     extra: dict[str, float] = {}
 
 
-RouterToEngine = GenerateRequest | AbortRequest | StatsRequest
-EngineToRouter = EngineOutputs | EngineStats
+RouterToEngine = GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
+EngineToRouter = EngineOutputs | EngineStats | ControlReply
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(RouterToEngine)

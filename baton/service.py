@@ -30,10 +30,12 @@ from baton.dp import DPGroup
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequest,
+    ControlReply,
     EngineOutputs,
     EngineStats,
     GenerateRequest,
     ProtocolError,
+    ResetPrefixCache,
     StatsRequest,
     TokenDelta,
     decode_to_engine,
@@ -57,6 +59,7 @@ class RoleWorker(Protocol):
     def has_pending(self) -> bool: ...  # waiting on others (KV pulls); the loop polls briefly
     def fill_stats(self, stats: EngineStats) -> None: ...
     def fill_record(self, record: EngineRecord) -> None: ...
+    def reset_prefix_cache(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -213,6 +216,10 @@ class EngineService:
             self._send_all(self.worker.abort_request(msg.req_id), fallback=identity)
         elif isinstance(msg, StatsRequest):
             self._send(identity, self.stats(msg.nonce))
+        elif isinstance(msg, ResetPrefixCache):
+            ok = self.worker.reset_prefix_cache()
+            self._send(identity, ControlReply(msg.nonce, ok, "" if ok else
+                                              "KV pulls into cached blocks are in flight; retry"))
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         if self._stop.is_set():
@@ -245,7 +252,7 @@ class EngineService:
         for identity, batch in batches.items():
             self._send(identity, EngineOutputs(batch))
 
-    def _send(self, identity: bytes, msg: EngineOutputs | EngineStats) -> None:
+    def _send(self, identity: bytes, msg: EngineOutputs | EngineStats | ControlReply) -> None:
         try:
             self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError) as exc:

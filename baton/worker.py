@@ -38,7 +38,8 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
 def to_delta(out: RequestOutput) -> TokenDelta:
     return TokenDelta(out.request_id, list(out.new_token_ids), list(out.new_logprobs or []),
                       (out.finish_reason or "") if out.finished else "",
-                      num_prompt_tokens=out.num_prompt_tokens)
+                      num_prompt_tokens=out.num_prompt_tokens,
+                      num_cached_tokens=out.num_cached_tokens)
 
 
 def error_delta(req_id: str, message: str, reason: str = "error") -> TokenDelta:
@@ -57,7 +58,7 @@ class EngineWorker:
     @property
     def model_fingerprint(self) -> str:
         """Model and KV layout identity, published in the registry."""
-        return f"{Path(self.engine.model_path).name}/{self.engine.kv_spec.fingerprint()}"
+        return self.engine.model_fingerprint
 
     def kv_fingerprint(self) -> Fingerprint:
         """What two engines must share to exchange KV blocks byte for byte (kv_transfer)."""
@@ -102,6 +103,11 @@ class EngineWorker:
         stats.extra["num_prompt_steps"] = float(engine.num_prompt_steps)
         stats.extra["num_empty_prompt_steps"] = float(engine.num_empty_prompt_steps)
         stats.extra["num_decode_steps"] = float(engine.num_decode_steps)
+        stats.extra["num_recomputed"] = float(engine.num_recomputed)
+        cache = sched.prefix_cache_stats()
+        stats.extra["prefix_cache_query_tokens"] = float(cache["query_tokens"])
+        stats.extra["prefix_cache_hit_tokens"] = float(cache["hit_tokens"])
+        stats.extra["num_cached_blocks"] = float(sched.num_cached_blocks())
 
     def fill_record(self, record: EngineRecord) -> None:
         engine, sched = self.engine, self.engine.scheduler
@@ -111,6 +117,9 @@ class EngineWorker:
         record.num_total_blocks = sched.num_total_blocks()
         record.num_running = sched.num_running()
         record.num_waiting = sched.num_waiting()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
 
     def close(self) -> None:
         pass

@@ -3,9 +3,11 @@
 1. `add` queues a checked request (its KV handle decoded) in arrival order.
 2. `admit` (every loop iteration) allocates from the head: the scheduler allocates blocks for
    the whole prompt (`allocate_prompted`: OK, LATER = wait for room, keep the order; NEVER =
-   cannot ever fit, finish with `insufficient_system_resource`), the engine tracks the request
-   (its first token, sampled by the prompt engine, is output 1) and the importer starts pulling
-   into those blocks.
+   cannot ever fit, finish with `insufficient_system_resource`), pinning the longest run of the
+   handle's prefix-cache keys it holds (an earlier turn of the conversation left them here), the
+   engine tracks the request (its first token, sampled by the prompt engine, is output 1) and
+   the importer starts pulling the rest (at least the last block, so the lease is always
+   claimed and released).
 3. The importer's result: DONE -> `commit_prompted` (the sequence joins `prompted`, then
    `running` on the next decode step); FAILED -> `free_prompted`, finish with
    `kv_transfer_failed` and the importer's reason (peer gone, lease expired, timeout...).
@@ -26,7 +28,7 @@ import torch
 from baton.engine import LLMEngine
 from baton.protocol import GenerateRequest, TokenDelta
 from baton.sampler import SamplingParams
-from baton.scheduler import AllocStatus
+from baton.scheduler import AllocStatus, compute_block_keys
 from baton.worker import error_delta
 from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
@@ -45,8 +47,10 @@ class _Admission:
     aborted: bool = False
 
 
-def check_handle(req: GenerateRequest, block_size: int, vocab_size: int) -> kvproto.KVHandle:
-    """The request's KV handle, decoded and checked against its prompt; ValueError if not."""
+def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
+                 key_seed: int | None = None) -> kvproto.KVHandle:
+    """The request's KV handle, decoded and checked against its prompt (with `key_seed`, its
+    prefix-cache keys too); ValueError if not."""
     if not req.kv_handle:
         raise ValueError("a completion engine needs the prompt's KV handle")
     try:
@@ -63,6 +67,10 @@ def check_handle(req: GenerateRequest, block_size: int, vocab_size: int) -> kvpr
                          f"tokens of block size {block_size}")
     if not 0 <= req.first_token_id < vocab_size:
         raise ValueError(f"first token id {req.first_token_id} out of range")
+    if handle.block_keys and key_seed is not None:
+        want = compute_block_keys(req.prompt_token_ids, block_size, key_seed)
+        if [int(k) for k in want] != list(handle.block_keys):
+            raise ValueError("KV handle's block keys disagree with its prompt tokens")
     return handle
 
 
@@ -77,13 +85,17 @@ class Admission:
         self.pulling: dict[str, _Admission] = {}
         self.num_pulls_done = 0
         self.num_pulls_failed = 0
+        self.num_blocks_pulled = 0  # KV blocks read from prompt engines
+        self.num_blocks_reused = 0  # prompt blocks found in this engine's prefix cache
 
     def add(self, req: GenerateRequest, params: SamplingParams) -> None:
         """Queue a request; ValueError (nothing queued) when its prompt or handle does not
         check out."""
         engine = self.engine
         ids = engine.check_prompt(req.req_id, req.prompt_token_ids)
-        handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size)
+        seed = engine.prefix_cache_seed if engine.config.enable_prefix_caching else None
+        handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
+                              seed)
         self.queue.append(_Admission(req, ids, handle, params))
 
     def abort(self, req_id: str) -> list[TokenDelta] | None:
@@ -114,14 +126,19 @@ class Admission:
 
     def _allocate(self, adm: _Admission) -> AllocStatus:
         req, engine, ids = adm.req, self.engine, adm.prompt_token_ids
+        keys = adm.handle.block_keys if engine.config.enable_prefix_caching else ()
         alloc = engine.scheduler.allocate_prompted(
             req.req_id, ids, req.first_token_id, adm.params.max_tokens,
-            **engine.stop_options(adm.params))
+            **engine.stop_options(adm.params), block_keys=keys)
         if alloc.status == AllocStatus.OK:
             engine.track(req.req_id, ids, adm.params, alloc.seq_id,
                          token_ids=[req.first_token_id], logprobs=[req.first_logprob])
             self.pulling[req.req_id] = adm
-            self.importer.start_pull(adm.handle, [int(b) for b in alloc.block_ids])
+            hit = alloc.num_cached_blocks
+            self.num_blocks_reused += hit
+            self.num_blocks_pulled += len(alloc.block_ids) - hit
+            self.importer.start_pull(adm.handle, [int(b) for b in alloc.block_ids[hit:]],
+                                     first_block=hit)
         return alloc.status
 
     def _collect_pulls(self) -> list[TokenDelta]:

@@ -62,6 +62,8 @@ class CompletionWorker(EngineWorker):
         stats.num_waiting += self.admission.num_waiting
         stats.extra["kv_pulls_done"] = float(self.admission.num_pulls_done)
         stats.extra["kv_pulls_failed"] = float(self.admission.num_pulls_failed)
+        stats.extra["kv_blocks_pulled"] = float(self.admission.num_blocks_pulled)
+        stats.extra["kv_blocks_reused"] = float(self.admission.num_blocks_reused)
         for key, value in self.admission.metrics().items():
             if isinstance(value, (int, float)):
                 stats.extra[f"kv_{key}"] = float(value)

@@ -74,8 +74,9 @@ class KVExporter:
     # ---- engine-facing API (any thread) ----
 
     def hold(self, request_id: str, block_ids: list[int], num_tokens: int,
-             ttl_s: float | None = None) -> proto.KVHandle:
-        """Keep block_ids for request_id until claimed+released, expired or aborted."""
+             ttl_s: float | None = None, block_keys: list[int] = ()) -> proto.KVHandle:
+        """Keep block_ids for request_id until claimed+released, expired or aborted.
+        `block_keys` (the prompt's prefix-cache keys) travel in the handle."""
         ttl = self.config.lease_ttl_s if ttl_s is None else ttl_s
         if not ttl > 0:
             raise ValueError(f"ttl_s={ttl_s} must be > 0")
@@ -83,7 +84,7 @@ class KVExporter:
             lease = self._table.hold(request_id, list(block_ids), num_tokens,
                                      time.monotonic() + ttl)
         return proto.KVHandle(self.engine_id, self.address, self.instance_id, request_id,
-                              list(lease.block_ids), num_tokens)
+                              list(lease.block_ids), num_tokens, list(block_keys))
 
     def abort(self, request_id: str) -> bool:
         """Drop the lease; True if its blocks were freed now (False: unknown or claimed,

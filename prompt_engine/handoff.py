@@ -50,9 +50,13 @@ class HandOff:
         with self._lock:
             self._ended.append(request_id)
 
-    def hold(self, request_id: str, block_ids: list[int], num_prompt_tokens: int) -> bytes:
-        """Lease a handed-off prompt's blocks; the encoded KV handle for the router."""
-        handle = self.exporter.hold(request_id, block_ids, num_prompt_tokens)
+    def hold(self, request_id: str, block_ids: list[int], num_prompt_tokens: int,
+             block_keys: list[int]) -> bytes:
+        """Lease a handed-off prompt's blocks; the encoded KV handle for the router, with the
+        prefix-cache keys of the prompt's full blocks (a completion engine that holds some of
+        them pulls only the rest). When the lease ends the blocks enter this engine's cache."""
+        handle = self.exporter.hold(request_id, block_ids, num_prompt_tokens,
+                                    block_keys=block_keys)
         self.num_handed_off += 1
         return kvproto.encode(handle)
 

@@ -8,7 +8,8 @@ A request's life in this process:
 3. Otherwise the scheduler hands the sequence off with its blocks; `HandOff` (handoff.py) holds
    them under a lease keyed by request id and the delta carries the first token and the encoded
    `KVHandle` for the router to pass to a completion engine.
-4. The lease ends (pulled and released, expired, or aborted); `tick()` returns the blocks.
+4. The lease ends (pulled and released, expired, or aborted); `tick()` returns the blocks, which
+   stay in the prefix cache (keyed), so the next turn of the conversation skips their prefill.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ class PromptWorker(EngineWorker):
         for out in self.engine.step():
             delta = to_delta(out)
             if out.handed_off_block_ids is not None:
+                keys = self.engine.scheduler.block_keys(out.request_id) \
+                    if self.engine.config.enable_prefix_caching else ()
                 delta.kv_handle = self.handoff.hold(out.request_id, out.handed_off_block_ids,
-                                                    out.num_prompt_tokens)
+                                                    out.num_prompt_tokens,
+                                                    [int(k) for k in keys])
             deltas.append(delta)
         return deltas
 
