@@ -12,10 +12,12 @@ import re
 import time
 import uuid
 
+import msgspec
 import pytest
 
 from baton.protocol import AbortRequest, GenerateRequest, SamplingOptions, TokenDelta
 from baton.registry import RedisRegistry, RegistryConfig
+from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
 from tests.cluster import EngineProcess, start_all, wait_for, wait_whole
 
@@ -99,6 +101,26 @@ def test_16_concurrent_requests_equal_normal(cluster):
         got = list(pool.map(lambda ids: _disaggregated(cluster, ids), prompts))
         want = list(pool.map(lambda ids: _normal(cluster, ids), prompts))
     assert got == want
+
+
+def test_second_turn_pulls_only_what_the_first_left(cluster):
+    """Prefix caching across the hand-off: turn 2 (turn 1's prompt + answer + a new message)
+    skips turn 1's prompt blocks on the prompt engine, and its completion engine, which still
+    holds turn 1's prompt and answer blocks, pulls only the rest; tokens equal NORMAL's."""
+    opts = SamplingOptions(max_tokens=30, temperature=0.0, ignore_eos=True)
+    turn1 = _ids(40, seed=501)
+    answer = _disaggregated(cluster, turn1, opts)
+    completion = cluster["completion"]
+    before = completion.stats().extra
+    turn2 = turn1 + answer + _ids(30, seed=502)  # 100 tokens: 7 blocks, 6 full
+    first = _prefill(cluster["prompt"], turn2, uuid.uuid4().hex, opts)
+    assert first.num_cached_tokens == 32  # turn 1's two full prompt blocks
+    rest = _decode(completion, turn2, first, opts)
+    after = completion.stats().extra
+    # Turn 1 left 69 tokens of K/V there (the last answer token was never fed): 4 full blocks.
+    assert after["kv_blocks_reused"] - before["kv_blocks_reused"] == 4
+    assert after["kv_blocks_pulled"] - before["kv_blocks_pulled"] == 3
+    assert first.token_ids + rest.token_ids == _normal(cluster, turn2, opts)
 
 
 def test_completion_engine_queues_when_out_of_blocks(cluster):
@@ -206,6 +228,13 @@ def test_bad_handle_is_refused(cluster):
         out = c.generate(_ids(40, seed=3), GREEDY, req_id="bad1", kv_handle=b"\x93junk",
                          first_token_id=1)
         assert out.finish_reason == "bad_request"
+        handle = kvproto.decode_handle(first.kv_handle)
+        assert len(handle.block_keys) == 2
+        forged = msgspec.structs.replace(handle, block_keys=[handle.block_keys[0] ^ 1,
+                                                             handle.block_keys[1]])
+        out = c.generate(_ids(40, seed=3), GREEDY, req_id="bad0", kv_handle=kvproto.encode(forged),
+                         first_token_id=first.token_ids[0])
+        assert out.finish_reason == "bad_request" and "block keys disagree" in out.error
     with cluster["prompt"].client() as c:
         c.send(AbortRequest("bad0"))
 
