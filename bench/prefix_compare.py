@@ -53,14 +53,11 @@ def engine_stats(address: str) -> dict[str, float]:
 
 
 def run_setup(name: str, args: argparse.Namespace) -> dict:
-    import serve_compare
-
     flags, engine_flags = SETUPS[name]
-    serve_compare.SETUPS[name] = flags
     cfg = CompareConfig(port=args.port, engine_args=engine_flags, results_dir=Path(args.results_dir))
     log = cfg.results_dir / f"prefix_compare_{name.replace('+', '_')}.log"
     cfg.results_dir.mkdir(parents=True, exist_ok=True)
-    baton = BatonUp(name, cfg, log)
+    baton = BatonUp(name, cfg, log, flags)
     try:
         workload = sb.WorkloadConfig(dataset="multi-turn", turns=args.turns,
                                      system_prompt_len=args.system_prompt_len,

@@ -64,9 +64,11 @@ class CompareConfig:
 class BatonUp:
     """`baton up` as a child process group, stopped with SIGTERM (then SIGKILL)."""
 
-    def __init__(self, setup: str, cfg: CompareConfig, log_path: Path) -> None:
+    def __init__(self, setup: str, cfg: CompareConfig, log_path: Path,
+                 flags: list[str] | None = None) -> None:
+        """`flags`: the `baton up` flags of the setup (default: SETUPS[setup])."""
         argv = [sys.executable, "-m", "baton.cli", "up", "--port", str(cfg.port),
-                "--ready-timeout", str(cfg.up_timeout_s), *SETUPS[setup]]
+                "--ready-timeout", str(cfg.up_timeout_s), *(flags or SETUPS[setup])]
         if cfg.engine_args:
             argv += ["--", *cfg.engine_args]
         self.base_url = f"http://127.0.0.1:{cfg.port}"
