@@ -41,6 +41,7 @@ from router.text import ModelInfo, load_model_info
 logger = logging.getLogger(__name__)
 
 _COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+_ADMIN_PATHS = ("/reset_prefix_cache",)  # need the API key too, when one is set
 
 
 def create_app(config: RouterConfig, info: ModelInfo | None = None,
@@ -104,7 +105,7 @@ class _AuthAndCount:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.expected and path.startswith("/v1/"):
+        if self.expected and (path.startswith("/v1/") or path in _ADMIN_PATHS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 self.metrics.requests.labels(_endpoint(path), "401").inc()
@@ -187,6 +188,26 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse({"status": "unavailable", "reason": str(exc), "engines": engines},
                                 status_code=503)
         return {"status": "ok", "engines": engines}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """vLLM's endpoint: every live engine forgets its cached-free KV blocks (benchmarks
+        call it between runs). 503 naming the engines that refused or did not answer."""
+        pool: EnginePool = request.app.state.pool
+        engines = pool.live_engines()
+        replies = await asyncio.gather(*(client.reset_prefix_cache(5.0) for _, client in engines),
+                                       return_exceptions=True)
+        results, failed = {}, []
+        for (record, _), reply in zip(engines, replies, strict=True):
+            ok = not isinstance(reply, BaseException) and reply.ok
+            results[record.engine_id] = ok
+            if not ok:
+                failed.append(f"{record.engine_id}: " + (
+                    "no answer" if isinstance(reply, BaseException) else reply.message))
+        if failed:
+            return JSONResponse({"status": "incomplete", "engines": results,
+                                 "reason": "; ".join(failed)}, status_code=503)
+        return {"status": "ok", "engines": results}
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -102,7 +102,8 @@ class Dispatcher:
                 first_logprob=first.logprobs[0] if first.logprobs else 0.0), legs)
             handed_at = time.monotonic()
             yield TokenDelta(req_id=req_id, token_ids=first.token_ids, logprobs=first.logprobs,
-                             num_prompt_tokens=first.num_prompt_tokens)
+                             num_prompt_tokens=first.num_prompt_tokens,
+                             num_cached_tokens=first.num_cached_tokens)
             async for delta in self._follow(leg, started=True, last=handed_at,
                                             kv_since=handed_at):
                 first_leg.is_finished = True  # the completion engine has claimed the KV lease

@@ -18,7 +18,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from baton import protocol
-from baton.protocol import AbortRequest, EngineOutputs, GenerateRequest, TokenDelta
+from baton.protocol import (
+    AbortRequest,
+    ControlReply,
+    EngineOutputs,
+    GenerateRequest,
+    ResetPrefixCache,
+    TokenDelta,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,8 @@ class EngineClient:
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._sock.connect(address)
         self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._replies: dict[int, asyncio.Future[ControlReply]] = {}  # control requests by nonce
+        self._next_nonce = 1
         self._tasks = [asyncio.create_task(self._recv_loop(), name=f"recv {address}"),
                        asyncio.create_task(self._monitor_loop(), name=f"monitor {address}")]
 
@@ -72,6 +81,16 @@ class EngineClient:
         self.close_request(req_id)
         await self._sock.send(protocol.encode(AbortRequest(req_id=req_id)))
 
+    async def reset_prefix_cache(self, timeout_s: float) -> ControlReply:
+        """Ask the engine to forget its cached-free KV blocks; TimeoutError past timeout_s."""
+        nonce, self._next_nonce = self._next_nonce, self._next_nonce + 1
+        reply = self._replies[nonce] = asyncio.get_running_loop().create_future()
+        try:
+            await self._sock.send(protocol.encode(ResetPrefixCache(nonce)))
+            return await asyncio.wait_for(reply, timeout_s)
+        finally:
+            self._replies.pop(nonce, None)
+
     async def _recv_loop(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
@@ -79,6 +98,11 @@ class EngineClient:
                 msg = protocol.decode_to_router(frames[-1])
             except protocol.ProtocolError as exc:
                 logger.warning("dropping a bad message from %s: %s", self.address, exc)
+                continue
+            if isinstance(msg, ControlReply):
+                reply = self._replies.get(msg.nonce)
+                if reply is not None and not reply.done():
+                    reply.set_result(msg)
                 continue
             if not isinstance(msg, EngineOutputs):  # the router asks no stats: none come
                 continue

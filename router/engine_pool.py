@@ -101,6 +101,11 @@ class EnginePool:
     def records(self, role: str) -> list[EngineRecord]:
         return list(self._records.get(role, []))
 
+    def live_engines(self) -> list[tuple[EngineRecord, EngineClient]]:
+        """Every live engine of every role, with its client."""
+        return [(r, self._clients[r.address]) for role in ("normal", "prompt", "completion")
+                for r in self.records(role) if self.is_live(r.address)]
+
     def client(self, address: str) -> EngineClient:
         return self._clients[address]
 

@@ -34,6 +34,7 @@ _DISCONNECT_POLL_S = 0.2
 @dataclass
 class _Progress:
     num_generated: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engines took from their prefix caches
     finish_reason: str | None = None
 
 
@@ -97,6 +98,7 @@ class Server:
                            text: TextStream, progress: _Progress) -> AsyncIterator[str]:
         """Text deltas of the request; leaves `progress` with the finish reason."""
         delta = first
+        progress.num_cached_tokens = first.num_cached_tokens
         while True:
             progress.num_generated += len(delta.token_ids)
             piece = text.add(delta.token_ids)
@@ -166,7 +168,8 @@ _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion
 def _usage(prep: Prepared, progress: _Progress) -> dict:
     num_prompt = len(prep.prompt_token_ids)
     return {"prompt_tokens": num_prompt, "completion_tokens": progress.num_generated,
-            "total_tokens": num_prompt + progress.num_generated}
+            "total_tokens": num_prompt + progress.num_generated,
+            "prompt_tokens_details": {"cached_tokens": progress.num_cached_tokens}}
 
 
 def _sse(payload: dict) -> bytes:
