@@ -13,6 +13,14 @@ A request's life in one scheduler (see csrc/scheduler.hpp for the rules S1-S39):
 5. A COMPLETION engine gets sequences through ``allocate_prompted`` ->
    (KV transfer) -> ``commit_prompted``; ``free_prompted`` undoes a failed one.
 
+Prefix caching (``enable_prefix_caching``, rules P1-P8): full blocks are keyed by a
+hash chain over their tokens (``compute_block_keys``); admission pins the longest
+cached run of a prompt's full blocks and computes only the rest, and a freed keyed
+block stays *cached-free* (reusable, evicted least recently used first). Cached-free
+blocks count as free: ``num_free_blocks()`` is plain free + cached-free, so a drained
+scheduler still has ``num_free_blocks() == num_total_blocks()``; ``num_cached_blocks()``
+says how many of them hold a prefix.
+
 Array lifetime: every numpy array on ``SchedulerOutputs`` and ``ProcessResult`` is
 a view over a C++ buffer; treat it as valid until the next ``schedule()`` or
 ``process_outputs()`` and copy what you keep longer.
@@ -35,6 +43,12 @@ logger = logging.getLogger(__name__)
 SchedulerOutputs = _scheduler.SchedulerOutputs
 ProcessResult = _scheduler.ProcessResult
 BlockManager = _scheduler.BlockManager
+
+
+def compute_block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, seed: int) -> np.ndarray:
+    """P1: one uint64 key per full block of ``token_ids``, ``key(i) = H(key(i-1), block i)``
+    with ``key(-1) = seed``; the scheduler keys its blocks with the same function."""
+    return _scheduler.compute_block_keys(token_ids, block_size, seed)
 
 
 class EngineType(enum.IntEnum):
@@ -83,6 +97,9 @@ class PromptedAllocation(NamedTuple):
     status: AllocStatus
     block_ids: np.ndarray  # int32, the blocks the prompt's KV lands in (empty unless OK)
     seq_id: int  # the sequence's stable id (-1 unless OK)
+    # block_ids[:num_cached_blocks] already hold the prompt's KV (local prefix-cache hits,
+    # no pull); block_ids[num_cached_blocks:] need the pull. Always < len(block_ids) when OK.
+    num_cached_blocks: int = 0
 
 
 @dataclasses.dataclass
@@ -107,6 +124,8 @@ class SchedulerConfig:
     image_pad_token_id: int = -1  # image patch token; chunks never split a run of them
     flops_per_token: float = 0.0  # for the FLOP estimates on SchedulerOutputs
     attn_flops_per_qk: float = 0.0
+    enable_prefix_caching: bool = False  # P1-P8: reuse the KV of full blocks seen before
+    prefix_cache_seed: int = 0  # uint64 key(-1) of the block-key chain: the model fingerprint
 
     def __post_init__(self) -> None:
         try:
@@ -123,6 +142,15 @@ class SchedulerConfig:
             self._check_int(name, minimum=0)
         for name in ("image_token_id", "image_pad_token_id"):
             self._check_int(name, minimum=-1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
+        self._check_int("prefix_cache_seed", minimum=0)
+        if self.prefix_cache_seed >= 1 << 64:
+            raise ValueError(f"prefix_cache_seed={self.prefix_cache_seed!r} must fit in 64 bits")
+        if self.enable_prefix_caching and self.num_state_slots > 0:
+            raise ValueError(
+                f"enable_prefix_caching=True with num_state_slots={self.num_state_slots}: a "
+                "per-sequence state is not in the KV blocks, so a prefix hit could not restore it")
         if not 0.0 < float(self.watermark) <= 1.0:
             raise ValueError(f"watermark={self.watermark!r} must be in (0, 1]")
         if self.engine_type == EngineType.COMPLETION and not self.stop_preempted_request:
@@ -143,6 +171,8 @@ class SchedulerConfig:
             value = getattr(self, field.name)
             if field.name == "engine_type":
                 value = _scheduler.EngineType(int(value))
+            elif field.name == "prefix_cache_seed":
+                value = int(value)
             setattr(native, field.name, value)
         native.validate()
         return native
@@ -163,6 +193,7 @@ class Scheduler:
         self.schedule: Callable[[], SchedulerOutputs] = self._impl.schedule
         self.process_outputs: Callable[[SchedulerOutputs, np.ndarray], ProcessResult] = (
             self._impl.process_outputs)
+        # Plain free + cached-free (prefix caching): both can be handed out.
         self.num_free_blocks: Callable[[], int] = self._impl.num_free_blocks
         self.num_total_blocks: Callable[[], int] = self._impl.num_total_blocks
 
@@ -188,18 +219,25 @@ class Scheduler:
                           eos_token_ids: Iterable[int] = (), stop_token_ids: Iterable[int] = (),
                           ignore_eos: bool = False, schedulable: bool = True,
                           chunk_checkpoints: Iterable[int] = (),
-                          structured_output: bool = False) -> PromptedAllocation:
+                          structured_output: bool = False,
+                          block_keys: Sequence[int] | np.ndarray = ()) -> PromptedAllocation:
         """COMPLETION engine: allocate the blocks a prompt's KV lands in, all or nothing. OK
-        gives the block ids and the sequence's ``seq_id``; LATER and NEVER change nothing."""
-        status, block_ids, seq_id = self._impl.allocate_prompted(
+        gives the block ids and the sequence's ``seq_id``; LATER and NEVER change nothing.
+
+        ``block_keys`` (the handle's keys of the prompt's full blocks, P7): with prefix caching
+        on, the longest run of them held locally with the same tokens is pinned, at most all
+        but the last prompt block; those are ``block_ids[:num_cached_blocks]`` and need no pull."""
+        status, block_ids, seq_id, num_cached = self._impl.allocate_prompted(
             request_id, prompt_token_ids, first_token_id, max_tokens,
             eos_token_ids=tuple(eos_token_ids), stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos, schedulable=schedulable,
-            chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output)
-        return PromptedAllocation(AllocStatus(status), block_ids, int(seq_id))
+            chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output,
+            block_keys=np.asarray(block_keys, dtype=np.uint64))
+        return PromptedAllocation(AllocStatus(status), block_ids, int(seq_id), int(num_cached))
 
     def commit_prompted(self, request_id: str) -> None:
-        """The KV landed: the sequence joins ``prompted``, then ``running``."""
+        """The KV landed: the sequence joins ``prompted``, then ``running``; with prefix
+        caching its full prompt blocks get their keys."""
         self._impl.commit_prompted(request_id)
 
     def free_prompted(self, request_id: str) -> bool:
@@ -253,6 +291,30 @@ class Scheduler:
     def decode_step(self) -> int:
         return self._impl.decode_step()
 
+    def reset_prefix_cache(self) -> bool:
+        """P8: every cached-free block loses its key (owned blocks keep theirs). Refused
+        (False, nothing done) while an ``allocate_prompted`` allocation is uncommitted."""
+        return self._impl.reset_prefix_cache()
+
+    def num_cached_prompt_tokens(self, request_id: str) -> int:
+        """Prompt tokens the last admission of this live or handed-off sequence took from
+        the prefix cache (0 with caching off)."""
+        return self._impl.num_cached_prompt_tokens(request_id)
+
+    def block_keys(self, request_id: str) -> np.ndarray:
+        """uint64 keys of the sequence's full prompt blocks (live or handed off), from its
+        tokens; they stop before the first block holding an image token."""
+        return self._impl.block_keys(request_id)
+
+    def num_cached_blocks(self) -> int:
+        """Cached-free blocks (counted in ``num_free_blocks`` too)."""
+        return self._impl.num_cached_blocks()
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Totals since start: ``query_tokens`` (prompt tokens looked up at admissions) and
+        ``hit_tokens`` (of those, found in the cache)."""
+        return self._impl.prefix_cache_stats()
+
     def check_invariants(self) -> None:
         """Debug: ref counts equal owners, free xor owned, no sequence in two queues."""
         self._impl.check_invariants()
@@ -269,6 +331,7 @@ class Scheduler:
 
 
 __all__ = [
-    "AllocStatus", "BlockManager", "EngineType", "FINISH_REASONS", "ProcessResult", "Scheduler",
-    "SchedulerConfig", "SchedulerOutputs", "SequenceStatus",
+    "AllocStatus", "BlockManager", "EngineType", "FINISH_REASONS", "ProcessResult",
+    "PromptedAllocation", "Scheduler", "SchedulerConfig", "SchedulerOutputs", "SequenceStatus",
+    "compute_block_keys",
 ]

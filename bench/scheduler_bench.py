@@ -31,13 +31,15 @@ RESULTS = Path(__file__).parent / "results" / "scheduler.json"
 ROUNDS = 5
 
 
-def decoding_scheduler(num_seqs: int, prompt_len: int = 128, steps: int = 1000) -> Scheduler:
+def decoding_scheduler(num_seqs: int, prompt_len: int = 128, steps: int = 1000,
+                       prefix_caching: bool = False) -> Scheduler:
     """num_seqs sequences prefilled and running, with blocks for `steps` more decode steps."""
     # Enough blocks that nothing is preempted while the sequences grow.
     blocks_per_seq = (prompt_len + steps + 32) // 16 + 2
     cfg = SchedulerConfig(num_blocks=num_seqs * blocks_per_seq + 16, block_size=16, max_num_seqs=num_seqs,
                           max_num_batched_tokens=num_seqs * prompt_len, max_model_len=8192,
-                          prefill_attempt_interval=1 << 30, prefill_any_attempt_interval=1 << 30)
+                          prefill_attempt_interval=1 << 30, prefill_any_attempt_interval=1 << 30,
+                          enable_prefix_caching=prefix_caching)
     sched = Scheduler(cfg)
     for i in range(num_seqs):
         sched.add_sequence(f"req-{i}", np.full(prompt_len, 10 + i % 100, dtype=np.int32), 100_000)
@@ -54,8 +56,9 @@ def decode_step(sched: Scheduler, tokens: np.ndarray) -> None:
     sched.process_outputs(out, tokens)
 
 
-def _decode_step_us(num_seqs: int, prompt_len: int = 128, iters: int = 1000) -> float:
-    sched = decoding_scheduler(num_seqs, prompt_len, iters)
+def _decode_step_us(num_seqs: int, prompt_len: int = 128, iters: int = 1000,
+                    prefix_caching: bool = False) -> float:
+    sched = decoding_scheduler(num_seqs, prompt_len, iters, prefix_caching)
     tokens = np.full(num_seqs, 7, dtype=np.int32)
     times = []
     for _ in range(iters):
@@ -95,6 +98,8 @@ def _prefill_step_us(num_prompts: int = 16, prompt_len: int = 512, iters: int = 
 def main() -> None:
     cases = [(f"decode, {n} running", _decode_step_us, (n,)) for n in (64, 256, 1024)]
     cases.append(("prefill, 16 x 512-token prompts", _prefill_step_us, ()))
+    # Keys registered as decode fills blocks (P5): one block in 16 steps per sequence.
+    cases.append(("decode, 1024 running, prefix caching", _decode_step_us, (1024, 128, 1000, True)))
     # Rounds go case by case in turn, so one noisy stretch of the machine slows one round of
     # every case instead of every round of one case.
     medians: dict[str, list[float]] = {name: [] for name, _, _ in cases}
@@ -113,6 +118,7 @@ def main() -> None:
         "decode_256": round(rows[1][1], 2),
         "decode_1024": round(rows[2][1], 2),
         "prefill_16x512": round(rows[3][1], 2),
+        "decode_1024_prefix_caching": round(rows[4][1], 2),
         "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
     }, indent=2) + "\n")

@@ -98,27 +98,55 @@ inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::stri
   return child->seq_id;
 }
 
-inline std::pair<AllocStatus, std::vector<int32_t>> Scheduler::allocate_prompted(
+// P7: the first num_hits blocks are local prefix-cache hits (pinned; no pull),
+// the rest are fresh and take the pull. The last prompt block is always
+// pulled, so every admission pulls something.
+inline std::tuple<AllocStatus, std::vector<int32_t>, int> Scheduler::allocate_prompted(
     const std::string &request_id, std::vector<int32_t> prompt, int32_t first_token_id, int max_tokens,
-    const AddOptions &opts) {
+    const AddOptions &opts, const std::vector<uint64_t> &block_keys) {
   PoolGuard guard(*this);
   auto seq = make_sequence_(request_id, std::move(prompt), max_tokens, opts);
   int prompt_len = seq->data.prompt_len;
-  if (prompt_len + 1 > cfg_.max_model_len) return {AllocStatus::NEVER, {}};
-  int n = num_blocks_for(prompt_len, cfg_.block_size);  // the blocks the prompt KV lands in
+  int bs = cfg_.block_size;
+  if (static_cast<int>(block_keys.size()) > prompt_len / bs) {
+    throw std::invalid_argument("allocate_prompted: " + std::to_string(block_keys.size()) + " block keys for " +
+                                request_id + ", whose prompt has " + std::to_string(prompt_len / bs) + " full blocks");
+  }
+  if (prompt_len + 1 > cfg_.max_model_len) return {AllocStatus::NEVER, {}, 0};
+  int n = num_blocks_for(prompt_len, bs);  // the blocks the prompt KV lands in
   AllocStatus st = can_allocate_with_state_(n);
-  if (st != AllocStatus::OK) return {st, {}};
+  int num_hits = 0, num_cached_hits = 0;
+  if (prefix_ && st != AllocStatus::NEVER) {
+    const int max_hits = std::min(static_cast<int>(block_keys.size()), n - 1);
+    const int32_t *tokens = seq->data.token_ids.data();
+    prefix_hits_.clear();
+    for (int i = 0; i < max_hits; ++i) {
+      const int id = prefix_->find(block_keys[i], i ? block_keys[i - 1] : prefix_->seed(),
+                                   tokens + static_cast<size_t>(i) * bs);
+      if (id < 0) break;
+      prefix_hits_.push_back(id);
+      if (block_manager_->ref_count(id) == 0) num_cached_hits += 1;
+    }
+    num_hits = static_cast<int>(prefix_hits_.size());
+    if (num_hits > 0) st = can_allocate_with_state_(n - num_hits + num_cached_hits);  // P4
+  }
+  if (st != AllocStatus::OK) return {st, {}, 0};
   seq->arrival_time = now_seconds();
   seq->data.reserve_outputs(max_tokens);
   seq->data.append(first_token_id);
-  seq->cache.num_tokens = prompt_len;  // KV covers the prompt; the first token is fed next
   seq->cache.block_table.reserve(seq->block_table_capacity());
-  block_manager_->allocate_nolock(n, seq->cache.block_table);
+  if (prefix_) {
+    admit_hits_(*seq, num_hits, prompt_len);
+    seq->prefix.kv_pending = true;  // nothing is keyed before the pull lands (commit_prompted)
+  }
+  seq->cache.num_tokens = prompt_len;  // KV covers the prompt; the first token is fed next
+  block_manager_->allocate_nolock(n - num_hits, seq->cache.block_table);
   if (state_manager_) seq->cache.state_id = state_manager_->allocate_single_nolock();
   hold_(seq);
   registry_[request_id] = seq;
   allocated_[request_id] = seq;
-  return {AllocStatus::OK, std::vector<int32_t>(seq->cache.block_table.begin(), seq->cache.block_table.end())};
+  return {AllocStatus::OK, std::vector<int32_t>(seq->cache.block_table.begin(), seq->cache.block_table.end()),
+          num_hits};
 }
 
 inline void Scheduler::commit_prompted(const std::string &request_id) {
@@ -127,7 +155,10 @@ inline void Scheduler::commit_prompted(const std::string &request_id) {
     throw std::out_of_range("commit_prompted: no allocated-but-uncommitted request " + request_id);
   }
   auto seq = it->second;
+  PoolGuard guard(*this);
   allocated_.erase(it);
+  seq->prefix.kv_pending = false;
+  register_blocks_(*seq);  // P7: the pulled prompt's full blocks
   check_stop_(*seq);  // the first token may already end it; the decode branch then drops it
   prompted.emplace_back(seq, false);
 }

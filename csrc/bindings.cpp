@@ -62,6 +62,19 @@ std::vector<int32_t> to_tokens(const py::handle &obj, const char *what) {
   return out;
 }
 
+std::vector<uint64_t> to_keys(const py::handle &obj) {
+  auto arr = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
+  if (!arr) throw std::invalid_argument("block_keys must be a sequence of uint64");
+  if (arr.ndim() != 1) throw std::invalid_argument("block_keys must be one-dimensional");
+  return std::vector<uint64_t>(arr.data(), arr.data() + arr.size());
+}
+
+py::array_t<uint64_t> keys_array(const std::vector<uint64_t> &keys) {
+  py::array_t<uint64_t> arr(static_cast<py::ssize_t>(keys.size()));
+  std::copy(keys.begin(), keys.end(), arr.mutable_data());
+  return arr;
+}
+
 struct ResultHandle {
   std::shared_ptr<ProcessResult> res;
 };
@@ -141,7 +154,17 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_readwrite("image_pad_token_id", &SchedulerConfig::image_pad_token_id)
       .def_readwrite("flops_per_token", &SchedulerConfig::flops_per_token)
       .def_readwrite("attn_flops_per_qk", &SchedulerConfig::attn_flops_per_qk)
+      .def_readwrite("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
+      .def_readwrite("prefix_cache_seed", &SchedulerConfig::prefix_cache_seed)
       .def("validate", &SchedulerConfig::validate);
+
+  m.def("compute_block_keys",
+        [](py::handle tokens, int block_size, uint64_t seed) {
+          auto ids = to_tokens(tokens, "token_ids");
+          return keys_array(compute_block_keys(ids.data(), static_cast<int>(ids.size()), block_size, seed));
+        },
+        py::arg("token_ids"), py::arg("block_size"), py::arg("seed"),
+        "P1: one uint64 key per full block, key(i) = H(key(i-1), tokens of block i), key(-1) = seed.");
 
   py::class_<SchedulerOutputs, std::shared_ptr<SchedulerOutputs>>(m, "SchedulerOutputs")
       .def_readonly("prompt_run", &SchedulerOutputs::prompt_run)
@@ -238,21 +261,24 @@ PYBIND11_MODULE(_scheduler, m) {
            py::arg("chunk_checkpoints") = std::vector<int>{}, py::arg("structured_output") = false)
       .def("allocate_prompted",
            [](Scheduler &s, const std::string &rid, py::handle prompt, int32_t first, int max_tokens, py::handle eos,
-              py::handle stop, bool ignore_eos, bool schedulable, std::vector<int> checkpoints, bool so) {
+              py::handle stop, bool ignore_eos, bool schedulable, std::vector<int> checkpoints, bool so,
+              py::handle keys) {
              if (first < 0) throw std::invalid_argument("first_token_id=" + std::to_string(first) + " is negative");
-             auto [st, blocks] = s.allocate_prompted(
+             auto [st, blocks, num_cached] = s.allocate_prompted(
                  rid, to_tokens(prompt, "prompt_token_ids"), first, max_tokens,
                  make_options(to_tokens(eos, "eos_token_ids"), to_tokens(stop, "stop_token_ids"), ignore_eos,
-                              schedulable, std::move(checkpoints), so));
+                              schedulable, std::move(checkpoints), so),
+                 to_keys(keys));
              py::array_t<int32_t> arr(static_cast<py::ssize_t>(blocks.size()));
              std::copy(blocks.begin(), blocks.end(), arr.mutable_data());
              auto seq = st == AllocStatus::OK ? s.find(rid) : nullptr;
-             return py::make_tuple(static_cast<int>(st), arr, seq ? seq->seq_id : -1);
+             return py::make_tuple(static_cast<int>(st), arr, seq ? seq->seq_id : -1, num_cached);
            },
            py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("first_token_id"), py::arg("max_tokens"),
            py::kw_only(), py::arg("eos_token_ids") = py::tuple(), py::arg("stop_token_ids") = py::tuple(),
            py::arg("ignore_eos") = false, py::arg("schedulable") = true,
-           py::arg("chunk_checkpoints") = std::vector<int>{}, py::arg("structured_output") = false)
+           py::arg("chunk_checkpoints") = std::vector<int>{}, py::arg("structured_output") = false,
+           py::arg("block_keys") = py::tuple())
       .def("commit_prompted", &Scheduler::commit_prompted, py::arg("request_id"))
       .def("free_prompted", &Scheduler::free_prompted, py::arg("request_id"))
       .def("release_handed_off", &Scheduler::release_handed_off, py::arg("request_id"))
@@ -298,6 +324,17 @@ PYBIND11_MODULE(_scheduler, m) {
       .def("ref_count", &Scheduler::ref_count, py::arg("block_id"))
       .def("get_gpu_cache_usage", &Scheduler::get_gpu_cache_usage, py::arg("n_planned") = 0)
       .def("check_invariants", &Scheduler::check_invariants)
+      .def("reset_prefix_cache", &Scheduler::reset_prefix_cache)
+      .def("num_cached_prompt_tokens", &Scheduler::num_cached_prompt_tokens, py::arg("request_id"))
+      .def("block_keys", [](const Scheduler &s, const std::string &rid) { return keys_array(s.block_keys(rid)); },
+           py::arg("request_id"))
+      .def("num_cached_blocks", &Scheduler::num_cached_blocks)
+      .def("prefix_cache_stats", [](const Scheduler &s) {
+        py::dict d;
+        d["query_tokens"] = s.prefix_query_tokens();
+        d["hit_tokens"] = s.prefix_hit_tokens();
+        return d;
+      })
       .def("waiting_ids", [](const Scheduler &s) {
         std::vector<std::string> ids;
         for (auto &q : s.waiting) ids.push_back(q->request_id);

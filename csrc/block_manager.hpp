@@ -14,6 +14,11 @@
 // owned (ref >= 1); pin_block adds an owner without touching the list, which is
 // how a forked sequence shares its parent's prefix. Every operation is O(1).
 //
+// With prefix caching (P2) a third state: a keyed block whose last owner left
+// is cached-free (PrefixCache's LRU), not on the free list. It counts as free
+// (num_free_blocks, can_allocate), and allocate evicts the least recently used
+// one only when the plain free list is empty.
+//
 // The same class doubles as the per-sequence state-slot pool (S11): a "block"
 // there is one whole sequence state.
 #pragma once
@@ -22,6 +27,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "prefix_cache.hpp"
 
 namespace baton {
 
@@ -39,7 +46,9 @@ class BlockManager {
 
   int num_blocks() const { return static_cast<int>(blocks_.size()); }
   int num_total_blocks() const { return num_blocks() - 1; }
-  int num_free_blocks() const { return size_; }
+  // Plain free and cached-free: both can be handed out.
+  int num_free_blocks() const { return size_ + num_cached_(); }
+  int num_plain_free_blocks() const { return size_; }
   int ref_count(int id) const { return blocks_.at(id).ref_count; }
 
   // Every *_nolock call relies on the caller holding mutex() (the scheduler's
@@ -49,22 +58,33 @@ class BlockManager {
   AllocStatus can_allocate_nolock(int n) const {
     // >= because block 0 is never usable: n == num_blocks can never be met.
     if (n >= num_blocks()) return AllocStatus::NEVER;
-    if (size_ >= n) return AllocStatus::OK;
+    if (num_free_blocks() >= n) return AllocStatus::OK;
     return AllocStatus::LATER;
   }
-  bool can_allocate_single_nolock() const { return size_ > 0; }
+  bool can_allocate_single_nolock() const { return num_free_blocks() > 0; }
+
+  // Prefix caching on: keyed blocks go to `cache` when freed (not owned here).
+  void attach_prefix_cache(PrefixCache *cache) { prefix_ = cache; }
 
   int allocate_single_nolock() {
-    if (size_ == 0) throw std::runtime_error("BlockManager: allocate from an empty pool");
-    int id = head_;
-    erase_(id);
+    int id;
+    if (size_ > 0) {
+      id = head_;
+      erase_(id);
+    } else if (num_cached_() > 0) {
+      id = prefix_->evict_lru();  // P2: the plain free list first, then the LRU
+    } else {
+      throw std::runtime_error("BlockManager: allocate from an empty pool");
+    }
     blocks_[id].ref_count = 1;
     return id;
   }
 
   void allocate_nolock(int n, std::vector<int> &out) {
-    if (n > size_) throw std::runtime_error("BlockManager: allocate " + std::to_string(n) + " with only " +
-                                            std::to_string(size_) + " free");
+    if (n > num_free_blocks()) {
+      throw std::runtime_error("BlockManager: allocate " + std::to_string(n) + " with only " +
+                               std::to_string(num_free_blocks()) + " free");
+    }
     for (int i = 0; i < n; ++i) out.push_back(allocate_single_nolock());
   }
 
@@ -73,19 +93,38 @@ class BlockManager {
     blocks_[id].ref_count += 1;
   }
 
+  // P3: one more owner of a prefix-cache hit, owned or cached-free.
+  void pin_hit_nolock(int id) {
+    if (id <= 0 || id >= num_blocks()) throw std::out_of_range("BlockManager.pin_hit: bad block id " + std::to_string(id));
+    if (blocks_[id].ref_count == 0) prefix_->take_cached(id);
+    blocks_[id].ref_count += 1;
+  }
+
   void free_nolock(int id) {
     check_owned_(id, "free");
-    if (--blocks_[id].ref_count == 0) push_back_(id);
+    if (--blocks_[id].ref_count == 0) {
+      if (prefix_ && prefix_->is_keyed(id)) {
+        prefix_->push_cached(id);  // P2, P6: keeps its key
+      } else {
+        push_back_(id);
+      }
+    }
+  }
+
+  // P8: every cached-free block loses its key and becomes plain free.
+  void reset_prefix_cache_nolock() {
+    while (num_cached_() > 0) push_back_(prefix_->evict_lru());
   }
 
   // Refuses while any block is in use: clearing a pool that still has owners
   // would hand the same block to two sequences.
   void reset() {
     std::lock_guard<std::mutex> g(mutex_);
-    if (size_ != num_total_blocks()) {
-      throw std::runtime_error("BlockManager.reset: " + std::to_string(num_total_blocks() - size_) +
+    if (num_free_blocks() != num_total_blocks()) {
+      throw std::runtime_error("BlockManager.reset: " + std::to_string(num_total_blocks() - num_free_blocks()) +
                                " blocks still in use");
     }
+    while (num_cached_() > 0) prefix_->evict_lru();
     link_all_();
   }
 
@@ -95,6 +134,7 @@ class BlockManager {
     for (int id = head_; id != 0; id = blocks_[id].next) ids.push_back(id);
     return ids;
   }
+  std::vector<int> cached_list() const { return prefix_ ? prefix_->cached_list() : std::vector<int>{}; }
 
  private:
   struct Block {
@@ -102,6 +142,8 @@ class BlockManager {
     int next{0};
     int prev{0};
   };
+
+  int num_cached_() const { return prefix_ ? prefix_->num_cached() : 0; }
 
   void link_all_() {
     int n = num_blocks();
@@ -142,6 +184,7 @@ class BlockManager {
 
   std::vector<Block> blocks_;
   int head_{0}, tail_{0}, size_{0};
+  PrefixCache *prefix_{nullptr};
   std::mutex mutex_;
 };
 

@@ -70,6 +70,7 @@ inline void Scheduler::book_row_(SchedulerOutputs &out, int i, const int32_t *to
   }
   if (out.prompt_run) {
     // S30: a finished prompt leaves prefill; a chunk goes back to the head of `waiting`.
+    register_blocks_(*seq);  // P5: the chunk's full blocks
     if (seq->cache.num_tokens >= seq->get_len()) {
       num_accepted = 1;
       append_token_(*seq, row[0], res);

@@ -35,6 +35,8 @@ struct SchedulerConfig {
   int image_pad_token_id{-1};
   double flops_per_token{0.0};    // FLOP estimates; 0 leaves them at 0
   double attn_flops_per_qk{0.0};
+  bool enable_prefix_caching{false};  // P1-P8; off: no key, no lookup, no cached-free block
+  uint64_t prefix_cache_seed{0};      // key(-1) of the chain: the engine's model fingerprint (P1)
 
   void validate() const {
     auto bad = [](const std::string &name, const std::string &value, const std::string &why) {
@@ -60,6 +62,12 @@ struct SchedulerConfig {
       bad("prefill_any_attempt_interval", std::to_string(prefill_any_attempt_interval), "must be >= 1");
     if (num_speculative_tokens < 0)
       bad("num_speculative_tokens", std::to_string(num_speculative_tokens), "must be >= 0");
+    if (enable_prefix_caching && num_state_slots > 0) {
+      // A per-sequence state (recurrent, SWA) is not in the KV blocks: a hit could not restore it.
+      bad("enable_prefix_caching", "True",
+          "prefix caching needs a model without a per-sequence state pool (num_state_slots=" +
+              std::to_string(num_state_slots) + ")");
+    }
     if (engine_type == EngineType::COMPLETION && !stop_preempted_request) {
       bad("stop_preempted_request", "False",
           "a COMPLETION engine cannot recompute preempted requests (it has no prefill path); "

@@ -183,6 +183,7 @@ inline void Scheduler::trim_drafts_(Sequence &seq) const {
 // drafts gave positions back.
 inline void Scheduler::append_slot_(Sequence &seq, int n) {
   auto &table = seq.cache.block_table;
+  if (prefix_ && static_cast<int>(table.size()) < n) register_blocks_(seq);  // P5: the blocks decode filled
   while (static_cast<int>(table.size()) < n) table.push_back(block_manager_->allocate_single_nolock());
   while (static_cast<int>(table.size()) > n) {
     block_manager_->free_nolock(table.back());
@@ -194,6 +195,7 @@ inline void Scheduler::append_slot_(Sequence &seq, int n) {
 // S27: terminate, or recompute from the head of `waiting`. A grammar matcher
 // cannot be replayed, so structured output is never recomputed.
 inline void Scheduler::preempt_(const SequencePtr &seq, SchedulerOutputs &out) {
+  register_blocks_(*seq);  // P6: before reset_for_recompute forgets the KV
   free_info_slot_(*seq);
   // Freed at once, as the article's free_seq_nolock: only steps scheduled after
   // this one can reuse the blocks, and the device runs steps in order; a step of

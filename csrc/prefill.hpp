@@ -39,21 +39,27 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_prefill_() {
     const bool prefix_hit = !fresh && !seq->schedule.branch_id.empty() && seq->schedule.branch_id[0] == '_';
     int num_reserve_blocks = 0;
     int to_allocate = 0;
+    int num_hits = 0, num_cached_hits = 0;  // P3: automatic prefix-cache hits of a fresh admission
     if (fresh) {
       to_allocate = seq->get_num_blocks();
+      if (prefix_) num_hits = match_prefix_(*seq, num_cached_hits);
     } else if (prefix_hit) {
       num_reserve_blocks = seq->cache.num_tokens / cfg_.block_size;
       to_allocate = seq->get_num_blocks() - num_reserve_blocks;
     }
     if (fresh || prefix_hit) {
       AllocStatus st = can_allocate_with_state_(to_allocate);
+      // P4: owned hits cost nothing, cached-free hits leave what allocation may evict.
+      if (st != AllocStatus::NEVER && num_hits > 0) {
+        st = can_allocate_with_state_(to_allocate - num_hits + num_cached_hits);
+      }
       if (st == AllocStatus::NEVER) {
         ignore_(seq, "ignored", *out);
         continue;
       }
       if (st == AllocStatus::LATER) break;
     }
-    const int start = seq->cache.num_tokens;
+    const int start = fresh ? num_hits * cfg_.block_size : seq->cache.num_tokens;
     const int rest = seq->get_len() - start;
     int seqlen_q = rest;
     const int budget_left = cfg_.max_num_batched_tokens - num_batched;
@@ -70,7 +76,8 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_prefill_() {
     if (fresh) {
       // A fork without KV to share: its blocks are its own from now on.
       if (!seq->schedule.branch_id.empty() && seq->schedule.branch_id[0] == '_') seq->schedule.branch_id.erase(0, 1);
-      block_manager_->allocate_nolock(to_allocate, seq->cache.block_table);
+      if (prefix_) admit_hits_(*seq, num_hits, seq->get_len());
+      block_manager_->allocate_nolock(to_allocate - num_hits, seq->cache.block_table);
       if (state_manager_) seq->cache.state_id = state_manager_->allocate_single_nolock();
       hold_(seq);
     } else if (prefix_hit) {

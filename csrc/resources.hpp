@@ -32,6 +32,7 @@ inline void Scheduler::check_invariants() const {
     for (size_t st = 0; st < deferred_states_.size(); ++st) state_owners[st] += deferred_states_[st];
   }
   check_pool_(*block_manager_, owners, "block");
+  check_prefix_cache_();
   if (state_manager_) check_pool_(*state_manager_, state_owners, "state slot");
   if (running_clean_) {  // what lets schedule_decode_ skip its pass over `running`
     for (size_t i = 0; i < running.size(); ++i) {
@@ -80,8 +81,9 @@ inline AllocStatus Scheduler::can_allocate_with_state_(int n) const {
 // step can read them (S8).
 inline void Scheduler::release_(Sequence &seq, bool now) {
   auto &table = seq.cache.block_table;
+  register_blocks_(seq);  // P5, P6: what it computed stays reusable
   if (now) {
-    for (int b : table) block_manager_->free_nolock(b);
+    free_blocks_(table);
     table.clear();
     seq.cache.table_version += 1;
     if (seq.cache.state_id >= 0) state_manager_->free_nolock(seq.cache.state_id);
@@ -102,7 +104,7 @@ inline void Scheduler::release_(Sequence &seq, bool now) {
 
 inline void Scheduler::flush_(Sequence &seq) {
   if (seq.inflight_steps > 0) return;
-  for (int b : seq.zombie_blocks) block_manager_->free_nolock(b);
+  free_blocks_(seq.zombie_blocks);
   seq.zombie_blocks.clear();
   for (int s : seq.zombie_states) state_manager_->free_nolock(s);
   seq.zombie_states.clear();
@@ -193,6 +195,10 @@ inline const SequencePtr &Scheduler::lookup_(const std::string &request_id) cons
 inline void Scheduler::check_pool_(const BlockManager &pool, const std::vector<int> &owners, const char *what) {
   std::vector<char> on_free_list(pool.num_blocks(), 0);
   for (int id : pool.free_list()) {
+    if (on_free_list[id]) throw std::logic_error(std::string(what) + " " + std::to_string(id) + " listed twice");
+    on_free_list[id] = 1;
+  }
+  for (int id : pool.cached_list()) {  // P2: cached-free blocks are unowned too
     if (on_free_list[id]) throw std::logic_error(std::string(what) + " " + std::to_string(id) + " listed twice");
     on_free_list[id] = 1;
   }

@@ -54,6 +54,10 @@ class Scheduler {
     if (cfg.num_state_slots > 0) state_manager_ = std::make_unique<BlockManager>(cfg.num_state_slots + 1);
     deferred_blocks_.assign(cfg.num_blocks, 0);
     deferred_states_.assign(cfg.num_state_slots + 1, 0);
+    if (cfg.enable_prefix_caching) {
+      prefix_ = std::make_unique<PrefixCache>(cfg.num_blocks, cfg.block_size, cfg.prefix_cache_seed);
+      block_manager_->attach_prefix_cache(prefix_.get());
+    }
   }
 
   const SchedulerConfig &config() const { return cfg_; }
@@ -78,10 +82,12 @@ class Scheduler {
 
   // ---- COMPLETION engine: KV arrives from a prompt engine ---------------------
 
-  std::pair<AllocStatus, std::vector<int32_t>> allocate_prompted(const std::string &request_id,
-                                                                 std::vector<int32_t> prompt,
-                                                                 int32_t first_token_id, int max_tokens,
-                                                                 const AddOptions &opts);
+  // Status, the prompt's block ids, and how many of them (the first) are local prefix-cache hits.
+  std::tuple<AllocStatus, std::vector<int32_t>, int> allocate_prompted(const std::string &request_id,
+                                                                       std::vector<int32_t> prompt,
+                                                                       int32_t first_token_id, int max_tokens,
+                                                                       const AddOptions &opts,
+                                                                       const std::vector<uint64_t> &block_keys = {});
   void commit_prompted(const std::string &request_id);
   bool free_prompted(const std::string &request_id);
 
@@ -127,6 +133,18 @@ class Scheduler {
   }
 
   void check_invariants() const;
+
+  // ---- prefix caching (P1-P8, prefix.hpp) ---------------------------------------
+
+  bool reset_prefix_cache();
+  int num_cached_prompt_tokens(const std::string &request_id) const {
+    return lookup_(request_id)->prefix.num_cached_tokens;
+  }
+  std::vector<uint64_t> block_keys(const std::string &request_id) const;
+  int num_cached_blocks() const { return prefix_ ? prefix_->num_cached() : 0; }
+  int64_t prefix_query_tokens() const { return prefix_ ? prefix_->query_tokens : 0; }
+  int64_t prefix_hit_tokens() const { return prefix_ ? prefix_->hit_tokens : 0; }
+
   // S13: the three queues.
   std::deque<SequencePtr> waiting;
   std::vector<SequencePtr> running;
@@ -248,6 +266,18 @@ class Scheduler {
   SequencePtr make_sequence_(const std::string &request_id, std::vector<int32_t> prompt, int max_tokens,
                              const AddOptions &opts);
   static void check_pool_(const BlockManager &pool, const std::vector<int> &owners, const char *what);
+
+  // ---- prefix caching (prefix.hpp) ------------------------------------------------
+
+  int num_keyable_blocks_(Sequence &seq, int max_blocks);
+  int match_prefix_(Sequence &seq, int &num_cached_hits);
+  void admit_hits_(Sequence &seq, int num_hits, int num_query_tokens);
+  void register_blocks_(Sequence &seq);
+  void free_blocks_(const std::vector<int> &blocks);
+  bool has_image_token_(const int32_t *tokens, int n) const;
+  void check_prefix_cache_() const;
+  std::unique_ptr<PrefixCache> prefix_;  // null: caching off
+  std::vector<int> prefix_hits_;         // scratch: the last match's block ids
   const SchedulerConfig cfg_;
   const int cp_align_;
   const int bs_shift_;  // log2(block_size) when it is a power of two (the usual case), else -1
@@ -290,3 +320,4 @@ class Scheduler {
 #include "decode.hpp"
 #include "booking.hpp"
 #include "resources.hpp"
+#include "prefix.hpp"

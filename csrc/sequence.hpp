@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "prefix_cache.hpp"
+
 namespace baton {
 
 // Order matters: is_finished() is one comparison (S6), so running states stay first.
@@ -199,6 +201,7 @@ struct alignas(64) Sequence {
   std::vector<int> zombie_blocks;  // released, waiting for inflight_steps == 0
   std::vector<int> zombie_states;
   const char *finish_reason_override{nullptr};
+  SeqPrefixState prefix;  // prefix caching (P1-P8); untouched when it is off
 
   // Fills stop_set from eos_token_ids, stop_token_ids and ignore_eos (set once, on arrival).
   void build_stop_set() {

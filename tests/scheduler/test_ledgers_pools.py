@@ -202,7 +202,7 @@ def test_s12_watermark_blocks_prefill() -> None:
 
 def test_s13_queues_waiting_running_prompted() -> None:
     sched = create_scheduler(engine_type=EngineType.COMPLETION, stop_preempted_request=True)
-    status, blocks, _ = sched.allocate_prompted("p", [10] * 20, 7, 8)
+    status, blocks, *_ = sched.allocate_prompted("p", [10] * 20, 7, 8)
     assert status == AllocStatus.OK and len(blocks) == 2
     sched.commit_prompted("p")
     assert sched.prompted_ids() == ["p"] and sched.num_running() == 0

@@ -30,7 +30,7 @@ def test_s30_prompt_mode_hands_off_with_blocks() -> None:
 def test_completion_mode_allocate_commit_and_first_position() -> None:
     sched = create_scheduler(engine_type=EngineType.COMPLETION, stop_preempted_request=True,
                              num_blocks=6)
-    status, blocks, _ = sched.allocate_prompted("a", [10] * 40, 99, 8)
+    status, blocks, *_ = sched.allocate_prompted("a", [10] * 40, 99, 8)
     assert status == AllocStatus.OK and len(blocks) == 3
     assert sched.allocate_prompted("b", [10] * 40, 99, 8)[0] == AllocStatus.LATER  # never partial
     assert sched.num_free_blocks() == 2

@@ -68,7 +68,7 @@ def _run(mode: EngineType, ops, stop_preempted: bool, state_slots: int, producti
         elif op == "release" and handed:
             sched.release_handed_off(handed.pop(seed % len(handed)))
         elif op == "prompted" and mode == EngineType.COMPLETION:
-            status, _, _ = sched.allocate_prompted(f"c{n}", [11] * (1 + seed % 40), 12, 1 + seed % 12,
+            status, *_ = sched.allocate_prompted(f"c{n}", [11] * (1 + seed % 40), 12, 1 + seed % 12,
                                                 eos_token_ids=[EOS])
             if status == AllocStatus.OK:
                 allocated.append(f"c{n}")
