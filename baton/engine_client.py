@@ -64,21 +64,19 @@ class EngineClient:
         return self._inbox.popleft()
 
     def stats(self, timeout_s: float = 5.0) -> EngineStats:
-        nonce = uuid.uuid4().int & 0x7FFFFFFF
-        self.send(StatsRequest(nonce))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            msg = self.recv(max(0.0, deadline - time.monotonic()))
-            if isinstance(msg, EngineStats) and msg.nonce == nonce:
-                return msg
+        return self._ask(StatsRequest, EngineStats, timeout_s)
 
     def reset_prefix_cache(self, timeout_s: float = 5.0) -> ControlReply:
+        return self._ask(ResetPrefixCache, ControlReply, timeout_s)
+
+    def _ask(self, request_type, reply_type, timeout_s: float):
+        """Send a request carrying a fresh nonce; its reply (other messages are skipped)."""
         nonce = uuid.uuid4().int & 0x7FFFFFFF
-        self.send(ResetPrefixCache(nonce))
+        self.send(request_type(nonce))
         deadline = time.monotonic() + timeout_s
         while True:
             msg = self.recv(max(0.0, deadline - time.monotonic()))
-            if isinstance(msg, ControlReply) and msg.nonce == nonce:
+            if isinstance(msg, reply_type) and msg.nonce == nonce:
                 return msg
 
     def stream(self, req: GenerateRequest, timeout_s: float = 60.0) -> Iterator[TokenDelta]:
