@@ -44,7 +44,7 @@ class KvOracle:
                     self.slots[dst * BS + j] = self.slots[src * BS + j]
                 elif dst:
                     self.slots.pop(dst * BS + j, None)
-        for token, slot in zip(out.input_ids.tolist(), out.slot_mapping.tolist()):
+        for token, slot in zip(out.input_ids.tolist(), out.slot_mapping.tolist(), strict=True):
             if token >= 0:
                 self.slots[slot] = token
             else:
