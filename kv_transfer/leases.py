@@ -32,21 +32,19 @@ class LeaseTable:
         self.num_blocks = num_blocks
         self.leases: dict[str, Lease] = {}
         self._ended: collections.OrderedDict[str, FailReason] = collections.OrderedDict()
-        self._block_owner: dict[int, str] = {}
+        # Leases per block: prompts that share a cached prefix (the engine's prefix cache hands
+        # both the same ref-counted blocks) are leased, read and released independently.
+        self._block_leases = collections.Counter[int]()
         self.counters = collections.Counter[str]()
 
     def hold(self, request_id: str, block_ids: list[int], num_tokens: int, deadline: float) -> Lease:
         if request_id in self.leases:
             raise ValueError(f"request {request_id!r} already holds a lease")
         ids = check_block_ids(block_ids, self.num_blocks, f"hold({request_id!r})")
-        taken = [b for b in ids if b in self._block_owner]
-        if taken:
-            raise ValueError(f"blocks {taken[:8]} already leased to {self._block_owner[taken[0]]!r}")
         lease = Lease(request_id, ids, num_tokens, deadline)
         self.leases[request_id] = lease
         self._ended.pop(request_id, None)
-        for b in ids:
-            self._block_owner[b] = request_id
+        self._block_leases.update(ids)
         self.counters["leases_held"] += 1
         return lease
 
@@ -94,13 +92,16 @@ class LeaseTable:
             ended.append(self._end(lease, FailReason.LEASE_EXPIRED))
         return ended
 
+    def num_leased_blocks(self) -> int:
+        return len(self._block_leases)
+
     def has_claimed(self) -> bool:
         return any(x.claimed_by for x in self.leases.values())
 
     def _end(self, lease: Lease, reason: FailReason) -> Lease:
         del self.leases[lease.request_id]
-        for b in lease.block_ids:
-            del self._block_owner[b]
+        self._block_leases.subtract(lease.block_ids)
+        self._block_leases += collections.Counter()  # drop the blocks no lease holds now
         self._ended[lease.request_id] = reason
         while len(self._ended) > _REMEMBER:
             self._ended.popitem(last=False)

@@ -35,8 +35,10 @@ def test_merge_runs_needs_both_sides_consecutive():
 def test_lease_lifecycle():
     t = LeaseTable(16)
     t.hold("a", [1, 2], 32, deadline=10.0)
-    with pytest.raises(ValueError, match="already leased"):
-        t.hold("b", [2, 3], 16, deadline=10.0)
+    # A prompt sharing a's first block through the prefix cache is leased on its own.
+    t.hold("b", [1, 3], 32, deadline=10.0)
+    assert t.num_leased_blocks() == 3
+    assert t.abort("b").block_ids == [1, 3] and t.num_leased_blocks() == 2
     with pytest.raises(ValueError, match="already holds"):
         t.hold("a", [4], 16, deadline=10.0)
     assert t.claim("a", "imp", [2, 1], 20.0, now=1.0)[0] == FailReason.BAD_HANDLE
@@ -46,7 +48,7 @@ def test_lease_lifecycle():
     assert t.release("a", "imp").block_ids == [1, 2]
     assert t.claim("a", "imp", [1, 2], 20.0, now=1.0)[0] == FailReason.ALREADY_CLAIMED
     assert t.claim("zzz", "imp", [1], 20.0, now=1.0)[0] == FailReason.UNKNOWN_REQUEST
-    assert not t.leases and not t._block_owner
+    assert not t.leases and t.num_leased_blocks() == 0
 
 
 def test_lease_expiry_and_abort():

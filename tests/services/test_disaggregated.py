@@ -123,6 +123,20 @@ def test_second_turn_pulls_only_what_the_first_left(cluster):
     assert first.token_ids + rest.token_ids == _normal(cluster, turn2, opts)
 
 
+def test_prompts_sharing_cached_blocks_are_leased_apart(cluster):
+    """Two prompts behind one prefix: the second's prefill hits the first's blocks while the
+    first's lease still holds them; both are handed off, pulled and released on their own."""
+    shared = _ids(48, seed=601)
+    a, b = shared + _ids(10, seed=602), shared + _ids(20, seed=603)
+    first_a = _prefill(cluster["prompt"], a, uuid.uuid4().hex)
+    first_b = _prefill(cluster["prompt"], b, uuid.uuid4().hex)  # a's lease is still held
+    assert first_b.num_cached_tokens == 48
+    rest_b = _decode(cluster["completion"], b, first_b)
+    rest_a = _decode(cluster["completion"], a, first_a)
+    assert first_a.token_ids + rest_a.token_ids == _normal(cluster, a)
+    assert first_b.token_ids + rest_b.token_ids == _normal(cluster, b)
+
+
 def test_completion_engine_queues_when_out_of_blocks(cluster):
     """Three 250-token prompts need 16-17 blocks each; the completion engine has 47: the third
     waits (LATER) until one finishes, then is served, with the right tokens."""
