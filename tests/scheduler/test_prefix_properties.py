@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from baton.scheduler import AllocStatus, EngineType, compute_block_keys
 
-from .utils import EOS, create_scheduler, drain
+from .utils import EOS, create_scheduler, drain, trace_samples
 
 BS = 4
 SEED = 77
@@ -94,13 +94,7 @@ def _run(mode: EngineType, ops, small_pool: bool) -> None:
         return out
 
     def book(out, seed):
-        width = 1 + (seed % 3)
-        rows = np.full((len(out), width), 7 + seed % 3, dtype=np.int32)
-        if width > 1:
-            rows[:, 1:] = np.where((np.arange(width - 1) + seed) % 2 == 0, 8, -1)
-        if seed % 5 == 0 and len(out):
-            rows[0, 0] = EOS
-        res = sched.process_outputs(out, rows)
+        res = sched.process_outputs(out, trace_samples(len(out), seed, 1 + seed % 3, 3, 5))
         handed.extend(rid for rid, _ in res.handed_off)
 
     for op, seed in ops:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from baton.scheduler import AllocStatus, EngineType
 
-from .utils import EOS, create_scheduler, drain
+from .utils import EOS, create_scheduler, drain, trace_samples
 
 OPS = ["add", "step", "schedule", "book", "abort", "fork", "drafts", "release", "prompted",
        "commit", "free_prompted"]
@@ -31,12 +30,7 @@ def _run(mode: EngineType, ops, stop_preempted: bool, state_slots: int, producti
 
     def book(out, seed):
         width = 1 if production else 1 + (seed % 3)
-        rows = np.full((len(out), width), 7 + seed % 5, dtype=np.int32)
-        if width > 1:
-            rows[:, 1:] = np.where((np.arange(width - 1) + seed) % 2 == 0, 8, -1)
-        if seed % 7 == 0 and len(out):
-            rows[0, 0] = EOS
-        res = sched.process_outputs(out, rows)
+        res = sched.process_outputs(out, trace_samples(len(out), seed, width, 5, 7))
         handed.extend(rid for rid, _ in res.handed_off)
 
     for op, seed in ops:

@@ -34,6 +34,18 @@ def sampled(out, token: int = 7) -> np.ndarray:
     return np.full(len(out), token, dtype=np.int32)
 
 
+def trace_samples(num_rows: int, seed: int, width: int, num_tokens: int,
+                  eos_every: int) -> np.ndarray:
+    """A random trace's sampled rows: token 7 + seed % num_tokens, draft columns accepted (8)
+    or rejected (-1) by turns, and EOS on row 0 when seed % eos_every == 0."""
+    rows = np.full((num_rows, width), 7 + seed % num_tokens, dtype=np.int32)
+    if width > 1:
+        rows[:, 1:] = np.where((np.arange(width - 1) + seed) % 2 == 0, 8, -1)
+    if seed % eos_every == 0 and num_rows:
+        rows[0, 0] = EOS
+    return rows
+
+
 def step(sched: Scheduler, token: int = 7):
     """One schedule() + process_outputs() with every sequence sampling `token`."""
     out = sched.schedule()
