@@ -194,7 +194,7 @@ class LLMEngine:
         """Model and KV layout identity: published in the registry, and the seed of the
         prefix-cache key chain, so two engines agree on a block's key only when they would
         agree on its bytes."""
-        return f"{Path(self.model_path).name}/{self.runner.kv_spec.fingerprint()}"
+        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}"
 
     @property
     def prefix_cache_seed(self) -> int:

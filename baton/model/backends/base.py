@@ -58,6 +58,3 @@ class Backend(Protocol):
         D] and return attention of q [T, Hq, D] over each sequence's context: [T, Hq, D]."""
 
     def finish_step(self, meta: Any) -> None: ...
-
-    def reset(self) -> None:
-        """Forget any state kept across steps (another pool, or sequences without ids)."""

@@ -261,9 +261,6 @@ class CPUBackend:
             for g in meta.decode.groups:
                 g.group.commit(g.rows, g.lens)
 
-    def reset(self) -> None:
-        self.decode_rows.reset()
-
 
 class PortableBackend(CPUBackend):
     """Plain torch ops on any device (CUDA included): the CPU backend's attention without its
