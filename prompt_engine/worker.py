@@ -56,8 +56,9 @@ class PromptWorker(EngineWorker):
         for out in self.engine.step():
             delta = to_delta(out)
             if out.handed_off_block_ids is not None:
-                keys = self.engine.scheduler.block_keys(out.request_id) \
-                    if self.engine.config.enable_prefix_caching else ()
+                # The keys name the blocks' contents whether or not this engine caches: a
+                # completion engine that does can reuse what it holds.
+                keys = self.engine.scheduler.block_keys(out.request_id)
                 delta.kv_handle = self.handoff.hold(out.request_id, out.handed_off_block_ids,
                                                     out.num_prompt_tokens,
                                                     [int(k) for k in keys])
