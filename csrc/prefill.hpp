@@ -11,7 +11,10 @@ namespace baton {
 inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_prefill_() {
   auto out = acquire_(output_pool_);
   out->prompt_run = true;
-  int num_curr_seqs = static_cast<int>(running.size());
+  // S19 counts every sequence that holds an info slot: the running ones and the prompts a
+  // step not booked yet admitted (they join `running` at booking). Counting `running` alone
+  // let two prefill steps scheduled back to back admit past max_num_seqs.
+  int num_curr_seqs = num_used_info_slots_;
   int64_t sum_k_remain = cfg_.prefill_max_sum_seqlen_k > 0 ? cfg_.prefill_max_sum_seqlen_k
                                                            : std::numeric_limits<int64_t>::max();
   int num_batched = 0;

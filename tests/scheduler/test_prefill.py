@@ -112,6 +112,26 @@ def test_s19_three_limits_in_order() -> None:
     drain(sched)
 
 
+def test_s19_counts_prompts_admitted_by_an_unbooked_step() -> None:
+    # Two prefill steps scheduled before either is booked (the engine schedules ahead): the
+    # second may admit only up to max_num_seqs counting the first step's prompts, which join
+    # `running` at booking. Counting `running` alone admitted 6 of max 4.
+    sched = create_scheduler(max_num_seqs=4, prefill_attempt_interval=2)
+    add_requests(sched, create_requests(2, prefix="a"))
+    for _ in range(3):
+        step(sched)
+    add_requests(sched, create_requests(4, prefix="b", start_token=300))
+    first, second = sched.schedule(), sched.schedule()
+    assert first.prompt_run and len(first) == 2
+    assert sched.num_used_info_slots() == 4
+    sched.process_outputs(first, sampled(first))
+    sched.process_outputs(second, sampled(second))
+    assert sched.num_running() == 4 and sched.num_waiting() == 2
+    step(sched)
+    sched.check_invariants()
+    drain(sched)
+
+
 def test_s20_cp_alignment() -> None:
     sched = create_scheduler(cp_size=2, max_num_batched_tokens=2047)
     sched.add_sequence("a", [10] * 3000, 1)
