@@ -282,6 +282,10 @@ class Scheduler:
     def num_handed_off(self) -> int:
         return self._impl.num_handed_off()
 
+    def num_preemptions(self) -> int:
+        """S27 preemptions since start (terminated or recomputed)."""
+        return self._impl.num_preemptions()
+
     def has_unfinished(self) -> bool:
         return self._impl.has_unfinished()
 

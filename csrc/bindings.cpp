@@ -317,6 +317,7 @@ PYBIND11_MODULE(_scheduler, m) {
       .def("num_running", &Scheduler::num_running)
       .def("num_prompted", &Scheduler::num_prompted)
       .def("num_handed_off", &Scheduler::num_handed_off)
+      .def("num_preemptions", &Scheduler::num_preemptions)
       .def("num_allocated_prompted", &Scheduler::num_allocated_prompted)
       .def("num_used_info_slots", &Scheduler::num_used_info_slots)
       .def("has_unfinished", &Scheduler::has_unfinished)

@@ -195,6 +195,7 @@ inline void Scheduler::append_slot_(Sequence &seq, int n) {
 // S27: terminate, or recompute from the head of `waiting`. A grammar matcher
 // cannot be replayed, so structured output is never recomputed.
 inline void Scheduler::preempt_(const SequencePtr &seq, SchedulerOutputs &out) {
+  ++num_preemptions_;
   register_blocks_(*seq);  // P6: before reset_for_recompute forgets the KV
   free_info_slot_(*seq);
   // Freed at once, as the article's free_seq_nolock: only steps scheduled after

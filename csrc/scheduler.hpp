@@ -113,6 +113,8 @@ class Scheduler {
   int num_handed_off() const { return static_cast<int>(handed_off_.size()); }
   int num_allocated_prompted() const { return static_cast<int>(allocated_.size()); }
   int num_used_info_slots() const { return num_used_info_slots_; }
+  // S27 preemptions since start, terminated or recomputed (an operator's figure).
+  int64_t num_preemptions() const { return num_preemptions_; }
   bool has_unfinished() const {
     return !waiting.empty() || !running.empty() || !prompted.empty() || !allocated_.empty();
   }
@@ -305,6 +307,7 @@ class Scheduler {
   std::vector<int> free_info_slots_;
   int next_info_slot_{0};
   int num_used_info_slots_{0};
+  int64_t num_preemptions_{0};
   static constexpr size_t kPoolSize = 4;  // two steps in flight, plus what a caller keeps a while
   std::vector<std::shared_ptr<SchedulerOutputs>> output_pool_;
   std::vector<std::shared_ptr<ProcessResult>> result_pool_;

@@ -24,11 +24,13 @@ def test_s26_lcfs_order_and_preemption_from_the_head() -> None:
     with pytest.raises(ValueError, match="exceed num_speculative_tokens=0"):
         sched.set_draft_tokens("r0", [5])  # drafts are off here
     assert sched.num_free_blocks() == 1
+    assert sched.num_preemptions() == 0
     out, _ = step(sched)  # 17 tokens: each needs a second block; 1 free
     # youngest first from the tail: r2 takes the free block, r1 gets the block of
     # the oldest, r0, preempted from the head
     assert out.finished == [("r0", "insufficient_system_resource")]
     assert out.request_ids == ["r2", "r1"]
+    assert sched.num_preemptions() == 1
     assert sched.running_ids() == ["r1", "r2"]
     drain(sched)
 

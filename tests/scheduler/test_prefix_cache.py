@@ -153,6 +153,7 @@ def test_p6_abort_and_preempt_keep_shared_ref_counts() -> None:
         if out.finished or sched.num_waiting():
             break
     assert sched.num_waiting() == 1
+    assert sched.num_preemptions() == 1  # recomputed, counted all the same
     victim = sched.waiting_ids()[0]
     survivor = ({"a", "c"} - {victim}).pop()
     assert sched.sequence_info(victim)["block_table"] == []
