@@ -25,6 +25,9 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--port", type=int, default=0, help="request socket port (0 = ephemeral)")
     g.add_argument("--advertise-host", default="",
                    help="address other hosts use to reach this engine (default: --host)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0 = off; with "
+                   "data parallelism rank r uses PORT + r)")
     g.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", ""),
                    help="registry; empty = no registry (static configuration)")
     g.add_argument("--registry-prefix", default="baton")

@@ -18,6 +18,7 @@ import torch
 
 from baton.dp import DPConfig, DPGroup
 from baton.launcher import die_with_parent, engine_threads, parse_cpus
+from baton.metrics import EngineMetrics
 from baton.registry import RegistryConfig, make_registry
 from baton.service import EngineService, ServiceConfig
 
@@ -47,7 +48,8 @@ def transfer_config(args: argparse.Namespace, role: str):
                           claim_ttl_s=max(60.0, 2 * args.kv_timeout))
 
 
-def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: str):
+def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: str,
+                 metrics: EngineMetrics | None = None):
     from baton.engine import LLMEngine
 
     engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min)
@@ -62,7 +64,8 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
                             advertise_host=args.advertise_host)
     from completion_engine.worker import CompletionWorker
 
-    return CompletionWorker(engine, transfer_config(args, role), engine_id)
+    return CompletionWorker(engine, transfer_config(args, role), engine_id,
+                            on_pull_result=metrics.on_pull if metrics is not None else None)
 
 
 def spawn_other_ranks(args: argparse.Namespace, argv: list[str]) -> list[subprocess.Popen]:
@@ -106,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
             os.sched_setaffinity(0, parse_cpus(args.cpus))
         dp = DPGroup(DPConfig(rank=rank, size=dp_size, master_addr=args.host,
                               master_port=getattr(args, "data_parallel_master_port", 0)))
-        worker = build_worker(args, role, dp, engine_id)
+        metrics = EngineMetrics(engine_id, role) if args.metrics_port else None
+        worker = build_worker(args, role, dp, engine_id, metrics)
         registry = None
         if args.redis_url:
             registry = make_registry(RegistryConfig(
@@ -115,7 +119,9 @@ def main(args: argparse.Namespace) -> int:
         service = EngineService(worker, ServiceConfig(
             engine_id=engine_id, host=args.host, port=port,
             drain_timeout_s=args.drain_timeout, heartbeat_s=args.registry_ttl / 3,
-            advertise_host=args.advertise_host), registry=registry, dp=dp)
+            advertise_host=args.advertise_host), registry=registry, dp=dp, metrics=metrics)
+        if metrics is not None:
+            metrics.serve(args.host, args.metrics_port + rank)
     except (ValueError, OSError) as exc:  # model not found, port in use, bad flag values
         print(f"baton {role} engine: {exc}", file=sys.stderr)
         return 1

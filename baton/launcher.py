@@ -40,6 +40,7 @@ class LaunchConfig:
     ready_timeout_s: float = 300.0
     engine_args: list[str] = field(default_factory=list)  # passed through to every engine
     pin_cpus: bool = True  # give each engine its own cores (see cpu_shares)
+    metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -151,6 +152,7 @@ class Launcher:
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url
         self.engine_addresses: dict[str, str] = {}
+        self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self._stopping = False
 
     def start(self) -> None:
@@ -185,9 +187,17 @@ class Launcher:
         argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
                 "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
-                *self._model_args(), *cfg.engine_args]
+                *self._model_args(), *self._metrics_args(engine_id), *cfg.engine_args]
         self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
         self.children.append(Child(engine_id, argv))
+
+    def _metrics_args(self, engine_id: str) -> list[str]:
+        # A --metrics-port among the engine flags would give every engine the same port.
+        if not self.config.metrics or "--metrics-port" in self.config.engine_args:
+            return []
+        port = free_port(self.config.host)
+        self.metrics_urls[engine_id] = f"http://{self.config.host}:{port}/metrics"
+        return ["--metrics-port", str(port)]
 
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
@@ -240,7 +250,10 @@ class Launcher:
         model = self.served_model()
         auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
-        lines += [f"  {name:<14} {addr}" for name, addr in self.engine_addresses.items()]
+        lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
+                                            if name in self.metrics_urls else "")
+                  for name, addr in self.engine_addresses.items()]
+        lines += [f"  {'router':<14} {base}/metrics"]
         lines += ["Try:",
                   f"  curl -s {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
                   f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
@@ -264,6 +277,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--no-cpu-pinning", action="store_true",
                    help="do not give each engine its own cores")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="do not serve the engines' Prometheus metrics")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -278,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             num_completion_engines=0 if normal else args.completion_engines,
             num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
             engine_args=[a for a in args.engine_args if a != "--"],
-            pin_cpus=not args.no_cpu_pinning)
+            pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics)
     except ValueError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ One process, one thread of control:
 4. SIGTERM/SIGINT: stop taking work (new requests finish at once with reason `abort` and an
    error), let in-flight work finish for `drain_timeout_s`, abort what is left, deregister from
    the registry, close the socket.
+With `metrics` (baton/metrics.py) the loop also publishes a stats snapshot for Prometheus at
+the registry-snapshot cadence, counts every finished request, and stops the HTTP server last.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Protocol
 import zmq
 
 from baton.dp import DPGroup
+from baton.metrics import EngineMetrics
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequest,
@@ -98,8 +101,9 @@ class _Counters:
 class EngineService:
     def __init__(self, worker: RoleWorker, config: ServiceConfig,
                  registry: Registry | None = None, ctx: zmq.Context | None = None,
-                 dp: DPGroup | None = None):
+                 dp: DPGroup | None = None, metrics: EngineMetrics | None = None):
         self.worker = worker
+        self.metrics = metrics
         self.dp = dp if dp is not None and dp.size > 1 else None
         self.config = config
         self.registry = registry
@@ -136,6 +140,8 @@ class EngineService:
             self._snapshot = self.record()
             self._heartbeat = Heartbeat(self.registry, lambda: self._snapshot,
                                         self.config.heartbeat_s).start()
+        if self.metrics is not None:
+            self.metrics.publish(self.stats())
         logger.info("%s engine %s listening on %s", self.worker.role, self.config.engine_id,
                     self.address)
         if on_ready:
@@ -149,6 +155,8 @@ class EngineService:
                 self._heartbeat.stop()
             self.worker.close()
             self.sock.close(0)
+            if self.metrics is not None:
+                self.metrics.close()
             logger.info("%s engine %s stopped", self.worker.role, self.config.engine_id)
 
     def _drain(self) -> None:
@@ -192,6 +200,8 @@ class EngineService:
         now = time.monotonic()
         if now - self._snapshot_at >= self._snapshot_every_s:
             self._snapshot, self._snapshot_at = self.record(), now
+            if self.metrics is not None:
+                self.metrics.publish(self.stats())
 
     def _recv(self) -> tuple[bytes | None, bytes]:
         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -248,6 +258,8 @@ class EngineService:
             elif delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
                 del self.req_to_identity[delta.req_id]
                 self.counters.num_requests_finished += 1
+                if self.metrics is not None:
+                    self.metrics.on_finished(delta.finish_reason or "handed_off")
             batches.setdefault(identity, []).append(delta)
         for identity, batch in batches.items():
             self._send(identity, EngineOutputs(batch))

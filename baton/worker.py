@@ -104,6 +104,7 @@ class EngineWorker:
         stats.extra["num_empty_prompt_steps"] = float(engine.num_empty_prompt_steps)
         stats.extra["num_decode_steps"] = float(engine.num_decode_steps)
         stats.extra["num_recomputed"] = float(engine.num_recomputed)
+        stats.extra["num_preemptions"] = float(sched.num_preemptions())
         cache = sched.prefix_cache_stats()
         stats.extra["prefix_cache_query_tokens"] = float(cache["query_tokens"])
         stats.extra["prefix_cache_hit_tokens"] = float(cache["hit_tokens"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -34,8 +35,11 @@ from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferState
 from kv_transfer.importer import KVImporter
+from kv_transfer.pulls import TransferResult
 
 logger = logging.getLogger(__name__)
+
+PullObserver = Callable[[TransferResult], None]  # every collected pull result (metrics)
 
 
 @dataclass
@@ -78,8 +82,10 @@ class Admission:
     """Prompts waiting for blocks (`queue`), prompts being pulled (`pulling`)."""
 
     def __init__(self, engine: LLMEngine, kv_cache: torch.Tensor, transfer: TransferConfig,
-                 fingerprint: kvproto.Fingerprint, engine_id: str):
+                 fingerprint: kvproto.Fingerprint, engine_id: str,
+                 on_pull_result: PullObserver | None = None):
         self.engine = engine
+        self.on_pull_result = on_pull_result
         self.importer = KVImporter(kv_cache, transfer, fingerprint, engine_id=engine_id)
         self.queue: collections.deque[_Admission] = collections.deque()
         self.pulling: dict[str, _Admission] = {}
@@ -144,6 +150,8 @@ class Admission:
     def _collect_pulls(self) -> list[TokenDelta]:
         deltas = []
         for result in self.importer.collect():
+            if self.on_pull_result is not None:
+                self.on_pull_result(result)
             adm = self.pulling.pop(result.request_id, None)
             if adm is None:
                 continue

@@ -19,7 +19,7 @@ from baton.engine import LLMEngine
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
 from baton.registry import EngineRecord
 from baton.worker import EngineWorker, error_delta, to_sampling_params
-from completion_engine.admission import Admission
+from completion_engine.admission import Admission, PullObserver
 from kv_transfer.config import TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -28,10 +28,11 @@ logger = logging.getLogger(__name__)
 class CompletionWorker(EngineWorker):
     role = "completion"
 
-    def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str):
+    def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
+                 on_pull_result: PullObserver | None = None):
         super().__init__(engine)
         self.admission = Admission(engine, engine.kv_cache, transfer, self.kv_fingerprint(),
-                                   engine_id)
+                                   engine_id, on_pull_result)
 
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         try:

@@ -4,6 +4,7 @@ missing model gives one clear message and leaves nothing running."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from baton.launcher import cpu_shares, parse_cpus
 from baton.redis_server import free_port
@@ -86,6 +88,16 @@ def test_up_serves_and_ctrl_c_stops_every_child():
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"].strip().startswith("Paris")
+        # Every engine's Prometheus endpoint is in the banner and counted the request.
+        urls = re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", banner)
+        assert len(urls) == 2, banner
+        finished = {}
+        for url in urls:
+            families = text_string_to_metric_families(httpx.get(url, timeout=10).text)
+            for sample in next(f for f in families if f.name == "baton_request_success").samples:
+                if sample.name.endswith("_total"):
+                    finished[sample.labels["role"], sample.labels["finished_reason"]] = sample.value
+        assert finished == {("prompt", "handed_off"): 1, ("completion", "length"): 1}, finished
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)

@@ -1,0 +1,186 @@
+"""Prometheus metrics of one engine process, served on `--metrics-port` (names after vLLM's).
+
+Who writes what, given that only the service loop thread may touch the scheduler and the
+worker (neither is thread-safe):
+1. At the registry-snapshot cadence (baton/service.py) the loop publishes an `EngineStats`
+   snapshot (`publish`); a custom collector turns the latest one into gauges and into the
+   counters the engine already keeps (prefix cache, preemptions, tokens, KV leases and pulls)
+   when Prometheus scrapes, on the HTTP thread. Publishing swaps one reference: no lock.
+2. Events the loop sees itself go into prometheus_client's own (thread-safe) objects: every
+   finished request by finish reason (`on_finished`), every finished KV pull's duration
+   (`on_pull`, a completion engine's admission).
+3. `serve` starts prometheus_client's HTTP server in a daemon thread bound to the engine's
+   --host; `close` stops it (the service loop's shutdown).
+Every sample carries the `engine_id` and `role` labels. Each engine has a registry of its own,
+so several engines in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+from baton.protocol import EngineStats
+from kv_transfer.errors import FailReason, TransferState
+from kv_transfer.pulls import TransferResult
+
+logger = logging.getLogger(__name__)
+
+LABELS = ("engine_id", "role")
+# A pull is handshake (first time per peer) + claim round trip + NIXL READ: milliseconds on
+# one host, up to the --kv-timeout (30 s) when a peer is slow.
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0)
+# A client's abort is not a transfer failure; everything else the importer reports is.
+_NOT_FAILURES = {FailReason.ABORTED.value}
+
+# (name, help, stats field or extra key) of the counters mirrored from the snapshot, per role.
+_COUNTERS = [
+    ("baton_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     "prefix_cache_query_tokens"),
+    ("baton_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+     "prefix_cache_hit_tokens"),
+    ("baton_num_preemptions", "Sequences preempted for lack of KV blocks (recomputed on "
+     "normal and prompt engines, finished insufficient_system_resource on completion engines)",
+     "num_preemptions"),
+    ("baton_prompt_tokens", "Prompt tokens computed by prefill (cached tokens excluded, "
+     "recomputed ones included)", "num_prompt_tokens"),
+    ("baton_generation_tokens", "Tokens sampled by this engine", "num_generated_tokens"),
+]
+_PROMPT_COUNTERS = [
+    ("baton_kv_leases_held", "Prompts whose KV blocks were put under a lease for a completion "
+     "engine", "kv_leases_held"),
+    ("baton_kv_leases_expired", "KV leases that ended by their deadline: never claimed, or "
+     "claimed and never released", ("kv_leases_expired", "kv_claims_expired")),
+]
+_COMPLETION_COUNTERS = [
+    ("baton_kv_transfer_bytes", "KV bytes pulled from prompt engines", "kv_bytes_total"),
+    ("baton_kv_blocks_pulled", "KV blocks pulled from prompt engines", "kv_blocks_pulled"),
+    ("baton_kv_blocks_reused", "Prompt KV blocks found in this engine's prefix cache instead "
+     "of pulled", "kv_blocks_reused"),
+]
+_FAILED_PREFIX = "kv_failed_"  # the importer's per-reason failure counters, in stats.extra
+
+
+def _value(stats: EngineStats, key: str | tuple[str, ...]) -> float:
+    if isinstance(key, tuple):
+        return sum(_value(stats, k) for k in key)
+    if hasattr(stats, key):
+        return float(getattr(stats, key))
+    return float(stats.extra.get(key, 0.0))
+
+
+class _SnapshotCollector(Collector):
+    """Families built from the latest published `EngineStats` at scrape time."""
+
+    def __init__(self, engine_id: str, role: str) -> None:
+        self.labels = [engine_id, role]
+        self.role = role
+        self.snapshot: EngineStats | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.snapshot
+        if stats is None:
+            return
+        yield self._gauge("baton_num_requests_running", "Sequences in the running queue",
+                          stats.num_running)
+        yield self._gauge("baton_num_requests_waiting", "Requests waiting to be scheduled "
+                          "(and, on a completion engine, for blocks or for their KV pull)",
+                          stats.num_waiting)
+        total = stats.num_total_blocks
+        used = (total - stats.num_free_blocks) / total if total else 0.0
+        yield self._gauge("baton_kv_cache_usage_perc", "KV-cache usage: 1 means every block "
+                          "is in use (cached-free blocks count as free)", used)
+        counters = list(_COUNTERS)
+        if self.role == "prompt":
+            counters += _PROMPT_COUNTERS
+            yield self._gauge("baton_kv_leases_active", "Handed-off prompts whose KV blocks "
+                              "are still under a lease", _value(stats, "kv_leases_active"))
+        if self.role == "completion":
+            counters += _COMPLETION_COUNTERS
+            yield self._failures(stats)
+        for name, text, key in counters:
+            family = CounterMetricFamily(name, text, labels=LABELS)
+            family.add_metric(self.labels, _value(stats, key))
+            yield family
+
+    def _gauge(self, name: str, text: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, text, labels=LABELS)
+        family.add_metric(self.labels, float(value))
+        return family
+
+    def _failures(self, stats: EngineStats) -> CounterMetricFamily:
+        family = CounterMetricFamily("baton_kv_transfer_failures", "KV pulls that failed, by "
+                                     "reason (peer_gone, lease_expired, timeout, ...)",
+                                     labels=[*LABELS, "reason"])
+        for key, value in sorted(stats.extra.items()):
+            reason = key.removeprefix(_FAILED_PREFIX)
+            if key.startswith(_FAILED_PREFIX) and reason not in _NOT_FAILURES:
+                family.add_metric([*self.labels, reason], value)
+        return family
+
+
+class EngineMetrics:
+    """One engine's registry, its collectors, and (after `serve`) its HTTP server."""
+
+    def __init__(self, engine_id: str, role: str) -> None:
+        self.registry = CollectorRegistry()
+        self._snapshot = _SnapshotCollector(engine_id, role)
+        self.registry.register(self._snapshot)
+        labels = [engine_id, role]
+        self._finished = Counter("baton_request_success", "Requests finished, by finish "
+                                 "reason (handed_off: a prompt left with its KV handle)",
+                                 [*LABELS, "finished_reason"], registry=self.registry)
+        self._labels = labels
+        self._transfer_seconds = None
+        if role == "completion":
+            self._transfer_seconds = Histogram(
+                "baton_kv_transfer_seconds", "One KV pull, start to result: handshake (first "
+                "time per peer), claim, NIXL READ", LABELS, buckets=_TRANSFER_BUCKETS,
+                registry=self.registry).labels(*labels)
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
+
+    # ---- the service loop's thread ----
+
+    def publish(self, stats: EngineStats) -> None:
+        """The snapshot the next scrapes read; the caller must not change it afterwards."""
+        self._snapshot.snapshot = stats
+
+    def on_finished(self, reason: str) -> None:
+        self._finished.labels(*self._labels, reason).inc()
+
+    def on_pull(self, result: TransferResult) -> None:
+        """A finished KV pull (the admission's collect): its duration when it succeeded."""
+        if self._transfer_seconds is not None and result.state == TransferState.DONE:
+            self._transfer_seconds.observe(result.seconds)
+
+    # ---- exposition ----
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics on host:port (a daemon thread); OSError when the port is taken."""
+        if not 0 < port < 65536:
+            raise ValueError(f"metrics port must be in [1, 65535], got {port}")
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+        logger.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        """Stop the HTTP server (idempotent)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
