@@ -160,6 +160,7 @@ def test_container_ports_match_the_ports_given_on_the_command_line():
     for _, c in baton_containers():
         args = parsed(c)
         wanted = {args.port} | ({args.side_channel_port} if "side_channel_port" in args else set())
+        wanted |= {args.metrics_port} if getattr(args, "metrics_port", 0) else set()
         assert set(ports_of(c).values()) == wanted, c["name"]
         assert 0 not in wanted, f"{c['name']}: an ephemeral port cannot be declared"
 
@@ -189,6 +190,23 @@ def test_engine_probes_are_baton_probe_on_the_engine_port():
             assert probe.command == "probe"
             assert probe.address == f"tcp://127.0.0.1:{port}", (c["name"], kind)
             assert c[kind].get("timeoutSeconds", 1) > probe.timeout, "probe must time out first"
+
+
+def test_pods_are_annotated_for_prometheus_on_their_metrics_port():
+    """Engines serve /metrics on --metrics-port (a named container port), the router on its
+    own port; the pod annotations Prometheus' kubernetes_sd relabelling reads must agree."""
+    for deployment, c in baton_containers():
+        args, command = parsed(c), argv_of(c)[0]
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+        if command in ENGINE_COMMANDS:
+            assert args.metrics_port, f"{c['name']}: engines must serve metrics"
+            assert ports_of(c).get("metrics") == args.metrics_port, c["name"]
+            port = args.metrics_port
+        else:
+            port = args.port
+        assert annotations.get("prometheus.io/scrape") == "true", deployment["metadata"]["name"]
+        assert annotations.get("prometheus.io/port") == str(port), deployment["metadata"]["name"]
+        assert annotations.get("prometheus.io/path") == "/metrics"
 
 
 def test_router_probes_are_http_on_the_router_port():
