@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from baton.engine_client import EngineClient
 from baton.protocol import SamplingOptions
@@ -17,10 +19,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_skewed_load_agree_on_every_step(tmp_path):
-    port, master = free_port(), free_port()
+    port, master, metrics_port = free_port(), free_port(), free_port()
     rank0 = EngineProcess("engine", "dp", tmp_path, port=port, args=[
         "--num-blocks", "96", "--max-num-batched-tokens", "64",
-        "--data-parallel-size", "2", "--data-parallel-master-port", str(master)])
+        "--data-parallel-size", "2", "--data-parallel-master-port", str(master),
+        "--metrics-port", str(metrics_port)])
     rank1_address = f"tcp://127.0.0.1:{port + 1}"
     rank1 = EngineProcess.__new__(EngineProcess)  # started by rank 0; only its address is ours
     rank1.engine_id, rank1.address, rank1.proc = "dp-dp1", rank1_address, rank0.proc
@@ -45,5 +48,14 @@ def test_two_ranks_skewed_load_agree_on_every_step(tmp_path):
         # Rank 1 had one prompt and rank 0 several prefill steps: rank 1 ran empty ones.
         assert s1.extra["num_empty_prompt_steps"] >= 2
         assert s0.extra["num_prompt_steps"] >= 4
+        # Each rank serves its own metrics, rank r on --metrics-port + r.
+        for rank, num_requests in ((0, 4), (1, 1)):
+            url = f"http://127.0.0.1:{metrics_port + rank}/metrics"
+            families = text_string_to_metric_families(httpx.get(url, timeout=10).text)
+            (finished,) = [s for f in families if f.name == "baton_request_success"
+                           for s in f.samples if s.name.endswith("_total")]
+            assert finished.labels == {"engine_id": f"dp-dp{rank}", "role": "normal",
+                                       "finished_reason": "length"}
+            assert finished.value == num_requests
     finally:
         rank0.stop()
