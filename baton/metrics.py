@@ -6,9 +6,10 @@ worker (neither is thread-safe):
    snapshot (`publish`); a custom collector turns the latest one into gauges and into the
    counters the engine already keeps (prefix cache, preemptions, tokens, KV leases and pulls)
    when Prometheus scrapes, on the HTTP thread. Publishing swaps one reference: no lock.
-2. Events the loop sees itself go into prometheus_client's own (thread-safe) objects: every
-   finished request by finish reason (`on_finished`), every finished KV pull's duration
-   (`on_pull`, a completion engine's admission).
+2. Events the loop sees itself go into prometheus_client's own (thread-safe) objects: a
+   request's arrival (`on_arrival`) and each delta sent for it (`on_delta`: time to its first
+   token, time per output token, end to end, finished requests by reason), every finished KV
+   pull's duration (`on_pull`, a completion engine's admission).
 3. `serve` starts prometheus_client's HTTP server in a daemon thread bound to the engine's
    --host; `close` stops it (the service loop's shutdown).
 Every sample carries the `engine_id` and `role` labels. Each engine has a registry of its own,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -26,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from baton.protocol import EngineStats
+from baton.protocol import EngineStats, TokenDelta
 from kv_transfer.errors import FailReason, TransferState
 from kv_transfer.pulls import TransferResult
 
@@ -37,6 +39,9 @@ LABELS = ("engine_id", "role")
 # one host, up to the --kv-timeout (30 s) when a peer is slow.
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # A client's abort is not a transfer failure; everything else the importer reports is.
 _NOT_FAILURES = {FailReason.ABORTED.value}
 
@@ -138,12 +143,23 @@ class EngineMetrics:
                                  "reason (handed_off: a prompt left with its KV handle)",
                                  [*LABELS, "finished_reason"], registry=self.registry)
         self._labels = labels
+        self._ttft = self._histogram(
+            "baton_time_to_first_token_seconds", "A request's arrival at this engine to its first "
+            "token delta (a completion engine's first decoded token: the KV pull included)",
+            _TTFT_BUCKETS)
+        self._tpot = self._histogram(
+            "baton_time_per_output_token_seconds", "Time between two token deltas of a request, "
+            "per token", _TPOT_BUCKETS)
+        self._e2e = self._histogram(
+            "baton_e2e_request_latency_seconds", "A request's arrival at this engine to its last "
+            "delta (a prompt engine's: the hand-off)", _E2E_BUCKETS)
+        # req_id -> (arrival, last token delta or 0.0); the service forgets what it drops.
+        self._times: dict[str, tuple[float, float]] = {}
         self._transfer_seconds = None
         if role == "completion":
-            self._transfer_seconds = Histogram(
-                "baton_kv_transfer_seconds", "One KV pull, start to result: handshake (first "
-                "time per peer), claim, NIXL READ", LABELS, buckets=_TRANSFER_BUCKETS,
-                registry=self.registry).labels(*labels)
+            self._transfer_seconds = self._histogram(
+                "baton_kv_transfer_seconds", "One successful KV pull, start to result: "
+                "handshake (first time per peer), claim, NIXL READ", _TRANSFER_BUCKETS)
         self._server = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -154,13 +170,38 @@ class EngineMetrics:
         """The snapshot the next scrapes read; the caller must not change it afterwards."""
         self._snapshot.snapshot = stats
 
-    def on_finished(self, reason: str) -> None:
-        self._finished.labels(*self._labels, reason).inc()
+    def on_arrival(self, req_id: str) -> None:
+        self._times[req_id] = (time.monotonic(), 0.0)
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        """A delta the service sends for a request it tracks (after `on_arrival`)."""
+        times = self._times.get(delta.req_id)
+        if times is None:
+            return
+        now, (arrived, last) = time.monotonic(), times
+        if delta.token_ids:
+            if last:
+                self._tpot.observe((now - last) / len(delta.token_ids))
+            else:
+                self._ttft.observe(now - arrived)
+            self._times[delta.req_id] = (arrived, now)
+        if delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
+            del self._times[delta.req_id]
+            self._e2e.observe(now - arrived)
+            self._finished.labels(*self._labels, delta.finish_reason or "handed_off").inc()
+
+    def forget(self, req_id: str) -> None:
+        """A request the service dropped without a final delta (its router is gone)."""
+        self._times.pop(req_id, None)
 
     def on_pull(self, result: TransferResult) -> None:
         """A finished KV pull (the admission's collect): its duration when it succeeded."""
         if self._transfer_seconds is not None and result.state == TransferState.DONE:
             self._transfer_seconds.observe(result.seconds)
+
+    def _histogram(self, name: str, text: str, buckets: tuple[float, ...]):
+        return Histogram(name, text, LABELS, buckets=buckets,
+                         registry=self.registry).labels(*self._labels)
 
     # ---- exposition ----
 

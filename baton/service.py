@@ -14,7 +14,8 @@ One process, one thread of control:
    error), let in-flight work finish for `drain_timeout_s`, abort what is left, deregister from
    the registry, close the socket.
 With `metrics` (baton/metrics.py) the loop also publishes a stats snapshot for Prometheus at
-the registry-snapshot cadence, counts every finished request, and stops the HTTP server last.
+the registry-snapshot cadence, times and counts every request it tracks, and stops the HTTP
+server last.
 """
 
 from __future__ import annotations
@@ -242,6 +243,8 @@ class EngineService:
             return
         self.counters.num_requests += 1
         self.req_to_identity[req.req_id] = identity
+        if self.metrics is not None:
+            self.metrics.on_arrival(req.req_id)
         self._send_all(self.worker.add_request(req))
 
     # --- replies ---------------------------------------------------------------------------
@@ -250,6 +253,8 @@ class EngineService:
         tracked goes to `fallback`, or nowhere (it was already finished and forgotten)."""
         batches: dict[bytes, list[TokenDelta]] = {}
         for delta in deltas:
+            if self.metrics is not None:
+                self.metrics.on_delta(delta)  # of the requests it saw arrive; others pass
             identity = self.req_to_identity.get(delta.req_id)
             if identity is None:
                 if fallback is None:
@@ -258,8 +263,6 @@ class EngineService:
             elif delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
                 del self.req_to_identity[delta.req_id]
                 self.counters.num_requests_finished += 1
-                if self.metrics is not None:
-                    self.metrics.on_finished(delta.finish_reason or "handed_off")
             batches.setdefault(identity, []).append(delta)
         for identity, batch in batches.items():
             self._send(identity, EngineOutputs(batch))
@@ -278,6 +281,8 @@ class EngineService:
         for req_id, ident in list(self.req_to_identity.items()):
             if ident == identity:
                 self.req_to_identity.pop(req_id, None)
+                if self.metrics is not None:
+                    self.metrics.forget(req_id)
                 self.worker.abort_request(req_id)
 
     # --- introspection ---------------------------------------------------------------------

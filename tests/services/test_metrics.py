@@ -156,13 +156,20 @@ def test_counters_move_by_what_two_turns_did(cluster):
               ("baton_prefix_cache_hits_total", ()): 32,
               ("baton_prompt_tokens_total", ()): 40 + 8,
               ("baton_generation_tokens_total", ()): 2,
-              ("baton_kv_leases_held_total", ()): 2}
+              ("baton_kv_leases_held_total", ()): 2,
+              ("baton_time_to_first_token_seconds_count", ()): 2,
+              ("baton_time_per_output_token_seconds_count", ()): 0,
+              ("baton_e2e_request_latency_seconds_count", ()): 2}
     want_c = {("baton_request_success_total", length): 2,
               ("baton_kv_transfer_seconds_count", ()): 2,
               ("baton_kv_blocks_pulled_total", ()): 3 + 1,
               ("baton_kv_blocks_reused_total", ()): 2,
               ("baton_kv_transfer_bytes_total", ()): 4 * BLOCK_BYTES,
-              ("baton_generation_tokens_total", ()): 2 * 3}
+              ("baton_generation_tokens_total", ()): 2 * 3,
+              # 3 tokens decoded, one delta each: the first, then two intervals.
+              ("baton_time_to_first_token_seconds_count", ()): 2,
+              ("baton_time_per_output_token_seconds_count", ()): 2 * 2,
+              ("baton_e2e_request_latency_seconds_count", ()): 2}
     assert _settled(prompt, before_p, want_p) == want_p
     assert _settled(completion, before_c, want_c) == want_c
     after_c = scrape(completion)
