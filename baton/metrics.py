@@ -138,11 +138,10 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self._snapshot = _SnapshotCollector(engine_id, role)
         self.registry.register(self._snapshot)
-        labels = [engine_id, role]
+        self._labels = [engine_id, role]
         self._finished = Counter("baton_request_success", "Requests finished, by finish "
                                  "reason (handed_off: a prompt left with its KV handle)",
                                  [*LABELS, "finished_reason"], registry=self.registry)
-        self._labels = labels
         self._ttft = self._histogram(
             "baton_time_to_first_token_seconds", "A request's arrival at this engine to its first "
             "token delta (a completion engine's first decoded token: the KV pull included)",
