@@ -8,8 +8,8 @@ A request's life in the engine:
    decode step over `running`) and allocates blocks; the model runner runs it, writing K/V into
    the pool, and samples the rows whose context is complete; `process_outputs` books the tokens.
 3. When the pool runs out, the scheduler preempts the youngest sequence and puts it back in
-   `waiting`; it is later prefilled again from prompt + tokens so far (recompute). Its seeded
-   generator is untouched by that, so its output does not change.
+   `waiting`; it is later prefilled again from prompt + tokens so far (recompute). A seeded
+   draw depends only on (seed, sample_index, output position), so its output does not change.
 4. EOS / stop token / max_tokens finish it (`process_outputs().finished`); `abort_request` finishes
    it at once. Either way its blocks go back to the pool and the last output says why. In PROMPT
    mode a finished prompt may instead leave with its blocks (`handed_off_block_ids`): the prompt
@@ -124,7 +124,6 @@ class _Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -265,19 +264,14 @@ class LLMEngine:
     def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
               seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = ()) -> None:
         """Register a request the scheduler already holds as `seq_id`. `token_ids` were sampled
-        elsewhere (a prompt engine's first token): a seeded generator draws once for each, so
-        the request samples what it would have on a single engine."""
+        elsewhere (a prompt engine's first token): they count as outputs, so the request's
+        next draw is at the position it would have had on a single engine."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        req = _Request(request_id, prompt_token_ids, params,
-                       params.make_generator(self.runner.device), seq_id=seq_id)
+        req = _Request(request_id, prompt_token_ids, params, seq_id=seq_id)
         req.token_ids.extend(int(t) for t in token_ids)
         if params.logprobs:
             req.logprobs.extend(float(lp) for lp in logprobs)
-        if req.generator is not None:
-            for _ in token_ids:
-                torch.multinomial(torch.ones(self.model_config.vocab_size), 1,
-                                  generator=req.generator)
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
 
@@ -330,7 +324,7 @@ class LLMEngine:
         complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
         sampled, logprobs = self.runner.execute(
             sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
-            [r.generator for r in reqs], [r.prompt_token_ids for r in reqs],
+            [r.prompt_token_ids for r in reqs],
             [r.token_ids for r in reqs])
         result = self.scheduler.process_outputs(sched_out, sampled)
         for req, accepted, token, logprob in zip(reqs, np.asarray(result.num_accepted),

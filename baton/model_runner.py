@@ -71,12 +71,11 @@ class ModelRunner:
 
     def execute(self, sched_out, seq_ids: np.ndarray,
                 params: Sequence[SamplingParams | None],
-                generators: Sequence[torch.Generator | None],
                 prompt_token_ids: Sequence[Sequence[int]],
                 output_token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
         does not end its prompt; it gets a dummy 0, which the scheduler ignores, and draws
-        nothing); penalties and min_tokens read each row's prompt and output ids so far.
+        nothing); penalties, min_tokens and seeds read each row's prompt and output ids so far.
         Returns (token ids int32 [n], their log-probs fp32 [n])."""
         logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
                               sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
@@ -87,7 +86,6 @@ class ModelRunner:
         rows = [i for i, p in enumerate(params) if p is not None]
         if rows:
             ids, lps = self.sampler(logits[rows], [params[i] for i in rows],
-                                    [generators[i] for i in rows],
                                     prompt_token_ids=[prompt_token_ids[i] for i in rows],
                                     output_token_ids=[output_token_ids[i] for i in rows])
             sampled[rows] = ids.cpu().numpy()

@@ -39,6 +39,7 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     logit_bias: dict[int, float] = {}  # token id -> bias in [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids are masked before this many outputs
     min_p: float = 0.0
+    sample_index: int = 0  # which choice of the request (n > 1): part of a seeded draw
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):

@@ -1,8 +1,14 @@
 """Sampling parameters and a batched sampler (greedy, temperature, top-k, top-p, min-p,
 per-request seed, penalties, logit bias, min_tokens).
 
-A seeded request owns a `torch.Generator`: its draws depend only on its seed and how many tokens
-it has sampled, never on what else shares the batch, so the same seed gives the same tokens.
+Every non-greedy row draws by inverse CDF: one uniform number u per row, the token whose
+cumulative probability first exceeds u. A seeded row's u is a splitmix64 hash of (seed,
+sample_index, output position) and nothing else, so its token depends only on those and its
+logits: not on the batch, nor on which engine samples it, nor on how often the request was
+preempted and recomputed or migrated (the position counts the outputs generated before, on
+whatever engine). An unseeded row's u comes from torch's generator. One batched cumsum and
+searchsorted replaces a multinomial per row, which costs far more on CPU (bench figures in
+the commit that made this change).
 
 The logits of a row go through, in vLLM's order: logit_bias, the min_tokens mask (EOS and stop
 ids at -inf while fewer than min_tokens outputs exist), repetition_penalty (over prompt and
@@ -36,7 +42,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = all
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
-    seed: int | None = None  # private generator: same seed, same tokens
+    seed: int | None = None  # same seed, same tokens (a hash of seed, index, position)
     max_tokens: int = 16  # tokens to generate at most
     stop_token_ids: tuple[int, ...] = ()  # finish (reason "stop") on any of these
     ignore_eos: bool = False  # keep going past the model's EOS tokens
@@ -47,6 +53,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many outputs
     min_p: float = 0.0  # drop tokens below min_p times the top token's probability
+    # Which choice of a request this is (n > 1 forks one prompt into choices 0..n-1): mixed
+    # into a seeded row's randomness so choices of one seed differ, each one reproducibly.
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -57,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if not isinstance(self.sample_index, int) or self.sample_index < 0:
+            raise ValueError(f"sample_index must be a non-negative int, got {self.sample_index!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -96,13 +107,24 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _EPS
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """A fresh generator for a seeded, non-greedy request; None otherwise."""
-        if self.seed is None or self.is_greedy:
-            return None
-        gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed)
-        return gen
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, sample_index: int, position: int) -> float:
+    """The uniform in [0, 1) a seeded row draws with at output `position` (0 = the first token):
+    splitmix64 chained over the three, its top 24 bits (exact in fp32, where the CDF lives)."""
+    x = _splitmix64(seed & _MASK64)
+    x = _splitmix64(x ^ (sample_index & _MASK64))
+    x = _splitmix64(x ^ (position & _MASK64))
+    return (x >> 40) / float(1 << 24)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
@@ -130,29 +152,28 @@ class Sampler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
                  output_token_ids: Sequence[Sequence[int]] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits fp32 [n, vocab] -> (token ids int64 [n], their log-probs fp32 [n]).
 
         Log-probs are of the model's distribution (before bias, penalties, temperature, top-k,
-        top-p, min-p). `generators[i]` (from `SamplingParams.make_generator`) drives row i when
-        given. `prompt_token_ids[i]` / `output_token_ids[i]` are row i's prompt and its outputs
-        so far; penalties and min_tokens need them (a request using those without them is an
-        error), plain sampling does not.
+        top-p, min-p). `prompt_token_ids[i]` / `output_token_ids[i]` are row i's prompt and its
+        outputs so far; penalties, min_tokens and a seed (whose draw depends on the number of
+        outputs) need them (a request using those without them is an error), plain sampling
+        does not.
         """
         n = logits.shape[0]
         assert len(params) == n, (len(params), n)
-        generators = generators if generators is not None else [None] * n
         logits = logits.float()
         logprobs_all = logits.log_softmax(dim=-1)
         logits = self._process(logits, params, prompt_token_ids, output_token_ids)
         chosen = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if rows:
-            chosen[rows] = self._sample_rows(logits[rows], [params[i] for i in rows],
-                                             [generators[i] for i in rows])
+            uniforms = _uniforms([params[i] for i in rows], rows, output_token_ids,
+                                 logits.device)
+            chosen[rows] = self._sample_rows(logits[rows], [params[i] for i in rows], uniforms)
         return chosen, logprobs_all.gather(-1, chosen[:, None])[:, 0]
 
     def _process(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -184,7 +205,7 @@ class Sampler:
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                     generators: list[torch.Generator | None]) -> torch.Tensor:
+                     uniforms: torch.Tensor) -> torch.Tensor:
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device)
         logits = logits / temps[:, None]
@@ -197,15 +218,32 @@ class Sampler:
             top_k = torch.tensor([p.top_k for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
             logits = _apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        out = torch.empty(len(params), dtype=torch.long, device=device)
-        shared = [i for i, g in enumerate(generators) if g is None]
-        if shared:
-            out[shared] = torch.multinomial(probs[shared], 1)[:, 0]
-        for i, gen in enumerate(generators):
-            if gen is not None:
-                out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
-        return out
+        return _inverse_cdf(logits.softmax(dim=-1), uniforms)
+
+
+def _uniforms(params: list[SamplingParams], rows: list[int],
+              output_token_ids: Sequence[Sequence[int]] | None,
+              device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per sampled row: hashed for a seeded row, drawn otherwise."""
+    u = torch.rand(len(params), dtype=torch.float32)
+    for j, (i, p) in enumerate(zip(rows, params, strict=True)):
+        if p.seed is not None:
+            if output_token_ids is None:
+                raise ValueError("a seeded row needs its output_token_ids (its position)")
+            u[j] = seeded_uniform(p.seed, p.sample_index, len(output_token_ids[i]))
+    return u.to(device)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds uniforms[i] of the total.
+    Only a token of nonzero probability is ever returned: past the last one the CDF is flat,
+    and a target rounded up to the total is brought back to that last token."""
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1])[:, None]
+    chosen = torch.searchsorted(cdf, target, right=True)[:, 0]
+    vocab = probs.shape[-1]
+    last_nonzero = vocab - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(chosen, last_nonzero)
 
 
 def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],

@@ -32,7 +32,7 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
         ignore_eos=bool(opts.ignore_eos), logprobs=bool(opts.logprobs),
         presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
         repetition_penalty=opts.repetition_penalty, logit_bias=dict(opts.logit_bias),
-        min_tokens=opts.min_tokens, min_p=opts.min_p)
+        min_tokens=opts.min_tokens, min_p=opts.min_p, sample_index=opts.sample_index)
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:

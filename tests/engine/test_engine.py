@@ -64,9 +64,12 @@ def test_chunked_prefill_equals_unchunked(greedy_outputs, prompts) -> None:
     assert small.num_free_blocks() == small.num_total_blocks()
 
 
-def test_preemption_with_recompute_equals_a_large_pool(engine) -> None:
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_preemption_with_recompute_equals_a_large_pool(engine, params) -> None:
     batch = [prompt_of_length(40)[i:] for i in range(0, 12, 2)]  # 6 prompts of 40..30 tokens
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in engine.generate(batch, params)]
     tiny = make_engine(num_blocks=14)  # 13 usable blocks; the batch needs 24 at the end
     got = [o.token_ids for o in tiny.generate(batch, params)]

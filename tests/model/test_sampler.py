@@ -11,7 +11,7 @@ from baton.sampler import Sampler, SamplingParams
 @pytest.mark.parametrize("kwargs, bad", [
     ({"temperature": -0.1}, "-0.1"), ({"top_p": 0.0}, "0.0"), ({"top_p": 1.5}, "1.5"),
     ({"top_k": -2}, "-2"), ({"max_tokens": 0}, "0"), ({"seed": -1}, "-1"),
-    ({"stop_token_ids": (3, -4)}, "-4"),
+    ({"stop_token_ids": (3, -4)}, "-4"), ({"sample_index": -1}, "-1"),
 ])
 def test_bad_params_name_the_value(kwargs: dict, bad: str) -> None:
     with pytest.raises(ValueError, match=bad):
@@ -41,22 +41,56 @@ def test_top_k_and_top_p_restrict_support() -> None:
     assert set(ids.tolist()) <= nucleus
 
 
-def test_same_seed_same_tokens_whatever_the_batch() -> None:
+def test_seeded_draw_depends_on_seed_index_and_position_only() -> None:
+    """Row 0's token at output position k is the same whatever shares its batch, whatever
+    came before on its row; another position, index or seed draws anew."""
     logits = _logits(1, 50) / 3  # flat enough that draws differ
     seeded = SamplingParams(temperature=1.0, seed=1234)
 
-    def draw(batch_rows: int) -> list[int]:
-        gen = seeded.make_generator()
-        params = [seeded] + [SamplingParams(temperature=1.0)] * (batch_rows - 1)
-        out = []
-        for _ in range(20):
-            ids, _ = Sampler()(logits.repeat(batch_rows, 1), params,
-                               [gen] + [None] * (batch_rows - 1))
-            out.append(int(ids[0]))
-        return out
+    def draw(batch_rows: int, position: int, params: SamplingParams = seeded) -> int:
+        others = [SamplingParams(temperature=1.0, seed=9)] * (batch_rows - 1)
+        outputs = [[7] * position] + [[3] * (i + 5) for i in range(batch_rows - 1)]
+        ids, _ = Sampler()(logits.repeat(batch_rows, 1), [params, *others],
+                           output_token_ids=outputs)
+        return int(ids[0])
 
-    assert draw(1) == draw(3)
-    assert len(set(draw(1))) > 1  # it does sample
+    alone = [draw(1, k) for k in range(40)]
+    assert alone == [draw(3, k) for k in range(40)]
+    assert alone == [draw(1, k) for k in range(40)]
+    assert len(set(alone)) > 5  # it does sample
+    other_choice = SamplingParams(temperature=1.0, seed=1234, sample_index=1)
+    assert [draw(1, k, other_choice) for k in range(40)] != alone
+    other_seed = SamplingParams(temperature=1.0, seed=1235)
+    assert [draw(1, k, other_seed) for k in range(40)] != alone
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    """Over many positions a seeded row's tokens are distributed as the row's probabilities
+    (the hash is a fair uniform): frequencies of a 5-token distribution within 2%."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1, 0.0]]))
+    params = SamplingParams(temperature=1.0, seed=77)
+    n = 20000
+    ids, _ = Sampler()(logits.repeat(n, 1), [params] * n,
+                       output_token_ids=[range(k) for k in range(n)])
+    freq = torch.bincount(ids, minlength=5).float() / n
+    assert torch.allclose(freq, torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0]), atol=0.02), freq
+    assert int(freq[4]) == 0  # a token of probability 0 is never drawn
+
+
+def test_inverse_cdf_never_returns_a_masked_token() -> None:
+    """Targets at both ends (u = 0, u just below 1) land on tokens of nonzero probability,
+    also when the mass sits at the start or end of the vocabulary."""
+    from baton.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
+    for u in (0.0, 1.0 - 2**-24, 1.0):
+        chosen = _inverse_cdf(probs, torch.tensor([u, u])).tolist()
+        assert probs[0, chosen[0]] > 0 and chosen[1] == 4, (u, chosen)
+
+
+def test_a_seeded_row_without_its_outputs_is_refused() -> None:
+    with pytest.raises(ValueError, match="output_token_ids"):
+        Sampler()(_logits(1), [SamplingParams(temperature=1.0, seed=3)])
 
 
 # ---------------------------------------------------------------- penalties, bias, min_tokens

@@ -95,6 +95,19 @@ def test_disaggregated_equals_normal(cluster, num_tokens):
     assert _disaggregated(cluster, ids) == _normal(cluster, ids)
 
 
+@pytest.mark.parametrize("num_tokens", [17, 300])
+def test_seeded_disaggregated_equals_normal(cluster, num_tokens):
+    """A seeded draw is a function of (seed, choice, output position): the prompt engine's
+    first token and the completion engine's rest equal one engine's whole run."""
+    ids = _ids(num_tokens, seed=num_tokens + 7)
+    opts = SamplingOptions(max_tokens=12, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True)
+    want = _normal(cluster, ids, opts)
+    assert _disaggregated(cluster, ids, opts) == want
+    other = SamplingOptions(max_tokens=12, temperature=1.0, top_p=0.95, seed=11, ignore_eos=True,
+                            sample_index=1)
+    assert _normal(cluster, ids, other) != want  # the choice index is part of the draw
+
+
 def test_16_concurrent_requests_equal_normal(cluster):
     prompts = [_ids(5 + 3 * i, seed=i) for i in range(16)]
     with cf.ThreadPoolExecutor(16) as pool:
