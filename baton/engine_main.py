@@ -17,10 +17,11 @@ import sys
 import torch
 
 from baton.dp import DPConfig, DPGroup
-from baton.launcher import die_with_parent, engine_threads, parse_cpus
+from baton.launcher import engine_threads, parse_cpus
 from baton.metrics import EngineMetrics
 from baton.registry import RegistryConfig, make_registry
 from baton.service import EngineService, ServiceConfig
+from baton.supervisor import die_with_parent
 
 logger = logging.getLogger(__name__)
 

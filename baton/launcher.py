@@ -3,28 +3,25 @@
 Every child is a separate process (`python -m baton.cli ROLE ...`) that dies with the launcher
 (PR_SET_PDEATHSIG), so a launcher killed at 3 a.m. leaves no orphan holding a port or a pool.
 Start-up waits for each engine to answer a stats request and for the router's /health; any
-child that exits or a wait that times out stops everything with one clear message.
+child that exits or a wait that times out during start-up stops everything with one clear
+message. Once up, a child that exits is restarted (baton/supervisor.py: same engine id and
+port, backoff, a limit) while the others keep serving; SIGTERM or Ctrl-C stops them all.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 from baton.redis_server import RedisServer, RedisStartError, free_port, port_is_free
+from baton.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 
 logger = logging.getLogger(__name__)
-
-
-class LaunchError(RuntimeError):
-    """A child failed to start; the message names it and why."""
 
 
 @dataclass
@@ -41,6 +38,7 @@ class LaunchConfig:
     engine_args: list[str] = field(default_factory=list)  # passed through to every engine
     pin_cpus: bool = True  # give each engine its own cores (see cpu_shares)
     metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # once up, for every child
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -54,39 +52,6 @@ class LaunchConfig:
                              f"{self.num_completion_engines} completion)")
         if self.num_normal_engines and disagg:
             raise ValueError("run either normal engines or prompt+completion engines, not both")
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the launcher dies, however it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
-        self.name = name
-        self.argv = argv
-        self.proc = subprocess.Popen(argv, preexec_fn=die_with_parent,
-                                     env={**os.environ, **(env or {})})
-
-    def check_alive(self) -> None:
-        code = self.proc.poll()
-        if code is not None:
-            raise LaunchError(f"{self.name} exited with status {code} during start-up "
-                              f"(command: {' '.join(self.argv)})")
-
-    def stop(self, timeout_s: float) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 def engine_threads(num_engines: int) -> int:
@@ -119,6 +84,22 @@ def parse_cpus(spec: str) -> set[int]:
     if not cpus or min(cpus) < 0:
         raise ValueError(f"--cpus {spec!r}: expected CPU numbers and ranges like 0,2-3")
     return cpus
+
+
+def _engine_answers(address: str) -> bool:
+    from baton.engine_client import probe_engine
+
+    return probe_engine(address, timeout_s=0.2) is not None
+
+
+def _http_ok(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def wait_engine_ready(address: str, deadline: float, child: Child) -> None:
@@ -154,6 +135,7 @@ class Launcher:
         self.engine_addresses: dict[str, str] = {}
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self._stopping = False
+        self.supervisor: Supervisor | None = None
 
     def start(self) -> None:
         cfg = self.config
@@ -188,8 +170,8 @@ class Launcher:
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
                 "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
                 *self._model_args(), *self._metrics_args(engine_id), *cfg.engine_args]
-        self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
-        self.children.append(Child(engine_id, argv))
+        address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
+        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address)))
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -205,21 +187,25 @@ class Launcher:
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url,
                 *self._model_args()]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
-        router = Child("router", argv, env)
+        health = f"http://{cfg.host}:{cfg.router_port}/health"
+        router = Child("router", argv, env, is_ready=lambda: _http_ok(health))
         self.children.append(router)
-        wait_http_ready(f"http://{cfg.host}:{cfg.router_port}/health", deadline, router)
+        wait_http_ready(health, deadline, router)
 
-    def wait(self) -> int:
-        """Until a signal (returns 0) or a child dies (returns 1)."""
+    def wait(self, poll_s: float = 0.5) -> int:
+        """Supervise the children until a signal (returns 0), or until the router or every
+        engine has been given up (returns 1)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "_stopping", True))
+        self.supervisor = Supervisor(self.children, self.config.restart)
         while not self._stopping:
-            for child in self.children:
-                if child.proc.poll() is not None:
-                    logger.error("%s exited with status %s; stopping Baton", child.name,
-                                 child.proc.returncode)
-                    return 1
-            time.sleep(0.5)
+            self.supervisor.poll()
+            given_up = set(self.supervisor.given_up)
+            if "router" in given_up or given_up >= set(self.engine_addresses):
+                logger.error("gave up on %s; nothing can serve, stopping Baton",
+                             ", ".join(sorted(given_up)))
+                return 1
+            time.sleep(poll_s)
         return 0
 
     def stop(self, timeout_s: float = 40.0) -> None:
@@ -279,6 +265,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="do not give each engine its own cores")
     p.add_argument("--no-metrics", action="store_true",
                    help="do not serve the engines' Prometheus metrics")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one process within --restart-window before giving up on it")
+    p.add_argument("--restart-window", type=float, default=600.0,
+                   help="seconds the restarts are counted over")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -293,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
             num_completion_engines=0 if normal else args.completion_engines,
             num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
             engine_args=[a for a in args.engine_args if a != "--"],
-            pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics)
+            pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
+            restart=RestartPolicy(max_restarts=args.max_restarts,
+                                  window_s=args.restart_window))
     except ValueError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-"""`baton up` as a user runs it: everything starts, answers, and stops on Ctrl-C; a busy port or a
-missing model gives one clear message and leaves nothing running."""
+"""`baton up` as a user runs it: everything starts, answers, survives a killed engine or router
+(restarted under the same id), and stops on Ctrl-C; a busy port or a missing model gives one
+clear message and leaves nothing running."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -64,15 +66,50 @@ def test_missing_model_stops_everything(tmp_path):
     assert not [c for c in children_seen if c.is_running() and c.status() != "zombie"]
 
 
-def test_up_serves_and_ctrl_c_stops_every_child():
+class _Lines:
+    """Collects a pipe's lines in a thread, so the children never block on a full pipe."""
+
+    def __init__(self, pipe) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True)
+        self._thread.start()
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{''.join(self.lines[-40:])}"
+            time.sleep(0.1)
+
+
+def _ask(port: int) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+            "max_tokens": 4, "temperature": 0}
+    reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"].strip().startswith("Paris")
+
+
+def _child(proc: subprocess.Popen, word: str) -> psutil.Process:
+    for child in _descendants(proc):
+        try:
+            if word in child.cmdline():
+                return child
+        except psutil.NoSuchProcess:
+            pass
+    raise AssertionError(f"no child running {word}")
+
+
+def test_up_serves_restarts_the_killed_and_ctrl_c_stops_every_child():
     port = free_port()
     proc = _up("--port", str(port), *ENGINE_FLAGS)
+    stderr = _Lines(proc.stderr)
+    children: list[psutil.Process] = []
     try:
         banner = ""
         deadline = time.monotonic() + 240
         while "Ctrl-C stops" not in banner:
             line = proc.stdout.readline()
-            assert line or proc.poll() is None, proc.stderr.read()[-3000:]
+            assert line or proc.poll() is None, "".join(stderr.lines[-40:])
             banner += line
             assert time.monotonic() < deadline, banner
         assert f"http://127.0.0.1:{port}/v1" in banner and "SmolLM2" in banner
@@ -83,11 +120,7 @@ def test_up_serves_and_ctrl_c_stops_every_child():
         assert len(masks) == 2
         if len(os.sched_getaffinity(0)) >= 2:  # each engine pinned to its own cores
             assert masks[0] and masks[1] and masks[0].isdisjoint(masks[1]), masks
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-                "max_tokens": 4, "temperature": 0}
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"].strip().startswith("Paris")
+        _ask(port)
         # Every engine's Prometheus endpoint is in the banner and counted the request.
         urls = re.findall(r"metrics (http://127\.0\.0\.1:\d+/metrics)", banner)
         assert len(urls) == 2, banner
@@ -98,10 +131,23 @@ def test_up_serves_and_ctrl_c_stops_every_child():
                 if sample.name.endswith("_total"):
                     finished[sample.labels["role"], sample.labels["finished_reason"]] = sample.value
         assert finished == {("prompt", "handed_off"): 1, ("completion", "length"): 1}, finished
+        # One death stops nothing: the killed engine comes back under its old id and port.
+        killed = _child(proc, "completion-engine")
+        survivors = [c for c in children if c.pid != killed.pid and killed not in c.parents()]
+        killed.kill()
+        stderr.wait_for("completion-0 exited (signal 9); restarting in 1 s (restart 1 of 5)", 30)
+        stderr.wait_for("completion-0 is back (restart 1 of 5", 180)
+        assert all(c.is_running() for c in survivors)
+        _ask(port)
+        _child(proc, "router").kill()  # the router is supervised too
+        stderr.wait_for("router exited (signal 9); restarting in 1 s (restart 1 of 5)", 30)
+        stderr.wait_for("router is back (restart 1 of 5", 120)
+        _ask(port)
+        children = _descendants(proc)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
-    assert proc.returncode == 0
+    assert proc.returncode == 0, "".join(stderr.lines[-40:])
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
 
