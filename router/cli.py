@@ -27,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds an engine may take to answer a new request")
     p.add_argument("--token-timeout", type=float, default=60.0,
                    help="seconds an engine may stay silent in a running request")
+    p.add_argument("--engine-wait-timeout", type=float, default=30.0,
+                   help="seconds a request waits for a live engine of a role (one restarting) "
+                        "before a 503 naming the role")
+    p.add_argument("--prompt-retries", type=int, default=2,
+                   help="prompt engines a request tries again after one failed before the "
+                        "first token (the same one once it is back from a restart)")
     p.add_argument("--graceful-shutdown", type=int, default=10,
                    help="seconds in-flight requests may still run at shutdown")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
@@ -57,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         model_path=args.model, model_name=args.served_model_name,
         max_model_len=args.max_model_len, refresh_s=args.refresh,
         first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout,
+        engine_wait_timeout_s=args.engine_wait_timeout, prompt_retry_limit=args.prompt_retries,
         graceful_shutdown_s=args.graceful_shutdown, max_request_bytes=args.max_request_bytes,
         max_concurrent_requests=args.max_concurrent_requests, body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,

@@ -35,6 +35,11 @@ class RouterConfig:
     first_token_timeout_s: float = 120.0
     # Longest wait between two deltas of a running request, KV pull included.
     token_timeout_s: float = 60.0
+    # How long a request waits for a live engine of a role (one restarting) before a 503.
+    engine_wait_timeout_s: float = 30.0
+    # Further prompt engines (or the same one, restarted) a request tries after its prompt
+    # engine failed before the first token.
+    prompt_retry_limit: int = 2
     # Seconds an engine that failed a request is avoided unless it is the only one left.
     failure_cooldown_s: float = 5.0
     # An engine socket not connected this long after it was opened counts as down.
@@ -90,5 +95,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_prepare_workers < 0:
             raise ValueError(f"num_prepare_workers must be >= 0, got {self.num_prepare_workers}")
+        if self.engine_wait_timeout_s < 0:
+            raise ValueError(f"engine_wait_timeout_s must be >= 0, got {self.engine_wait_timeout_s}")
+        if self.prompt_retry_limit < 0:
+            raise ValueError(f"prompt_retry_limit must be >= 0, got {self.prompt_retry_limit}")
         if self.failure_cooldown_s < 0:
             raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")

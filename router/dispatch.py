@@ -4,10 +4,13 @@ Disaggregated (prompt and completion engines registered):
   1. pick the least-loaded live prompt engine; send GenerateRequest without a handle;
   2. wait for its single delta (first token + kv_handle, or a finish reason); if it fails first
      (timeout, connection dropped, vanished from the registry, error delta), abort it there and
-     retry once on another prompt engine;
+     retry, up to `prompt_retry_limit` times, on another live prompt engine, or on the same one
+     once it is back from a restart (an engine that failed while staying up is not asked again);
   3. pick the least-loaded completion engine; send GenerateRequest with the handle, the first
      token and its logprob; yield the first token; stream the completion engine's deltas.
 Otherwise a NORMAL engine serves the whole request (same first-token retry).
+Whenever no engine of the role a step needs is live, the step waits for one up to the pool's
+`engine_wait_timeout_s` (a restart in progress) before NoEngineError, a 503 naming the role.
 
 Whoever stops reading early (client gone, stop string hit) closes the generator; its `finally`
 sends AbortRequest to every engine that may still hold the request. The aborts run as their own
@@ -24,13 +27,15 @@ from dataclasses import dataclass
 
 from baton.protocol import GenerateRequest, SamplingOptions, TokenDelta
 from baton.registry import EngineRecord
-from router.engine_client import EngineClient
+from router.engine_client import DISCONNECTED, EngineClient
 from router.engine_pool import EnginePool, NoEngineError
 
 logger = logging.getLogger(__name__)
 
 OK_FINISH_REASONS = ("", "stop", "length")
 _WATCH_SLICE_S = 0.25  # how often a waiting request checks its engine is still registered
+_GONE = "engine_gone"  # synthetic finish reason: the engine left the registry mid-request
+_ABORT_SEND_S = 1.0  # bound on queueing an AbortRequest before a retry on the same socket
 
 
 class EngineFailure(Exception):
@@ -57,18 +62,27 @@ class _Leg:
 
 class Dispatcher:
     def __init__(self, pool: EnginePool, metrics, first_token_timeout_s: float,
-                 token_timeout_s: float):
+                 token_timeout_s: float, prompt_retry_limit: int = 2):
         self.pool = pool
         self.metrics = metrics
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
+        self.prompt_retry_limit = prompt_retry_limit
         self._abort_tasks: set[asyncio.Task] = set()
+
+    def _roles(self) -> tuple[str, ...]:
+        return ("prompt", "completion") if self.pool.is_disaggregated else ("normal",)
 
     def check_available(self) -> None:
         """Raise NoEngineError (HTTP 503) now if some role the request needs has no live engine."""
-        roles = ("prompt", "completion") if self.pool.is_disaggregated else ("normal",)
-        for role in roles:
+        for role in self._roles():
             self.pool.pick(role)
+
+    async def wait_available(self) -> None:
+        """Wait (up to the pool's engine wait timeout) until every role the request needs has a
+        live engine; NoEngineError naming the role otherwise."""
+        for role in self._roles():
+            await self.pool.wait_pick(role)
 
     async def generate(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
                        arrival: float) -> AsyncIterator[TokenDelta]:
@@ -82,7 +96,7 @@ class Dispatcher:
                                   sampling=sampling)
         try:
             disaggregated = self.pool.is_disaggregated
-            self.check_available()
+            await self.wait_available()
             first_role = "prompt" if disaggregated else "normal"
             first_leg, first = await self._first_delta(first_role, request, legs)
             self.metrics.ttft.observe(time.monotonic() - arrival)
@@ -113,30 +127,43 @@ class Dispatcher:
 
     async def _first_delta(self, role: str, request: GenerateRequest,
                            legs: list[_Leg]) -> tuple[_Leg, TokenDelta]:
-        tried: set[str] = set()
+        failed_up: set[str] = set()  # engines that failed the request and are still up
         last_error = ""
-        for attempt in range(2):
+        for attempt in range(1 + self.prompt_retry_limit):
             try:
-                leg = await self._send(role, request, legs, exclude=tried)
+                leg = await self._send(role, request, legs, exclude=failed_up)
             except NoEngineError as exc:
                 if not last_error:
                     raise
                 raise EngineFailure(f"{last_error}; retry impossible: {exc}", started=False) from None
-            tried.add(leg.record.address)
+            if attempt:
+                self.metrics.retries.labels(role).inc()
             delta = await self._wait(leg, self.first_token_timeout_s)
             if not is_error(delta):
                 return leg, delta
             last_error = f"{role} engine {leg.record.engine_id} failed: {delta.error or delta.finish_reason}"
             logger.warning("request %s: %s (attempt %d)", request.req_id, last_error, attempt + 1)
             self.pool.mark_failed(leg.record.address)
-            self._abort_leg(request.req_id, leg)
-            if attempt == 0:
-                self.metrics.retries.labels(role).inc()
+            # A dead engine is not live again before its restart has reconnected: the next
+            # _send waits for it then (or takes another); one still up failed for a reason.
+            if delta.finish_reason not in (DISCONNECTED, _GONE):
+                failed_up.add(leg.record.address)
+            await self._abort_before_retry(request.req_id, leg)
         raise EngineFailure(last_error, started=False)
+
+    async def _abort_before_retry(self, req_id: str, leg: _Leg) -> None:
+        """Abort `leg` now, not in a task: a retry on the same socket (the engine restarted
+        behind the same address) must not overtake its own abort."""
+        leg.is_finished = True
+        leg.client.close_request(req_id)
+        try:
+            await asyncio.wait_for(leg.client.abort(req_id), _ABORT_SEND_S)
+        except (asyncio.TimeoutError, OSError) as exc:
+            logger.warning("request %s: abort to %s not sent: %s", req_id, leg.record.address, exc)
 
     async def _send(self, role: str, request: GenerateRequest, legs: list[_Leg],
                     exclude: set[str] = frozenset()) -> _Leg:
-        record = self.pool.pick(role, exclude)
+        record = await self.pool.wait_pick(role, exclude)
         client = self.pool.client(record.address)
         self.pool.acquire(record.address)
         leg = _Leg(record, client, client.open(request.req_id))
@@ -181,7 +208,7 @@ class Dispatcher:
                 return await asyncio.wait_for(leg.queue.get(), min(remaining, _WATCH_SLICE_S))
             except asyncio.TimeoutError:
                 if not self.pool.is_live(leg.record.address):
-                    return TokenDelta(req_id="", finish_reason="engine_gone",
+                    return TokenDelta(req_id="", finish_reason=_GONE,
                                       error="engine left the registry or disconnected")
 
     def _abort_leg(self, req_id: str, leg: _Leg) -> None:

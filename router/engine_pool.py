@@ -5,6 +5,9 @@ candidate while it is in the latest registry snapshot, its connection has not dr
 has not failed a request within `failure_cooldown_s` (unless nothing else is left). Among
 candidates the router picks the least loaded: the registry's load (updated once per engine
 heartbeat) plus the requests this router has sent it since, so a burst spreads out at once.
+A request that finds no live engine of a role waits up to `engine_wait_timeout_s` for one to
+appear (`wait_pick`): an engine being restarted is back within seconds, and a 503 would fail a
+request that a short wait serves.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 _DEPARTED_CLOSE_S = 60.0  # an engine absent from the registry this long loses its socket
+_WAIT_POLL_S = 0.05  # how often a waiting request looks again (registry, connections)
 
 
 class NoEngineError(Exception):
@@ -134,6 +138,26 @@ class EnginePool:
         healthy = [r for r in live
                    if now - self._failed_at.get(r.address, -1e9) >= self.config.failure_cooldown_s]
         return min(healthy or live, key=lambda r: r.load + self._inflight.get(r.address, 0))
+
+    def has_live(self, role: str) -> bool:
+        return any(self.is_live(r.address) for r in self._records.get(role, []))
+
+    async def wait_pick(self, role: str, exclude: set[str] = frozenset()) -> EngineRecord:
+        """`pick`, after waiting up to `engine_wait_timeout_s` while no engine of `role` is live.
+
+        Live engines that are all in `exclude` are no reason to wait (they stay up); the
+        NoEngineError then is at once, as from `pick`."""
+        deadline = time.monotonic() + self.config.engine_wait_timeout_s
+        while not self.has_live(role):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                try:
+                    return self.pick(role, exclude)
+                except NoEngineError as exc:
+                    raise NoEngineError(f"no live {role} engine within "
+                                        f"{self.config.engine_wait_timeout_s:g} s: {exc}") from None
+            await asyncio.sleep(min(_WAIT_POLL_S, remaining))
+        return self.pick(role, exclude)
 
     def acquire(self, address: str) -> None:
         self._inflight[address] = self._inflight.get(address, 0) + 1

@@ -24,7 +24,8 @@ def make_client(model_info):
     """`make_client(**RouterConfig fields)` -> a TestClient over a fresh app, lifespan running.
 
     It prepares requests on a thread (num_prepare_workers=0) unless told otherwise: spawning
-    worker processes for each of many apps would dominate these tests."""
+    worker processes for each of many apps would dominate these tests. No engine runs behind
+    these apps, so a request gets its 503 at once instead of waiting for one to appear."""
     from fastapi.testclient import TestClient
 
     from router.app import create_app
@@ -33,6 +34,7 @@ def make_client(model_info):
 
     def make(**overrides) -> TestClient:
         overrides.setdefault("num_prepare_workers", 0)
+        overrides.setdefault("engine_wait_timeout_s", 0)
         client = TestClient(create_app(RouterConfig(**overrides), info=model_info))
         client.__enter__()
         clients.append(client)

@@ -40,7 +40,7 @@ class _Running:
 
 class ScriptedEngine:
     def __init__(self, role: str, token_ids: list[int], delay_s: float = 0.0, mode: str = "ok",
-                 name: str = ""):
+                 name: str = "", port: int = 0):
         self.role = role
         self.token_ids = token_ids
         self.delay_s = delay_s
@@ -52,7 +52,10 @@ class ScriptedEngine:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        if port:  # an engine restarted behind its old address
+            self._sock.bind(f"tcp://127.0.0.1:{port}")
+        else:
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

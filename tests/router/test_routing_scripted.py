@@ -200,13 +200,61 @@ def test_client_gone_during_json_request_aborts(engines, tokens, model_info):
 def test_unreachable_engine_is_503_not_a_hang(model_info):
     from baton.redis_server import free_port
 
-    config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{free_port()}"], connect_grace_s=0.3)
+    config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{free_port()}"], connect_grace_s=0.3,
+                          engine_wait_timeout_s=0.5)
     with serve_router(config, model_info) as url:
         time.sleep(0.4)
         response = httpx.post(f"{url}/v1/completions", timeout=10,
                               json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert response.status_code == 503
-        assert "none of the 1 registered normal engines is live" in response.text
+        assert "no live normal engine within 0.5 s: none of the 1 registered normal engines is " \
+            "live" in response.text
+
+
+def test_request_waits_for_an_engine_coming_back(engines, tokens, model_info):
+    """No live engine when the request arrives: it waits (engine_wait_timeout_s) for the one
+    being restarted instead of an instant 503."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from baton.redis_server import free_port
+
+    port = free_port()
+    config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{port}"], connect_grace_s=0.3,
+                          engine_wait_timeout_s=30, num_prepare_workers=0)
+    with serve_router(config, model_info) as url, ThreadPoolExecutor(1) as pool:
+        time.sleep(0.4)  # past the connect grace: the engine counts as down
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+        reply = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+        time.sleep(1.0)
+        assert not reply.done()  # waiting, not a 503
+        engines("normal", tokens, port=port)
+        response = reply.result(60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == model_info.tokenizer.decode(tokens[:3])
+
+
+def test_prompt_engine_dying_mid_prefill_is_retried_once_it_is_back(engines, tokens, model_info):
+    """The only prompt engine dies holding the request; its restart (same address) serves it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dying = engines("prompt", tokens, mode="silent", name="dying")
+    completion = engines("completion", tokens)
+    port = int(dying.address.rsplit(":", 1)[1])
+    with serve_router(_config(dying, completion), model_info) as url, \
+            ThreadPoolExecutor(1) as pool:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": False}
+        reply = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+        _wait_for(lambda: dying.generates)
+        dying.close()  # the connection drops mid-prefill
+        time.sleep(0.5)
+        assert not reply.done()
+        back = engines("prompt", tokens, name="back", port=port)
+        response = reply.result(60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == model_info.tokenizer.decode(tokens[:4])
+        assert [g.req_id for g in back.generates] == [dying.generates[0].req_id]
+        assert 'baton_router_engine_retries_total{role="prompt"} 1.0' in \
+            httpx.get(f"{url}/metrics").text
 
 
 def test_client_gone_before_first_token_aborts(engines, tokens, model_info):
