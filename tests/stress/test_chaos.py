@@ -1,0 +1,225 @@
+"""Chaos under load: `baton up` serves a bounded greedy load while engines are SIGKILLed.
+
+Two deployments: 1 prompt + 2 completion engines, where the kills hit completion engines (their
+requests migrate to the other one), and 2 prompt + 1 completion engines, where the kills hit
+prompt engines (a request caught in its prefill is retried; one whose KV lease died with the
+engine migrates). A victim is always of the role with a spare, and only while every engine of
+that role is up, so one engine of each role stays live. Every request must complete with the
+text of the undisturbed run, each killed engine must be back (the launcher's supervision) and
+every pool whole at the end (no owned block, no lease, no pull).
+
+Figures for the note (`pytest -s`): requests completed of issued, the longest gap a client saw
+between two chunks (undisturbed and under kills), and each restart's time until ready.
+BATON_CHAOS_SCALE=N runs N times the requests and kills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+
+from baton.engine_client import probe_engine
+from baton.redis_server import free_port
+from tests.cluster import is_whole
+
+pytestmark = pytest.mark.slow
+
+SCALE = int(os.environ.get("BATON_CHAOS_SCALE", "1"))
+NUM_REQUESTS = 60 * SCALE
+NUM_KILLS = 3 * SCALE
+CONCURRENCY = 6
+MAX_TOKENS = 24
+PROMPTS = [f"Item {i}: a short story about the number {i * 7} and a {word}"
+           for i, word in enumerate(("cat", "river", "lamp", "train", "violin", "cloud",
+                                     "garden", "letter", "mountain", "clock", "ship", "bread"))]
+ENGINE_FLAGS = ["--num-blocks", "192", "--max-model-len", "512"]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class _Lines:
+    """A pipe's lines, collected by a thread (the children share the pipe and must not block)."""
+
+    def __init__(self, pipe) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True).start()
+
+    def matching(self, pattern: str) -> list[re.Match]:
+        return [m for m in map(re.compile(pattern).search, list(self.lines)) if m]
+
+
+@dataclass
+class _Baton:
+    proc: subprocess.Popen
+    port: int
+    stdout: _Lines
+    stderr: _Lines
+    engines: dict[str, str] = field(default_factory=dict)  # engine id -> address
+
+    def wait_up(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any("Ctrl-C stops" in line for line in self.stdout.lines):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.tail()
+            time.sleep(0.2)
+        for m in self.stdout.matching(r"^\s+((?:prompt|completion)-\d+)\s+(tcp://\S+)"):
+            self.engines[m.group(1)] = m.group(2)
+
+    def pid_of(self, engine_id: str) -> int | None:
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                argv = child.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if engine_id in argv and "--engine-id" in argv:
+                return child.pid
+        return None
+
+    def num_back(self, engine_id: str) -> int:
+        return len(self.stderr.matching(rf"{engine_id} is back \(restart"))
+
+    def tail(self) -> str:
+        return "".join(self.stderr.lines[-60:])
+
+
+def _start_baton(num_prompt: int, num_completion: int) -> _Baton:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--prompt-engines",
+         str(num_prompt), "--completion-engines", str(num_completion), "--max-restarts", "100",
+         "--", *ENGINE_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    baton = _Baton(proc, port, _Lines(proc.stdout), _Lines(proc.stderr))
+    baton.wait_up()
+    return baton
+
+
+@dataclass
+class _Result:
+    prompt: str
+    text: str = ""
+    finish_reason: str | None = None
+    error: str = ""
+    longest_gap_s: float = 0.0  # between the request (or a chunk) and the next chunk
+
+
+async def _one(client, prompt: str) -> _Result:
+    result = _Result(prompt)
+    last = time.monotonic()
+    try:
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.monotonic()
+            result.longest_gap_s, last = max(result.longest_gap_s, now - last), now
+            if chunk.choices:
+                result.text += chunk.choices[0].text
+                result.finish_reason = chunk.choices[0].finish_reason or result.finish_reason
+    except Exception as exc:  # the test reports every failure, not just the first
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def _load(base_url: str, prompts: list[str], keep_going=lambda: False) -> list[_Result]:
+    """`prompts` at CONCURRENCY streams; more (cycling) while `keep_going()` (up to 4x)."""
+    from openai import AsyncOpenAI
+
+    results: list[_Result] = []
+    queue = list(prompts)
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
+                           timeout=180) as client:
+        async def worker() -> None:
+            while queue or (keep_going() and len(results) < 4 * len(prompts)):
+                prompt = queue.pop(0) if queue else PROMPTS[len(results) % len(PROMPTS)]
+                results.append(_Result(prompt))  # placeholder: counts as issued
+                index = len(results) - 1
+                results[index] = await _one(client, prompt)
+
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    return results
+
+
+async def _chaos(baton: _Baton, role: str, rng: random.Random, kills: list[dict]) -> None:
+    """NUM_KILLS SIGKILLs of engines of `role`, each while every engine of the role is up."""
+    victims = sorted(e for e in baton.engines if e.startswith(role))
+    while len(kills) < NUM_KILLS:
+        await asyncio.sleep(rng.uniform(1.0, 3.0))
+        while not all(baton.num_back(e) == sum(k["engine"] == e for k in kills)
+                      for e in victims):
+            await asyncio.sleep(0.2)  # the last victim is still restarting
+        victim = rng.choice(victims)
+        pid = baton.pid_of(victim)
+        assert pid is not None, f"{victim} not running:\n{baton.tail()}"
+        os.kill(pid, signal.SIGKILL)
+        kills.append({"engine": victim, "at": time.monotonic()})
+
+
+def _wait_back_and_whole(baton: _Baton, kills: list[dict], timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for engine in baton.engines:
+        while baton.num_back(engine) < sum(k["engine"] == engine for k in kills):
+            assert time.monotonic() < deadline, f"{engine} not back:\n{baton.tail()}"
+            time.sleep(0.2)
+    while True:  # an orphaned lease (its puller was killed) ends within --lease-ttl
+        stats = {e: probe_engine(a, timeout_s=5.0) for e, a in baton.engines.items()}
+        if all(s is not None and is_whole(s) for s in stats.values()):
+            return
+        assert time.monotonic() < deadline, f"pools not whole: {stats}"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("num_prompt,num_completion,victim_role", [
+    (2, 1, "prompt")], ids=["kill-prompt"])
+def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role):
+    baton = _start_baton(num_prompt, num_completion)
+    base_url = f"http://127.0.0.1:{baton.port}"
+    try:
+        reference = asyncio.run(_load(base_url, PROMPTS))
+        assert not [r for r in reference if r.error], [r.error for r in reference]
+        expected = {r.prompt: r.text for r in reference}
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(NUM_REQUESTS)]
+        kills: list[dict] = []
+
+        async def run() -> list[_Result]:
+            chaos = asyncio.create_task(_chaos(baton, victim_role, random.Random(15), kills))
+            try:
+                return await _load(base_url, prompts, keep_going=lambda: not chaos.done())
+            finally:
+                await chaos  # re-raises a failed kill
+
+        results = asyncio.run(run())
+        _wait_back_and_whole(baton, kills)
+        restarts = [float(m.group(1)) for m in
+                    baton.stderr.matching(r"is back \(restart \d+ of \d+, ([\d.]+) s after")]
+        figures = {
+            "deployment": f"{num_prompt} prompt + {num_completion} completion, kill {victim_role}",
+            "requests_issued": len(results),
+            "requests_completed": sum(not r.error and r.text == expected[r.prompt]
+                                      and r.finish_reason == "length" for r in results),
+            "kills": len(kills),
+            "longest_gap_undisturbed_s": round(max(r.longest_gap_s for r in reference), 2),
+            "longest_gap_under_kills_s": round(max(r.longest_gap_s for r in results), 2),
+            "restart_to_ready_s": restarts}
+        print("\nchaos:", json.dumps(figures))
+        assert len(kills) == NUM_KILLS
+        failed = [(r.prompt, r.error or r.text, r.finish_reason) for r in results
+                  if r.error or r.text != expected[r.prompt] or r.finish_reason != "length"]
+        assert not failed, f"{len(failed)} of {len(results)} failed: {failed[:5]}\n{baton.tail()}"
+    finally:
+        baton.proc.send_signal(signal.SIGTERM)  # the launcher stops its children
+        try:
+            baton.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(baton.proc.pid, signal.SIGKILL)
+            baton.proc.wait(5)
