@@ -319,6 +319,20 @@ class Scheduler:
         ``hit_tokens`` (of those, found in the cache)."""
         return self._impl.prefix_cache_stats()
 
+    def set_kv_event_capacity(self, capacity: int) -> None:
+        """Record keys entering and leaving the prefix-cache index (cache-aware routing),
+        at most ``capacity`` between two drains; 0 stops recording. Starts a fresh log."""
+        self._impl.set_kv_event_capacity(capacity)
+
+    def drain_kv_events(self) -> tuple[bool, np.ndarray, np.ndarray]:
+        """``(ok, stored, removed)``: uint64 keys touched since the last drain that the index
+        now holds / no longer holds; ``ok`` False (empty arrays) when the log overflowed."""
+        return self._impl.drain_kv_events()
+
+    def prefix_cache_keys(self) -> np.ndarray:
+        """Every key the prefix-cache index holds (owned and cached-free blocks)."""
+        return self._impl.prefix_cache_keys()
+
     def check_invariants(self) -> None:
         """Debug: ref counts equal owners, free xor owned, no sequence in two queues."""
         self._impl.check_invariants()

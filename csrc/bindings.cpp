@@ -330,6 +330,13 @@ PYBIND11_MODULE(_scheduler, m) {
       .def("block_keys", [](const Scheduler &s, const std::string &rid) { return keys_array(s.block_keys(rid)); },
            py::arg("request_id"))
       .def("num_cached_blocks", &Scheduler::num_cached_blocks)
+      .def("set_kv_event_capacity", &Scheduler::set_kv_event_capacity, py::arg("capacity"))
+      .def("drain_kv_events", [](Scheduler &s) {
+        std::vector<uint64_t> stored, removed;
+        bool ok = s.drain_kv_events(stored, removed);
+        return py::make_tuple(ok, keys_array(stored), keys_array(removed));
+      })
+      .def("prefix_cache_keys", [](const Scheduler &s) { return keys_array(s.prefix_cache_keys()); })
       .def("prefix_cache_stats", [](const Scheduler &s) {
         py::dict d;
         d["query_tokens"] = s.prefix_query_tokens();

@@ -124,6 +124,25 @@ inline bool Scheduler::reset_prefix_cache() {
   return true;
 }
 
+inline void Scheduler::set_kv_event_capacity(int capacity) {
+  PoolGuard guard(*this);
+  if (prefix_) prefix_->set_event_capacity(capacity);
+}
+
+inline bool Scheduler::drain_kv_events(std::vector<uint64_t> &stored, std::vector<uint64_t> &removed) {
+  PoolGuard guard(*this);
+  return prefix_ ? prefix_->drain_events(stored, removed) : true;
+}
+
+// Every key the index holds (owned and cached-free blocks): a listener's snapshot.
+inline std::vector<uint64_t> Scheduler::prefix_cache_keys() const {
+  std::vector<uint64_t> keys;
+  if (!prefix_) return keys;
+  keys.reserve(prefix_->index().size());
+  for (const auto &entry : prefix_->index()) keys.push_back(entry.first);
+  return keys;
+}
+
 // The keys of the prompt's full blocks, up to the first that holds an image token.
 inline std::vector<uint64_t> Scheduler::block_keys(const std::string &request_id) const {
   const auto &seq = lookup_(request_id);

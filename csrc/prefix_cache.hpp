@@ -12,8 +12,15 @@
 // cached-free (this LRU, keyed, ref 0) or owned (ref >= 1, keyed or not).
 // BlockManager calls push_cached / take_cached / evict_lru; the scheduler calls
 // find / insert. Every operation is O(1) but the hash of one block's tokens.
+//
+// KV events (cache-aware routing): while a listener is attached (event capacity
+// > 0) every key that enters or leaves the index is noted; drain_events() hands
+// over the net change since the last drain. Past the capacity only an overflow
+// flag is kept, and the listener takes a whole snapshot instead. With nobody
+// listening the cost is one branch per insert / eviction.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -102,6 +109,7 @@ class PrefixCache {
     m.parent = parent;
     m.keyed = true;
     std::copy(tokens, tokens + block_size_, tokens_.data() + static_cast<size_t>(id) * block_size_);
+    note_(key);
     return true;
   }
 
@@ -129,7 +137,32 @@ class PrefixCache {
     unlink_(id);
     index_.erase(meta_[id].key);
     meta_[id].keyed = false;
+    note_(meta_[id].key);
     return id;
+  }
+
+  // 0 stops recording; any capacity starts a fresh log (the listener snapshots now).
+  void set_event_capacity(int capacity) {
+    if (capacity < 0) throw std::invalid_argument("set_event_capacity: capacity=" + std::to_string(capacity) + " must be >= 0");
+    event_capacity_ = capacity;
+    touched_.clear();
+    overflowed_ = false;
+  }
+  int event_capacity() const { return event_capacity_; }
+
+  // The net change since the last drain: keys now held that were touched, keys
+  // touched and no longer held (a key stored and evicted in between is in
+  // neither). False (and nothing) when the log overflowed: snapshot instead.
+  bool drain_events(std::vector<uint64_t> &stored, std::vector<uint64_t> &removed) {
+    const bool ok = !overflowed_;
+    if (ok) {
+      std::sort(touched_.begin(), touched_.end());
+      touched_.erase(std::unique(touched_.begin(), touched_.end()), touched_.end());
+      for (uint64_t key : touched_) (index_.count(key) ? stored : removed).push_back(key);
+    }
+    touched_.clear();
+    overflowed_ = false;
+    return ok;
   }
 
   // Debug walk of the LRU, least recently used first (O(N)).
@@ -167,6 +200,19 @@ class PrefixCache {
   std::vector<int32_t> tokens_;  // [num_blocks, block_size]: what each keyed block holds
   std::unordered_map<uint64_t, int> index_;
   int head_{0}, tail_{0}, lru_size_{0};
+
+  void note_(uint64_t key) {
+    if (event_capacity_ == 0) return;
+    if (static_cast<int>(touched_.size()) >= event_capacity_) {
+      overflowed_ = true;
+      return;
+    }
+    touched_.push_back(key);
+  }
+
+  int event_capacity_{0};  // 0: nobody listens, nothing is recorded
+  std::vector<uint64_t> touched_;  // keys stored or evicted since the last drain, repeats allowed
+  bool overflowed_{false};
 };
 
 }  // namespace baton

@@ -146,6 +146,10 @@ class Scheduler {
   int num_cached_blocks() const { return prefix_ ? prefix_->num_cached() : 0; }
   int64_t prefix_query_tokens() const { return prefix_ ? prefix_->query_tokens : 0; }
   int64_t prefix_hit_tokens() const { return prefix_ ? prefix_->hit_tokens : 0; }
+  // KV events for cache-aware routing (prefix_cache.hpp); all no-ops with caching off.
+  void set_kv_event_capacity(int capacity);
+  bool drain_kv_events(std::vector<uint64_t> &stored, std::vector<uint64_t> &removed);
+  std::vector<uint64_t> prefix_cache_keys() const;
 
   // S13: the three queues.
   std::deque<SequencePtr> waiting;
