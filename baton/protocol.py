@@ -4,7 +4,8 @@ The router holds a ZMQ DEALER per engine; every engine (NORMAL, PROMPT, COMPLETI
 ROUTER socket and speaks these messages, msgpack-encoded with msgspec. New fields go at the end.
 
     router -> engine   GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
-    engine -> router   EngineOutputs   | EngineStats  | ControlReply
+                       | SubscribeKvEvents
+    engine -> router   EngineOutputs   | EngineStats  | ControlReply | KvEvents
 
 An engine sends one `EngineOutputs` per step per router connection, carrying a `TokenDelta` for
 every request of that router the step touched (vLLM's `EngineCoreOutputs`): at batch 64 one
@@ -16,6 +17,9 @@ checks it.
 """
 
 from __future__ import annotations
+
+import sys
+from array import array
 
 import msgspec
 
@@ -75,6 +79,34 @@ class ControlReply(msgspec.Struct, tag="control", array_like=True, omit_defaults
     message: str = ""
 
 
+class SubscribeKvEvents(msgspec.Struct, tag="kv_subscribe", array_like=True,
+                        omit_defaults=True):
+    """Cache-aware routing: send this connection the prefix-cache keys the engine holds, a
+    snapshot now and then a `KvEvents` delta after every iteration that changed them."""
+
+    nonce: int = 0
+
+
+class KvEvents(msgspec.Struct, tag="kv_events", array_like=True, omit_defaults=True):
+    """Block keys that entered (`stored`) or left (`removed`) an engine's prefix cache.
+
+    Keys are packed little-endian uint64 (8 bytes each). A snapshot replaces everything the
+    subscriber knew of this engine; a delta has `seq` one past the previous message, so a gap
+    (a message the socket dropped) or a new `instance_id` (a restarted engine) tells the router
+    to forget the engine's keys and subscribe again.
+    """
+
+    instance_id: str
+    seq: int
+    is_snapshot: bool = False
+    stored: bytes = b""
+    removed: bytes = b""
+    nonce: int = 0  # a snapshot answers the SubscribeKvEvents of this nonce
+    block_size: int = 0  # tokens per block and the key chain's seed: the router keys a prompt
+    seed: int = 0  # with the same function (baton.scheduler.compute_block_keys)
+    num_total_blocks: int = 0  # no engine holds more keys than this
+
+
 class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=True):
     """New tokens of one request; the last delta of a request carries its finish reason.
 
@@ -117,8 +149,9 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
     extra: dict[str, float] = {}
 
 
-RouterToEngine = GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
-EngineToRouter = EngineOutputs | EngineStats | ControlReply
+RouterToEngine = (GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
+                  | SubscribeKvEvents)
+EngineToRouter = EngineOutputs | EngineStats | ControlReply | KvEvents
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(RouterToEngine)
@@ -127,6 +160,30 @@ _to_router = msgspec.msgpack.Decoder(EngineToRouter)
 
 class ProtocolError(ValueError):
     """A message from a socket that is too large or does not decode: never trusted."""
+
+
+def pack_keys(keys) -> bytes:
+    """uint64 block keys (a numpy array or a sequence of ints) -> KvEvents bytes."""
+    return array("Q", keys).tobytes() if sys.byteorder == "little" else _swapped(array("Q", keys))
+
+
+def unpack_keys(data: bytes, max_keys: int) -> array:
+    """KvEvents bytes -> uint64 keys; ProtocolError if the length is not whole keys or
+    exceeds `max_keys`."""
+    if len(data) % 8:
+        raise ProtocolError(f"{len(data)} key bytes are not a whole number of uint64 keys")
+    if len(data) // 8 > max_keys:
+        raise ProtocolError(f"{len(data) // 8} keys exceed the bound of {max_keys}")
+    keys = array("Q")
+    keys.frombytes(data)
+    if sys.byteorder != "little":
+        keys.byteswap()
+    return keys
+
+
+def _swapped(keys: array) -> bytes:
+    keys.byteswap()
+    return keys.tobytes()
 
 
 def encode(msg: RouterToEngine | EngineToRouter) -> bytes:

@@ -33,6 +33,9 @@ class EngineRecord(msgspec.Struct, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
     updated_at: float = 0.0
+    # Random per engine process start (baton/kv_events.py): a new one means a restarted engine,
+    # whose prefix cache is empty whatever a router remembers of the old one.
+    instance_id: str = ""
 
     @property
     def load(self) -> float:

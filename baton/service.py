@@ -3,7 +3,8 @@
 One process, one thread of control:
 
 1. Messages arrive on a ZMQ ROUTER socket bound to the configured host (127.0.0.1 by default):
-   `GenerateRequest`, `AbortRequest`, `StatsRequest` (baton/protocol.py). Each is decoded with
+   `GenerateRequest`, `AbortRequest`, `StatsRequest`, `ResetPrefixCache`, `SubscribeKvEvents`
+   (baton/protocol.py). Each is decoded with
    size and type checks; an undecodable message is dropped and counted, never trusted.
 2. A `GenerateRequest` goes to the role's worker (`add_request`); the router's identity is kept
    per request so every later `TokenDelta` goes back to the socket that asked: whatever one
@@ -30,6 +31,7 @@ from typing import Protocol
 import zmq
 
 from baton.dp import DPGroup
+from baton.kv_events import KvEventPublisher
 from baton.metrics import EngineMetrics
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
@@ -38,9 +40,11 @@ from baton.protocol import (
     EngineOutputs,
     EngineStats,
     GenerateRequest,
+    KvEvents,
     ProtocolError,
     ResetPrefixCache,
     StatsRequest,
+    SubscribeKvEvents,
     TokenDelta,
     decode_to_engine,
     encode,
@@ -131,6 +135,9 @@ class EngineService:
         self._snapshot: EngineRecord | None = None
         self._snapshot_at = 0.0
         self._snapshot_every_s = min(0.25, config.heartbeat_s / 2)
+        # Cache-aware routing (baton/kv_events.py): None for a worker without a prefix cache.
+        source = getattr(worker, "kv_event_source", None)
+        self.kv_events = KvEventPublisher(source()) if source is not None else None
 
     # --- lifecycle -------------------------------------------------------------------------
     def stop(self) -> None:
@@ -198,6 +205,8 @@ class EngineService:
         if has_work:
             self.counters.num_steps += 1
             self._send_all(self.worker.step())
+        if self.kv_events is not None and self.kv_events.subscribers:
+            self._publish_kv_events()
         now = time.monotonic()
         if now - self._snapshot_at >= self._snapshot_every_s:
             self._snapshot, self._snapshot_at = self.record(), now
@@ -231,6 +240,11 @@ class EngineService:
             ok = self.worker.reset_prefix_cache()
             self._send(identity, ControlReply(msg.nonce, ok, "" if ok else
                                               "KV pulls into cached blocks are in flight; retry"))
+        elif isinstance(msg, SubscribeKvEvents):
+            if self.kv_events is None:
+                self._send(identity, ControlReply(msg.nonce, False, "no KV events here"))
+            else:
+                self._send_kv_events(identity, self.kv_events.subscribe(identity, msg.nonce))
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         if self._stop.is_set():
@@ -277,6 +291,23 @@ class EngineService:
             if isinstance(msg, EngineOutputs):
                 self._abort_for_identity(identity)
 
+    def _publish_kv_events(self) -> None:
+        msg = self.kv_events.poll()
+        if msg is not None:
+            for identity in list(self.kv_events.subscribers):
+                self._send_kv_events(identity, msg)
+
+    def _send_kv_events(self, identity: bytes, msg: KvEvents) -> None:
+        # Unlike a request's reply, a lost event costs only routing quality: a full queue skips
+        # one (the router sees the seq gap and resubscribes), a vanished router is forgotten.
+        try:
+            self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.debug("KV events to %r skipped: its queue is full", identity)
+        except zmq.ZMQError as exc:
+            logger.info("KV event subscriber %r is gone (%s)", identity, exc)
+            self.kv_events.unsubscribe(identity)
+
     def _abort_for_identity(self, identity: bytes) -> None:
         for req_id, ident in list(self.req_to_identity.items()):
             if ident == identity:
@@ -302,4 +333,6 @@ class EngineService:
         record = EngineRecord(role=self.worker.role, engine_id=self.config.engine_id,
                               address=self.address, side_channel=self.side_channel)
         self.worker.fill_record(record)
+        if self.kv_events is not None:
+            record.instance_id = self.kv_events.instance_id
         return record

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from baton.engine import LLMEngine, RequestOutput
+from baton.kv_events import KvEventSource
 from baton.protocol import EngineStats, GenerateRequest, SamplingOptions, TokenDelta
 from baton.registry import EngineRecord
 from baton.sampler import SamplingParams
@@ -121,6 +122,12 @@ class EngineWorker:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def kv_event_source(self) -> KvEventSource:
+        """The prefix cache's keys for cache-aware routing (baton/kv_events.py)."""
+        engine = self.engine
+        return KvEventSource(engine.scheduler, engine.config.block_size, engine.prefix_cache_seed,
+                             engine.scheduler.num_total_blocks())
 
     def close(self) -> None:
         pass

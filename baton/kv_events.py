@@ -1,0 +1,103 @@
+"""KV events: an engine tells its routers which prefix-cache block keys it holds.
+
+Cache-aware routing (router/kv_index.py) needs to know where a prompt's prefix is cached.
+The life of a subscription, all on the service loop's thread:
+
+1. A router sends `SubscribeKvEvents` on its existing connection. The first subscriber turns
+   the scheduler's event log on (`set_kv_event_capacity`); with nobody subscribed it stays
+   off and the engine pays nothing per step.
+2. The subscriber gets a snapshot at once: every key in the index (owned and cached-free
+   blocks), with this process's `instance_id`, the current `seq`, the block size and the seed.
+3. After every service-loop iteration `poll` drains the log: if any key entered or left the
+   index, every subscriber gets one `KvEvents` delta with `seq + 1`. ZMQ keeps a connection's
+   order, so a router that sees a gap lost a message (a full queue) and subscribes again.
+4. A log that overflowed between two drains (more than `capacity` changes) becomes a fresh
+   snapshot to everyone. A subscriber that cannot be reached any more is dropped; the last one
+   leaving turns the log off.
+
+Why the engine connection and not Redis pub/sub: the router already holds one DEALER per
+engine, ZMQ orders that connection's messages (so `seq` detects every loss), the snapshot
+answers the subscribe on the same ordered stream (no race between a snapshot and the deltas),
+and the engine's keys never leave the routers that asked for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from baton.protocol import KvEvents
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KvEventSource:
+    """What the publisher reads: the engine's scheduler and its key chain's parameters."""
+
+    scheduler: object  # baton.scheduler.Scheduler (drain_kv_events, prefix_cache_keys, ...)
+    block_size: int
+    seed: int
+    num_total_blocks: int
+
+
+def _pack(keys: np.ndarray) -> bytes:
+    return np.ascontiguousarray(keys, dtype="<u8").tobytes()
+
+
+class KvEventPublisher:
+    """The engine's side of every KV-event subscription (one per router connection)."""
+
+    def __init__(self, source: KvEventSource, instance_id: str = "",
+                 capacity: int | None = None):
+        self.source = source
+        self.instance_id = instance_id or uuid.uuid4().hex
+        # Between two drains no more keys can change than the pool's blocks, twice (each block
+        # evicted and re-keyed); a reset of a full cache is one pass. Past that: a snapshot.
+        self.capacity = capacity or 4 * max(1, source.num_total_blocks)
+        self.subscribers: set[bytes] = set()
+        self.seq = 0
+        self.num_snapshots = 0
+        self.num_deltas = 0
+
+    def subscribe(self, identity: bytes, nonce: int) -> KvEvents:
+        """Add a subscriber (again, after a gap: it restarts from a snapshot); its snapshot."""
+        if not self.subscribers:
+            self.source.scheduler.set_kv_event_capacity(self.capacity)
+        self.subscribers.add(identity)
+        # Deltas are net states (a key is 'stored' if the index holds it at the drain), so the
+        # next delta is right on top of this snapshot even if it repeats some of it.
+        return self._snapshot(nonce)
+
+    def unsubscribe(self, identity: bytes) -> None:
+        self.subscribers.discard(identity)
+        if not self.subscribers:
+            self.source.scheduler.set_kv_event_capacity(0)
+
+    def poll(self) -> KvEvents | None:
+        """The message for every subscriber after this iteration, or None if nothing changed."""
+        if not self.subscribers:
+            return None
+        ok, stored, removed = self.source.scheduler.drain_kv_events()
+        if not ok:
+            logger.debug("KV event log overflowed; sending a snapshot")
+            self.seq += 1
+            return self._snapshot(0)
+        if not len(stored) and not len(removed):
+            return None
+        self.seq += 1
+        self.num_deltas += 1
+        return KvEvents(self.instance_id, self.seq, stored=_pack(stored),
+                        removed=_pack(removed))
+
+    def _snapshot(self, nonce: int) -> KvEvents:
+        # A subscribe does not move `seq`: the others' next delta must stay one past their last.
+        self.num_snapshots += 1
+        src = self.source
+        return KvEvents(self.instance_id, self.seq, is_snapshot=True,
+                        stored=_pack(src.scheduler.prefix_cache_keys()), nonce=nonce,
+                        block_size=src.block_size, seed=src.seed,
+                        num_total_blocks=src.num_total_blocks)
