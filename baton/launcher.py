@@ -39,6 +39,7 @@ class LaunchConfig:
     pin_cpus: bool = True  # give each engine its own cores (see cpu_shares)
     metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # once up, for every child
+    routing: str = "cache-aware"  # the router's --routing (router/engine_pool.py)
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -185,7 +186,7 @@ class Launcher:
         cfg = self.config
         argv = [sys.executable, "-m", "baton.cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url,
-                *self._model_args()]
+                "--routing", cfg.routing, *self._model_args()]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
         router = Child("router", argv, env, is_ready=lambda: _http_ok(health))
@@ -269,6 +270,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="restarts of one process within --restart-window before giving up on it")
     p.add_argument("--restart-window", type=float, default=600.0,
                    help="seconds the restarts are counted over")
+    p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
+                   help="the router's engine choice (see baton router --help)")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -285,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
             engine_args=[a for a in args.engine_args if a != "--"],
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
             restart=RestartPolicy(max_restarts=args.max_restarts,
-                                  window_s=args.restart_window))
+                                  window_s=args.restart_window),
+            routing=args.routing)
     except ValueError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2

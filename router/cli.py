@@ -47,6 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--prepare-workers", type=int, default=2,
                    help="processes that parse and tokenize request bodies off the event loop")
+    p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
+                   help="cache-aware: weigh the prompt blocks each engine holds against its "
+                        "load; least-loaded: load only")
+    p.add_argument("--kv-overlap-weight", type=float, default=1.0,
+                   help="cache-aware cost = weight * blocks the engine lacks + active blocks")
     p.set_defaults(func=run)
 
 
@@ -67,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         graceful_shutdown_s=args.graceful_shutdown, max_request_bytes=args.max_request_bytes,
         max_concurrent_requests=args.max_concurrent_requests, body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
-        num_prepare_workers=args.prepare_workers)
+        num_prepare_workers=args.prepare_workers, routing=args.routing,
+        kv_overlap_weight=args.kv_overlap_weight)
     logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=logging.getLogger().getEffectiveLevel(), access_log=False,

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from baton.registry import ROLES
 
+ROUTING_POLICIES = ("cache-aware", "least-loaded")
+
 
 @dataclass
 class RouterConfig:
@@ -61,6 +63,11 @@ class RouterConfig:
     # Processes that parse bodies, render chat templates and tokenize, off the event loop
     # (tokenizing holds the GIL); 0 = one thread of the router process (tests).
     num_prepare_workers: int = 2
+    # How engines are chosen (router/engine_pool.py): "cache-aware" weighs the prompt blocks an
+    # engine holds (its KV events) against its load; "least-loaded" ignores the caches.
+    routing: str = "cache-aware"
+    # cache-aware cost = kv_overlap_weight * blocks the engine lacks + its active blocks.
+    kv_overlap_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.api_key:
@@ -99,5 +106,9 @@ class RouterConfig:
             raise ValueError(f"engine_wait_timeout_s must be >= 0, got {self.engine_wait_timeout_s}")
         if self.prompt_retry_limit < 0:
             raise ValueError(f"prompt_retry_limit must be >= 0, got {self.prompt_retry_limit}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if not 0 <= self.kv_overlap_weight < float("inf"):
+            raise ValueError(f"kv_overlap_weight must be >= 0 and finite, got {self.kv_overlap_weight}")
         if self.failure_cooldown_s < 0:
             raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")

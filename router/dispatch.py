@@ -1,12 +1,12 @@
 """One request's trip through the engines, as a stream of TokenDeltas.
 
 Disaggregated (prompt and completion engines registered):
-  1. pick the least-loaded live prompt engine; send GenerateRequest without a handle;
+  1. pick a live prompt engine (router/engine_pool.py: cache-aware or least-loaded); send GenerateRequest without a handle;
   2. wait for its single delta (first token + kv_handle, or a finish reason); if it fails first
      (timeout, connection dropped, vanished from the registry, error delta), abort it there and
      retry, up to `prompt_retry_limit` times, on another live prompt engine, or on the same one
      once it is back from a restart (an engine that failed while staying up is not asked again);
-  3. pick the least-loaded completion engine; send GenerateRequest with the handle, the first
+  3. pick a completion engine the same way (cache-aware: the one that must pull the least); send GenerateRequest with the handle, the first
      token and its logprob; yield the first token; stream the completion engine's deltas.
 Otherwise a NORMAL engine serves the whole request (same first-token retry).
 Whenever no engine of the role a step needs is live, the step waits for one up to the pool's
@@ -29,6 +29,7 @@ from baton.protocol import GenerateRequest, SamplingOptions, TokenDelta
 from baton.registry import EngineRecord
 from router.engine_client import DISCONNECTED, EngineClient
 from router.engine_pool import EnginePool, NoEngineError
+from router.kv_index import RequestKeys
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class _Leg:
     client: EngineClient
     queue: asyncio.Queue[TokenDelta]
     is_finished: bool = False
+    num_blocks: int = 0  # what this leg adds to the engine's active blocks (cache-aware cost)
 
 
 class Dispatcher:
@@ -94,11 +96,12 @@ class Dispatcher:
         legs: list[_Leg] = []
         request = GenerateRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
                                   sampling=sampling)
+        keys = RequestKeys(prompt_token_ids)
         try:
             disaggregated = self.pool.is_disaggregated
             await self.wait_available()
             first_role = "prompt" if disaggregated else "normal"
-            first_leg, first = await self._first_delta(first_role, request, legs)
+            first_leg, first = await self._first_delta(first_role, request, keys, legs)
             self.metrics.ttft.observe(time.monotonic() - arrival)
             if first.finish_reason or not disaggregated:
                 yield first
@@ -110,10 +113,13 @@ class Dispatcher:
             if not first.token_ids or not first.kv_handle:
                 raise EngineFailure(f"prompt engine {first_leg.record.engine_id} sent no first "
                                     "token or KV handle", started=False)
+            # The prompt engine's part of the work is done: its blocks wait for the pull only.
+            self.pool.add_blocks(first_leg.record.address, -first_leg.num_blocks)
+            first_leg.num_blocks = 0
             leg = await self._send("completion", GenerateRequest(
                 req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                 kv_handle=first.kv_handle, first_token_id=first.token_ids[0],
-                first_logprob=first.logprobs[0] if first.logprobs else 0.0), legs)
+                first_logprob=first.logprobs[0] if first.logprobs else 0.0), keys, legs)
             handed_at = time.monotonic()
             yield TokenDelta(req_id=req_id, token_ids=first.token_ids, logprobs=first.logprobs,
                              num_prompt_tokens=first.num_prompt_tokens,
@@ -125,13 +131,13 @@ class Dispatcher:
         finally:
             self._end(req_id, legs)
 
-    async def _first_delta(self, role: str, request: GenerateRequest,
+    async def _first_delta(self, role: str, request: GenerateRequest, keys: RequestKeys,
                            legs: list[_Leg]) -> tuple[_Leg, TokenDelta]:
         failed_up: set[str] = set()  # engines that failed the request and are still up
         last_error = ""
         for attempt in range(1 + self.prompt_retry_limit):
             try:
-                leg = await self._send(role, request, legs, exclude=failed_up)
+                leg = await self._send(role, request, keys, legs, exclude=failed_up)
             except NoEngineError as exc:
                 if not last_error:
                     raise
@@ -161,12 +167,12 @@ class Dispatcher:
         except (asyncio.TimeoutError, OSError) as exc:
             logger.warning("request %s: abort to %s not sent: %s", req_id, leg.record.address, exc)
 
-    async def _send(self, role: str, request: GenerateRequest, legs: list[_Leg],
-                    exclude: set[str] = frozenset()) -> _Leg:
-        record = await self.pool.wait_pick(role, exclude)
+    async def _send(self, role: str, request: GenerateRequest, keys: RequestKeys,
+                    legs: list[_Leg], exclude: set[str] = frozenset()) -> _Leg:
+        record, num_blocks, _ = await self.pool.wait_choose(role, keys, exclude)
         client = self.pool.client(record.address)
-        self.pool.acquire(record.address)
-        leg = _Leg(record, client, client.open(request.req_id))
+        self.pool.acquire(record.address, num_blocks)
+        leg = _Leg(record, client, client.open(request.req_id), num_blocks=num_blocks)
         legs.append(leg)
         await client.send(request)
         return leg
@@ -220,7 +226,7 @@ class Dispatcher:
 
     def _end(self, req_id: str, legs: list[_Leg]) -> None:
         for leg in legs:
-            self.pool.release(leg.record.address)
+            self.pool.release(leg.record.address, leg.num_blocks)
             if not leg.is_finished:
                 self._abort_leg(req_id, leg)
             leg.client.close_request(req_id)

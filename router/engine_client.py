@@ -5,6 +5,10 @@ takes each `EngineOutputs` (one per engine step) apart and puts each TokenDelta 
 its request. A socket monitor notices a dropped
 connection at once, so requests on a killed engine fail in milliseconds instead of waiting for
 their timeout.
+
+With a `KvIndex` (cache-aware routing) the client subscribes to the engine's KV events on every
+(re)connection and feeds them to the index; a dropped connection drops the engine's entries,
+and a message the index refuses (a gap, a restart) makes it subscribe again.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from baton.protocol import (
     ControlReply,
     EngineOutputs,
     GenerateRequest,
+    KvEvents,
     ResetPrefixCache,
+    SubscribeKvEvents,
     TokenDelta,
 )
+from router.kv_index import KvIndex
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +43,10 @@ DISCONNECTED = "engine_disconnected"
 class EngineClient:
     """The router's side of one engine: send requests, receive their deltas."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, kv_index: KvIndex | None = None):
         self.address = address
+        self.kv_index = kv_index
+        self.kv_subscribed_at = -1e9  # monotonic time of the last SubscribeKvEvents sent
         self.is_connected = False  # set by the monitor; False until the first handshake
         self.created_at = time.monotonic()
         self.has_dropped = False  # the connection was up once and went down since
@@ -91,6 +100,16 @@ class EngineClient:
         finally:
             self._replies.pop(nonce, None)
 
+    async def subscribe_kv_events(self) -> None:
+        """Ask for a snapshot of the engine's block keys and the deltas after it."""
+        self.kv_subscribed_at = time.monotonic()
+        nonce, self._next_nonce = self._next_nonce, self._next_nonce + 1
+        await self._sock.send(protocol.encode(SubscribeKvEvents(nonce)))
+
+    async def _on_kv_events(self, msg: KvEvents) -> None:
+        if self.kv_index is not None and not self.kv_index.apply(self.address, msg):
+            await self.subscribe_kv_events()
+
     async def _recv_loop(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
@@ -98,6 +117,9 @@ class EngineClient:
                 msg = protocol.decode_to_router(frames[-1])
             except protocol.ProtocolError as exc:
                 logger.warning("dropping a bad message from %s: %s", self.address, exc)
+                continue
+            if isinstance(msg, KvEvents):
+                await self._on_kv_events(msg)
                 continue
             if isinstance(msg, ControlReply):
                 reply = self._replies.get(msg.nonce)
@@ -116,9 +138,14 @@ class EngineClient:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
             if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                 self.is_connected = True
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.kv_index is not None:
+                    # A new connection is a new engine-side subscriber list: ask again.
+                    await self.subscribe_kv_events()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.is_connected = False
                 self.has_dropped = True
+                if self.kv_index is not None:
+                    self.kv_index.drop(self.address)  # a restarted engine's cache is empty
                 logger.warning("engine %s disconnected; failing its %d open requests",
                                self.address, len(self._queues))
                 self._fail_open_requests()

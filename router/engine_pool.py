@@ -3,8 +3,18 @@
 The registry is read every `refresh_s` (in a thread: the Redis client blocks). An engine is a
 candidate while it is in the latest registry snapshot, its connection has not dropped, and it
 has not failed a request within `failure_cooldown_s` (unless nothing else is left). Among
-candidates the router picks the least loaded: the registry's load (updated once per engine
-heartbeat) plus the requests this router has sent it since, so a burst spreads out at once.
+candidates the router picks (`--routing`):
+
+least-loaded  the registry's load (updated once per engine heartbeat) plus the requests this
+              router has sent it since, so a burst spreads out at once.
+cache-aware   (default) the lowest cost, NVIDIA Dynamo's KV router cost in blocks:
+                  cost = overlap_weight * new_blocks + active_blocks
+              new_blocks: the prompt's blocks the engine does not hold (from its KV events,
+              router/kv_index.py): what a prompt or normal engine must prefill, what a
+              completion engine must pull. active_blocks: the blocks of this router's requests
+              in flight there (a prompt engine's until its first token, the others' until the
+              end). Ties go to the least loaded as above. overlap_weight 1 (Dynamo's default)
+              prices a cached block like one block of queued work.
 A request that finds no live engine of a role waits up to `engine_wait_timeout_s` for one to
 appear (`wait_pick`): an engine being restarted is back within seconds, and a 503 would fail a
 request that a short wait serves.
@@ -21,12 +31,14 @@ import zmq.asyncio
 from baton.registry import EngineRecord, Registry, RegistryConfig, make_registry
 from router.config import RouterConfig
 from router.engine_client import EngineClient
+from router.kv_index import KvIndex, RequestKeys
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
 _DEPARTED_CLOSE_S = 60.0  # an engine absent from the registry this long loses its socket
 _WAIT_POLL_S = 0.05  # how often a waiting request looks again (registry, connections)
+_RESUBSCRIBE_S = 2.0  # a live engine still unindexed this long after a subscribe is asked again
 
 
 class NoEngineError(Exception):
@@ -48,6 +60,9 @@ class EnginePool:
         self._last_seen: dict[str, float] = {}  # address -> when the registry last listed it
         self._refresh_task: asyncio.Task | None = None
         self.last_refresh_error = ""
+        self.kv_index = KvIndex() if config.routing == "cache-aware" else None
+        self._inflight_blocks: dict[str, int] = {}  # address -> active blocks (cache-aware)
+        self._old_instances: dict[str, set[str]] = {}  # address -> instance ids replaced
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -84,8 +99,14 @@ class EnginePool:
                 self._last_seen[record.address] = now
                 if record.address not in self._clients:
                     logger.info("engine %s (%s) at %s", record.engine_id, record.role, record.address)
-                    self._clients[record.address] = EngineClient(self._ctx, record.address)
+                    self._clients[record.address] = EngineClient(self._ctx, record.address,
+                                                                 self.kv_index)
         await self._close_departed(now)
+        if self.kv_index is not None:
+            await self._sync_kv_index(records, now)
+            self.metrics.set_kv_index(
+                [(r, self.kv_index.num_keys(r.address)) for rs in records.values() for r in rs],
+                self.kv_index.num_resyncs)
         self.metrics.set_engine_loads(
             [(r, self._inflight.get(r.address, 0)) for rs in records.values() for r in rs])
 
@@ -98,6 +119,29 @@ class EnginePool:
                 del self._clients[address]
                 self._last_seen.pop(address, None)
                 await client.close()
+
+    async def _sync_kv_index(self, records: dict[str, list[EngineRecord]], now: float) -> None:
+        """Forget engines that left the registry or restarted; (re)subscribe unindexed ones."""
+        listed = {r.address: r for rs in records.values() for r in rs}
+        for address in self.kv_index.addresses():
+            if address not in listed:
+                self.kv_index.drop(address)
+        for address, record in listed.items():
+            entry = self.kv_index.get(address)
+            old = self._old_instances.setdefault(address, set())
+            if (entry is not None and record.instance_id and record.instance_id not in old
+                    and record.instance_id != entry.instance_id):
+                # The registry names a newer process than our snapshot (the socket reconnected
+                # without us noticing): its cache starts empty.
+                logger.info("engine %s restarted (instance %s): dropping its KV index",
+                            record.engine_id, record.instance_id)
+                old.add(entry.instance_id)
+                self.kv_index.drop(address)
+                entry = None
+            client = self._clients.get(address)
+            if (entry is None and client is not None and client.is_connected
+                    and now - client.kv_subscribed_at >= _RESUBSCRIBE_S):
+                await client.subscribe_kv_events()
 
     def _list_all(self) -> dict[str, list[EngineRecord]]:
         return {role: self.registry.list(role) for role in ("normal", "prompt", "completion")}
@@ -126,6 +170,36 @@ class EnginePool:
 
     def pick(self, role: str, exclude: set[str] = frozenset()) -> EngineRecord:
         """The least-loaded live engine of `role` not in `exclude`; NoEngineError if none."""
+        candidates = self._candidates(role, exclude)
+        return min(candidates, key=self._load)
+
+    def choose(self, role: str, request: RequestKeys,
+               exclude: set[str] = frozenset()) -> tuple[EngineRecord, int, int]:
+        """The engine for a request: `(record, active_blocks, overlap_blocks)`, the blocks the
+        request adds to the engine's load (`acquire`) and those it holds already."""
+        candidates = self._candidates(role, exclude)
+        if self.kv_index is None:
+            self.metrics.routing_decisions.labels(role, "least_loaded").inc()
+            return min(candidates, key=self._load), 0, 0
+        scored = []
+        for record in candidates:
+            entry = self.kv_index.get(record.address)
+            block_size = entry.block_size if entry is not None else record.block_size or 16
+            num_blocks = request.num_blocks(block_size)
+            overlap = self.kv_index.overlap(record.address, request)
+            cost = (self.config.kv_overlap_weight * (num_blocks - overlap)
+                    + self._inflight_blocks.get(record.address, 0))
+            scored.append((cost, self._load(record), record, num_blocks, overlap))
+        cost, _, record, num_blocks, overlap = min(scored, key=lambda s: (s[0], s[1]))
+        active = num_blocks - overlap if role == "prompt" else num_blocks
+        self.metrics.routing_decisions.labels(role, "cached" if overlap else "uncached").inc()
+        self.metrics.routing_credited_blocks.labels(role).inc(overlap)
+        return record, active, overlap
+
+    def _load(self, record: EngineRecord) -> float:
+        return record.load + self._inflight.get(record.address, 0)
+
+    def _candidates(self, role: str, exclude: set[str]) -> list[EngineRecord]:
         live = [r for r in self._records.get(role, [])
                 if r.address not in exclude and self.is_live(r.address)]
         if not live:
@@ -137,7 +211,7 @@ class EnginePool:
         now = time.monotonic()
         healthy = [r for r in live
                    if now - self._failed_at.get(r.address, -1e9) >= self.config.failure_cooldown_s]
-        return min(healthy or live, key=lambda r: r.load + self._inflight.get(r.address, 0))
+        return healthy or live
 
     def has_live(self, role: str) -> bool:
         return any(self.is_live(r.address) for r in self._records.get(role, []))
@@ -159,11 +233,25 @@ class EnginePool:
             await asyncio.sleep(min(_WAIT_POLL_S, remaining))
         return self.pick(role, exclude)
 
-    def acquire(self, address: str) -> None:
-        self._inflight[address] = self._inflight.get(address, 0) + 1
+    async def wait_choose(self, role: str, request: RequestKeys,
+                          exclude: set[str] = frozenset()) -> tuple[EngineRecord, int, int]:
+        """`choose`, after the same wait as `wait_pick`."""
+        await self.wait_pick(role, exclude)
+        return self.choose(role, request, exclude)
 
-    def release(self, address: str) -> None:
+    def acquire(self, address: str, num_blocks: int = 0) -> None:
+        self._inflight[address] = self._inflight.get(address, 0) + 1
+        self.add_blocks(address, num_blocks)
+
+    def release(self, address: str, num_blocks: int = 0) -> None:
         self._inflight[address] = max(0, self._inflight.get(address, 0) - 1)
+        self.add_blocks(address, -num_blocks)
+
+    def add_blocks(self, address: str, num_blocks: int) -> None:
+        """Move an engine's active blocks (cache-aware cost) by `num_blocks`."""
+        if num_blocks:
+            self._inflight_blocks[address] = max(0, self._inflight_blocks.get(address, 0)
+                                                 + num_blocks)
 
     def mark_failed(self, address: str) -> None:
         self._failed_at[address] = time.monotonic()

@@ -51,6 +51,23 @@ class RouterMetrics:
                                         "Free KV blocks an engine last published",
                                         ["role", "engine"], registry=r)
 
+        self.routing_decisions = Counter(
+            "baton_router_routing_decisions",
+            "Engines chosen, by role and whether the chosen one held part of the prompt "
+            "(cached / uncached; least_loaded under --routing least-loaded)",
+            ["role", "outcome"], registry=r)
+        self.routing_credited_blocks = Counter(
+            "baton_router_routing_credited_blocks",
+            "Prompt blocks the chosen engine held, as its KV events said (cache-credited hits)",
+            ["role"], registry=r)
+        self.kv_index_keys = Gauge("baton_router_kv_index_keys",
+                                   "Block keys this router's index credits an engine with",
+                                   ["role", "engine"], registry=r)
+        self.kv_index_resyncs = Gauge(
+            "baton_router_kv_index_resyncs",
+            "Times an engine's index entries were dropped for a gap, restart or bad message",
+            registry=r)
+
     def set_engine_loads(self, records: list[tuple[EngineRecord, int]]) -> None:
         # Engines that left the registry must leave the scrape too.
         self.engine_load.clear()
@@ -58,6 +75,12 @@ class RouterMetrics:
         for record, num_inflight in records:
             self.engine_load.labels(record.role, record.engine_id).set(record.load + num_inflight)
             self.engine_free_blocks.labels(record.role, record.engine_id).set(record.num_free_blocks)
+
+    def set_kv_index(self, num_keys: list[tuple[EngineRecord, int]], num_resyncs: int) -> None:
+        self.kv_index_keys.clear()
+        for record, num in num_keys:
+            self.kv_index_keys.labels(record.role, record.engine_id).set(num)
+        self.kv_index_resyncs.set(num_resyncs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

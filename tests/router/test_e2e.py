@@ -19,7 +19,8 @@ import pytest
 from baton.cli import _SUBCOMMANDS
 from baton.protocol import SamplingOptions
 from router.config import RouterConfig
-from tests.cluster import EngineProcess, wait_whole
+from tests.cluster import EngineProcess, wait_for, wait_whole
+from tests.router import kv_rounds
 from tests.router.conftest import serve_router
 
 _NEEDED = ("engine", "prompt-engine", "completion-engine")
@@ -58,7 +59,7 @@ def deployments(redis_server, model_info, tmp_path_factory):
                 serve_router(pd_config, model_info) as pd_url:
             _wait_healthy(pd_url, {"prompt": 2, "completion": 1})
             yield {"normal": normal_url, "pd": pd_url, "normal_engine": normal,
-                   "prompts": prompts, "completion": completion}
+                   "prompts": prompts, "completion": completion, "engines": engines}
     finally:
         for engine in engines:
             engine.stop()
@@ -247,6 +248,61 @@ def test_logit_bias_penalties_and_min_tokens_through_the_router(deployments, mod
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
 
+def test_cache_aware_routing_keeps_conversations_home(deployments, model_info, redis_server):
+    """Four interleaved conversations of three turns over the two prompt engines: every later
+    turn lands where its prefix is cached (the engine's own cached_tokens says so) and the
+    router credits no more than the engines report. A router started mid-run rebuilds its index
+    from the engines' snapshots and sends the next turns home too; after a reset (every cached
+    block evicted) no router credits anything."""
+    url = deployments["pd"]
+    conversations = [[] for _ in kv_rounds.TOPICS]
+    credited = kv_rounds.credited_tokens(url)
+    rounds = [kv_rounds.run_round(url, conversations, turn) for turn in (1, 2, 3)]
+    for previous, current in zip(rounds, rounds[1:], strict=False):
+        kv_rounds.assert_home(previous, current)
+    assert kv_rounds.credited_tokens(url) - credited <= (
+        sum(c for r in rounds for _, c in r) + kv_rounds.BLOCK * 3 * len(conversations))
+    config = RouterConfig(registry_url=redis_server.url, registry_prefix="pd", refresh_s=0.2,
+                          max_model_len=MAX_MODEL_LEN)
+    with serve_router(config, model_info) as fresh:
+        _wait_healthy(fresh, {"prompt": 2, "completion": 1})
+        wait_for(lambda: all(kv_rounds.metric(fresh, "baton_router_kv_index_keys",
+                                              engine=p.engine_id) > 0
+                             for p in deployments["prompts"]), timeout_s=20)
+        kv_rounds.assert_home(rounds[-1], kv_rounds.run_round(fresh, conversations, 4))
+        with httpx.Client(base_url=fresh, timeout=30) as http:
+            assert http.post("/reset_prefix_cache").status_code == 200
+        for router in (url, fresh):
+            wait_for(lambda r=router: kv_rounds.metric(r, "baton_router_kv_index_keys") == 0,
+                     timeout_s=20)
+    deployments["conversations"] = conversations
+    wait_whole([*deployments["prompts"], deployments["completion"]])
+
+
+def test_restarted_prompt_engine_is_not_credited_with_what_it_lost(deployments, redis_server,
+                                                                 tmp_path):
+    # The victim comes back on its old address and id, so only the dropped connection and its
+    # new instance id tell the router that the blocks it held are gone: were it still credited
+    # with them, the conversations homed there would be routed to it on credit it cannot serve.
+    url, conversations = deployments["pd"], deployments["conversations"]
+    victim = deployments["prompts"][0]
+    kv_rounds.run_round(url, conversations, 5)  # after the reset: spread over both again
+    wait_for(lambda: kv_rounds.metric(url, "baton_router_kv_index_keys",
+                                      engine=victim.engine_id) > 0, timeout_s=20)
+    victim.kill()
+    reborn = EngineProcess("prompt-engine", victim.engine_id, tmp_path, redis_server.url, "pd",
+                           ENGINE_ARGS, port=victim.port)
+    deployments["engines"].append(reborn)  # stopped with the others
+    deployments["prompts"][0] = reborn
+    reborn.wait_ready(time.monotonic() + READY_TIMEOUT_S)
+    _wait_healthy(url, {"prompt": 2, "completion": 1})
+    credited = kv_rounds.credited_tokens(url)
+    cached = sum(c for _, c in kv_rounds.run_round(url, conversations, 6))
+    assert kv_rounds.credited_tokens(url) - credited <= cached + kv_rounds.BLOCK * len(
+        conversations)
+    wait_whole([*deployments["prompts"], deployments["completion"]])
+
+
 def test_killed_prompt_engine_requests_go_to_the_other(deployments):
     # Last in this module: it leaves one prompt engine.
     victim, survivor = deployments["prompts"]
@@ -259,6 +315,7 @@ def test_killed_prompt_engine_requests_go_to_the_other(deployments):
         assert done.choices[0].finish_reason in ("stop", "length")
     assert survivor.stats().num_prompt_tokens > before
     _wait_healthy(deployments["pd"], {"prompt": 1, "completion": 1})  # its record expired
+
 
 
 @pytest.fixture(autouse=True)

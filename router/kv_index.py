@@ -1,0 +1,136 @@
+"""Which prefix-cache block keys each engine holds, as its KV events said (baton/kv_events.py).
+
+Per engine (by address) the index keeps the engine's `instance_id`, the `seq` of the last
+message applied, the block size and key seed it keys with, and the set of keys it holds.
+An engine's entries are dropped, and the engine must be subscribed again, when:
+  - a delta's `seq` is not one past the last one (the engine's queue to us dropped a message),
+  - a message names another `instance_id` than the snapshot did (a restarted engine),
+  - a message is malformed or would make the engine hold more keys than it has blocks,
+  - its connection dropped, or it left the registry (EnginePool calls `drop`).
+Nothing from the socket is trusted: key bytes are checked for length and count before use.
+
+`RequestKeys` computes a prompt's block keys once per (block size, seed) among the engines
+that are scored, with the engines' own function (the compiled scheduler's, torch-free).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from baton.protocol import KvEvents, ProtocolError, unpack_keys
+from baton.scheduler import compute_block_keys
+
+logger = logging.getLogger(__name__)
+
+# No engine is trusted with more keys than this whatever it claims its pool holds: 4M blocks
+# is 64M tokens at block size 16, far past any pool, and bounds the router's memory per engine.
+MAX_KEYS_PER_ENGINE = 1 << 22
+
+
+@dataclass
+class EngineKeys:
+    """What one engine holds, as far as its events have told."""
+
+    instance_id: str
+    seq: int
+    block_size: int
+    seed: int
+    num_total_blocks: int
+    keys: set[int] = field(default_factory=set)
+
+
+class KvIndex:
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineKeys] = {}
+        self.num_resyncs = 0  # entries dropped because of a gap, a restart or a bad message
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._engines
+
+    def addresses(self) -> list[str]:
+        return list(self._engines)
+
+    def get(self, address: str) -> EngineKeys | None:
+        return self._engines.get(address)
+
+    def num_keys(self, address: str) -> int:
+        entry = self._engines.get(address)
+        return len(entry.keys) if entry is not None else 0
+
+    def drop(self, address: str) -> None:
+        self._engines.pop(address, None)
+
+    def apply(self, address: str, msg: KvEvents) -> bool:
+        """Apply one message from the engine at `address`. False: its entries are dropped and
+        it must be subscribed again (gap, restart, or a message that breaks the rules)."""
+        try:
+            if msg.is_snapshot:
+                self._engines[address] = _from_snapshot(msg)
+                return True
+            entry = self._engines.get(address)
+            if entry is None:
+                raise ProtocolError("a delta before any snapshot")
+            if msg.instance_id != entry.instance_id:
+                raise ProtocolError(f"instance {msg.instance_id!r} after {entry.instance_id!r}")
+            if msg.seq != entry.seq + 1:
+                raise ProtocolError(f"seq {msg.seq} after {entry.seq}")
+            bound = entry.num_total_blocks
+            stored = unpack_keys(msg.stored, bound)
+            removed = unpack_keys(msg.removed, bound)
+            entry.keys.difference_update(removed)
+            entry.keys.update(stored)
+            if len(entry.keys) > bound:
+                raise ProtocolError(f"{len(entry.keys)} keys held with {bound} blocks")
+            entry.seq = msg.seq
+            return True
+        except ProtocolError as exc:
+            logger.info("KV index of %s dropped, resubscribing: %s", address, exc)
+            self._engines.pop(address, None)
+            self.num_resyncs += 1
+            return False
+
+    def overlap(self, address: str, request: RequestKeys) -> int:
+        """Leading full blocks of the request's prompt the engine holds (0 if unknown)."""
+        entry = self._engines.get(address)
+        if entry is None or not entry.keys:
+            return 0
+        held = entry.keys
+        num = 0
+        for key in request.keys_for(entry.block_size, entry.seed):
+            if key not in held:  # a chain: a block past a miss cannot be a prefix hit
+                break
+            num += 1
+        return num
+
+
+def _from_snapshot(msg: KvEvents) -> EngineKeys:
+    if not 0 < msg.num_total_blocks <= MAX_KEYS_PER_ENGINE:
+        raise ProtocolError(f"num_total_blocks={msg.num_total_blocks} out of range")
+    if msg.block_size <= 0 or not 0 <= msg.seed < 1 << 64 or not msg.instance_id:
+        raise ProtocolError(f"bad snapshot header: block_size={msg.block_size}, "
+                            f"seed={msg.seed}, instance_id={msg.instance_id!r}")
+    if msg.removed:
+        raise ProtocolError("a snapshot with removed keys")
+    keys = set(unpack_keys(msg.stored, msg.num_total_blocks))
+    return EngineKeys(msg.instance_id, msg.seq, msg.block_size, msg.seed,
+                      msg.num_total_blocks, keys)
+
+
+class RequestKeys:
+    """One prompt's block keys, computed at most once per (block size, seed)."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self._keys: dict[tuple[int, int], list[int]] = {}
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks the whole prompt takes (the last one partial)."""
+        return -(-len(self.token_ids) // block_size)
+
+    def keys_for(self, block_size: int, seed: int) -> list[int]:
+        cached = self._keys.get((block_size, seed))
+        if cached is None:
+            cached = compute_block_keys(self.token_ids, block_size, seed).tolist()
+            self._keys[(block_size, seed)] = cached
+        return cached
