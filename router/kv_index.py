@@ -23,9 +23,9 @@ from baton.scheduler import compute_block_keys
 
 logger = logging.getLogger(__name__)
 
-# No engine is trusted with more keys than this whatever it claims its pool holds: 4M blocks
-# is 64M tokens at block size 16, far past any pool, and bounds the router's memory per engine.
-MAX_KEYS_PER_ENGINE = 1 << 22
+# No engine is trusted with more keys than this whatever it claims its pool holds: 1M blocks is
+# 16M tokens at block size 16, past any pool, and bounds the router's memory per engine (~70 MB).
+MAX_KEYS_PER_ENGINE = 1 << 20
 
 
 @dataclass
