@@ -1,6 +1,8 @@
 """Scheduler decode step in instructions and simulated cache misses: noise-free on a shared machine.
 
-Run: .venv/bin/python bench/scheduler_instructions.py [--running 1024]
+Run: .venv/bin/python bench/scheduler_instructions.py [--running 1024] [--prefix-caching]
+     [--kv-events]   (caching on, the KV event log on and drained every step, as an engine
+                     does while a router subscribes for cache-aware routing)
 Needs valgrind. Runs the decode loop of scheduler_bench.py under cachegrind twice (100 and 300
 steps; D1 32 KiB, LL 512 KiB like one core's L2 here) and prints the difference over 200 steps:
 what one step costs, without the setup. About 40 seconds.
@@ -19,14 +21,18 @@ from pathlib import Path
 _STEPS = (100, 300)
 
 
-def _loop(num_seqs: int, steps: int) -> None:
+def _loop(num_seqs: int, steps: int, prefix_caching: bool, kv_events: bool) -> None:
     import numpy as np
     from scheduler_bench import decode_step, decoding_scheduler
 
-    sched = decoding_scheduler(num_seqs)
+    sched = decoding_scheduler(num_seqs, prefix_caching=prefix_caching or kv_events)
+    if kv_events:
+        sched.set_kv_event_capacity(4 * sched.num_total_blocks())
     tokens = np.full(num_seqs, 7, dtype=np.int32)
     for _ in range(steps):
         decode_step(sched, tokens)
+        if kv_events:
+            sched.drain_kv_events()
 
 
 def _totals(path: Path) -> dict[str, int]:
@@ -42,10 +48,12 @@ def _totals(path: Path) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", type=int, default=1024)
+    parser.add_argument("--prefix-caching", action="store_true")
+    parser.add_argument("--kv-events", action="store_true", help="implies --prefix-caching")
     parser.add_argument("--child-steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_steps is not None:
-        _loop(args.running, args.child_steps)
+        _loop(args.running, args.child_steps, args.prefix_caching, args.kv_events)
         return
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed")
@@ -58,12 +66,15 @@ def main() -> None:
             out = Path(tmp) / f"cg.{steps}"
             subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--D1=32768,8,64",
                             "--LL=524288,8,64", f"--cachegrind-out-file={out}", sys.executable, __file__,
-                            "--running", str(args.running), "--child-steps", str(steps)],
+                            "--running", str(args.running), "--child-steps", str(steps),
+                            *(["--prefix-caching"] if args.prefix_caching else []),
+                            *(["--kv-events"] if args.kv_events else [])],
                            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=600)
             totals.append(_totals(out))
     per_step = {k: (totals[1][k] - totals[0][k]) / (_STEPS[1] - _STEPS[0]) for k in totals[0]}
-    print(f"decode step at {args.running} running, per step:")
+    mode = "kv events" if args.kv_events else "prefix caching" if args.prefix_caching else "plain"
+    print(f"decode step at {args.running} running ({mode}), per step:")
     print(f"  instructions      {per_step['Ir']:>10.0f}")
     print(f"  D1 misses         {per_step['D1mr'] + per_step['D1mw']:>10.0f}")
     print(f"  LL (L2) misses    {per_step['DLmr'] + per_step['DLmw']:>10.0f}")
