@@ -14,6 +14,9 @@ A request's life in the engine:
    it at once. Either way its blocks go back to the pool and the last output says why. In PROMPT
    mode a finished prompt may instead leave with its blocks (`handed_off_block_ids`): the prompt
    role holds them under a lease and returns them with `Scheduler.release_handed_off`.
+A migrated request (its engine failed mid-stream) arrives with the outputs it already had: they
+are prefilled after the prompt and count as outputs (max_tokens, min_tokens, penalties, the
+seed's position), so it goes on exactly as it would have.
 Outputs are token ids; text is the router's business (and `generate`'s, offline).
 """
 
@@ -128,6 +131,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     seq_id: int = -1  # the scheduler's stable integer id
+    num_given: int = 0  # outputs it arrived with (a migration's, a prompt engine's first token)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
 
     @property
@@ -231,8 +235,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None) -> str:
+                    params: SamplingParams | None = None,
+                    output_token_ids: Sequence[int] = ()) -> str:
         """Queue a prompt (text is tokenized as is: apply a chat template first if wanted).
+        `output_token_ids` were generated before, elsewhere (a migrated request): prefilled
+        after the prompt, they count as this request's first outputs.
         Returns the request id (generated when None); ValueError on a duplicate or empty one."""
         params = params or SamplingParams()
         if request_id is None:
@@ -240,10 +247,11 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.check_prompt(request_id, prompt)
+        outputs = self.check_outputs(request_id, output_token_ids, params)
         seq_id = self.scheduler.add_sequence(
-            request_id, np.asarray(ids, dtype=np.int32), params.max_tokens,
-            **self.stop_options(params))
-        self.track(request_id, ids, params, int(seq_id))
+            request_id, np.asarray(ids + outputs, dtype=np.int32),
+            params.max_tokens - len(outputs), **self.stop_options(params))
+        self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
         return request_id
 
     def check_prompt(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
@@ -255,6 +263,19 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: token id out of range "
                              f"[0, {self.model_config.vocab_size})")
         return ids
+
+    def check_outputs(self, request_id: str, output_token_ids: Sequence[int],
+                      params: SamplingParams) -> list[int]:
+        """A migrated request's earlier outputs; ValueError when an id is out of range or
+        nothing is left to generate (the router finishes such a request itself)."""
+        outputs = [int(t) for t in output_token_ids]
+        if outputs and (max(outputs) >= self.model_config.vocab_size or min(outputs) < 0):
+            raise ValueError(f"request {request_id!r}: output token id out of range "
+                             f"[0, {self.model_config.vocab_size})")
+        if len(outputs) >= params.max_tokens:
+            raise ValueError(f"request {request_id!r}: {len(outputs)} earlier outputs leave "
+                             f"nothing of max_tokens={params.max_tokens}")
+        return outputs
 
     def stop_options(self, params: SamplingParams) -> dict:
         """The scheduler's stop settings (S31) for a request."""
@@ -268,7 +289,8 @@ class LLMEngine:
         next draw is at the position it would have had on a single engine."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        req = _Request(request_id, prompt_token_ids, params, seq_id=seq_id)
+        req = _Request(request_id, prompt_token_ids, params, seq_id=seq_id,
+                       num_given=len(token_ids))
         req.token_ids.extend(int(t) for t in token_ids)
         if params.logprobs:
             req.logprobs.extend(float(lp) for lp in logprobs)
@@ -319,7 +341,7 @@ class LLMEngine:
             self._note_cache_hits(reqs)
             self.num_prompt_tokens += int(seqlens_q.sum())
             self.num_recomputed += sum(1 for r, q in zip(reqs, seqlens_q, strict=True)
-                                       if r.token_ids and q > 1)
+                                       if len(r.token_ids) > r.num_given and q > 1)
         # Only a row whose context is complete is sampled: a non-final prompt chunk is not.
         complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
         sampled, logprobs = self.runner.execute(
@@ -351,7 +373,8 @@ class LLMEngine:
             self.untrack(request_id)
             out = by_id[request_id]
             out.handed_off_block_ids = [int(b) for b in block_ids]
-            out.num_prompt_tokens = len(req.prompt_token_ids)
+            # The tokens whose K/V leaves: a migrated request's earlier outputs too.
+            out.num_prompt_tokens = len(req.prompt_token_ids) + req.num_given
 
     def _book_finished(self, outputs: list[RequestOutput], finished: dict[str, str]) -> None:
         for out in outputs:
@@ -369,7 +392,7 @@ class LLMEngine:
         if req.params.logprobs:
             req.logprobs.append(logprob)
         out = RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None)
-        if len(req.token_ids) == 1:
+        if len(req.token_ids) == req.num_given + 1:
             out.num_cached_tokens = req.num_cached_tokens or 0
         return out
 

@@ -54,6 +54,10 @@ class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=
     kv_handle: bytes = b""
     first_token_id: int = -1
     first_logprob: float = 0.0
+    # A migrated request (its engine failed mid-stream): the outputs the router already has.
+    # The engine prefills prompt + these and counts them as outputs (max_tokens, min_tokens,
+    # penalties, a seed's position); a KV handle then covers prompt + these.
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):

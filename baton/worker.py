@@ -72,7 +72,8 @@ class EngineWorker:
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         try:
             params = to_sampling_params(req.sampling)
-            self.engine.add_request(req.req_id, req.prompt_token_ids, params)
+            self.engine.add_request(req.req_id, req.prompt_token_ids, params,
+                                    req.output_token_ids)
         except ValueError as exc:
             return [error_delta(req.req_id, str(exc))]
         return []

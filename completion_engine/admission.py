@@ -1,6 +1,7 @@
 """The completion side of the hand-off: admit a prompt, pull its KV, commit it for decoding.
 
-1. `add` queues a checked request (its KV handle decoded) in arrival order.
+1. `add` queues a checked request (its KV handle decoded) in arrival order. A migrated request's
+   earlier outputs are part of its KV (the handle covers prompt + them) and count as outputs.
 2. `admit` (every loop iteration) allocates from the head: the scheduler allocates blocks for
    the whole prompt (`allocate_prompted`: OK, LATER = wait for room, keep the order; NEVER =
    cannot ever fit, finish with `insufficient_system_resource`), pinning the longest run of the
@@ -46,6 +47,7 @@ PullObserver = Callable[[TransferResult], None]  # every collected pull result (
 class _Admission:
     req: GenerateRequest
     prompt_token_ids: list[int]
+    output_token_ids: list[int]  # a migrated request's earlier outputs
     handle: kvproto.KVHandle
     params: SamplingParams
     aborted: bool = False
@@ -53,15 +55,16 @@ class _Admission:
 
 def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
                  key_seed: int | None = None) -> kvproto.KVHandle:
-    """The request's KV handle, decoded and checked against its prompt (with `key_seed`, its
-    prefix-cache keys too); ValueError if not."""
+    """The request's KV handle, decoded and checked against the tokens it covers, the prompt
+    and any earlier outputs (with `key_seed`, their prefix-cache keys too); ValueError if not."""
     if not req.kv_handle:
         raise ValueError("a completion engine needs the prompt's KV handle")
     try:
         handle = kvproto.decode_handle(req.kv_handle)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"undecodable KV handle: {exc}") from None
-    num_prompt = len(req.prompt_token_ids)
+    tokens = [*req.prompt_token_ids, *req.output_token_ids]
+    num_prompt = len(tokens)
     if handle.request_id != req.req_id:
         raise ValueError(f"KV handle is for {handle.request_id!r}, not {req.req_id!r}")
     if handle.num_tokens != num_prompt:
@@ -72,7 +75,7 @@ def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
     if not 0 <= req.first_token_id < vocab_size:
         raise ValueError(f"first token id {req.first_token_id} out of range")
     if handle.block_keys and key_seed is not None:
-        want = compute_block_keys(req.prompt_token_ids, block_size, key_seed)
+        want = compute_block_keys(tokens, block_size, key_seed)
         if [int(k) for k in want] != list(handle.block_keys):
             raise ValueError("KV handle's block keys disagree with its prompt tokens")
     return handle
@@ -99,10 +102,11 @@ class Admission:
         check out."""
         engine = self.engine
         ids = engine.check_prompt(req.req_id, req.prompt_token_ids)
+        outputs = engine.check_outputs(req.req_id, req.output_token_ids, params)
         seed = engine.prefix_cache_seed if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
                               seed)
-        self.queue.append(_Admission(req, ids, handle, params))
+        self.queue.append(_Admission(req, ids, outputs, handle, params))
 
     def abort(self, req_id: str) -> list[TokenDelta] | None:
         """None when the request is past admission (decoding, or unknown)."""
@@ -131,14 +135,15 @@ class Admission:
         return deltas
 
     def _allocate(self, adm: _Admission) -> AllocStatus:
-        req, engine, ids = adm.req, self.engine, adm.prompt_token_ids
+        req, engine, outputs = adm.req, self.engine, adm.output_token_ids
         keys = adm.handle.block_keys if engine.config.enable_prefix_caching else ()
         alloc = engine.scheduler.allocate_prompted(
-            req.req_id, ids, req.first_token_id, adm.params.max_tokens,
-            **engine.stop_options(adm.params), block_keys=keys)
+            req.req_id, adm.prompt_token_ids + outputs, req.first_token_id,
+            adm.params.max_tokens - len(outputs), **engine.stop_options(adm.params),
+            block_keys=keys)
         if alloc.status == AllocStatus.OK:
-            engine.track(req.req_id, ids, adm.params, alloc.seq_id,
-                         token_ids=[req.first_token_id], logprobs=[req.first_logprob])
+            engine.track(req.req_id, adm.prompt_token_ids, adm.params, alloc.seq_id,
+                         token_ids=[*outputs, req.first_token_id], logprobs=[req.first_logprob])
             self.pulling[req.req_id] = adm
             hit = alloc.num_cached_blocks
             self.num_blocks_reused += hit

@@ -108,6 +108,30 @@ def test_seeded_disaggregated_equals_normal(cluster, num_tokens):
     assert _normal(cluster, ids, other) != want  # the choice index is part of the draw
 
 
+@pytest.mark.parametrize("opts", [
+    SamplingOptions(max_tokens=14, temperature=0.0, ignore_eos=True, presence_penalty=0.8,
+                    repetition_penalty=1.3, min_tokens=12),
+    SamplingOptions(max_tokens=14, temperature=1.0, top_p=0.95, seed=5, ignore_eos=True,
+                    frequency_penalty=0.5),
+], ids=["greedy-penalised", "seeded"])
+def test_a_migrated_request_continues_exactly(cluster, opts):
+    """What the router sends when a completion engine fails after 5 tokens: the prompt and
+    those outputs to a prompt engine (which prefills both and samples output 6), then on to a
+    completion engine. Outputs 6.. equal one engine's undisturbed run: max_tokens, min_tokens,
+    penalties and the seed's position count the 5 earlier outputs."""
+    ids = _ids(37, seed=71)
+    want = _normal(cluster, ids, opts)
+    done = want[:5]
+    with cluster["prompt"].client() as c:
+        first = c.generate(ids, opts, req_id="mig-a~m1", timeout_s=120, output_token_ids=done)
+    assert first.kv_handle and first.token_ids == want[5:6], first
+    with cluster["completion"].client() as c:
+        rest = c.generate(ids, opts, req_id="mig-a~m1", timeout_s=120, kv_handle=first.kv_handle,
+                          first_token_id=first.token_ids[0], output_token_ids=done)
+    assert rest.finish_reason == "length", rest.error
+    assert done + first.token_ids + rest.token_ids == want
+
+
 def test_16_concurrent_requests_equal_normal(cluster):
     prompts = [_ids(5 + 3 * i, seed=i) for i in range(16)]
     with cf.ThreadPoolExecutor(16) as pool:
