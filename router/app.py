@@ -60,7 +60,8 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
         pool = EnginePool(config, metrics, registry)
         await pool.start()
         dispatcher = Dispatcher(pool, metrics, config.first_token_timeout_s,
-                                config.token_timeout_s, config.prompt_retry_limit)
+                                config.token_timeout_s, config.prompt_retry_limit,
+                                config.migration_limit)
         app.state.model = model
         app.state.pool = pool
         app.state.prepare_pool = PreparePool(model, config.num_prepare_workers)

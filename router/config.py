@@ -42,6 +42,9 @@ class RouterConfig:
     # Further prompt engines (or the same one, restarted) a request tries after its prompt
     # engine failed before the first token.
     prompt_retry_limit: int = 2
+    # Migrations a request may go through: each time an engine fails it mid-stream, the router
+    # re-prefills prompt + tokens so far and continues on live engines; 0 = fail at once.
+    migration_limit: int = 3
     # Seconds an engine that failed a request is avoided unless it is the only one left.
     failure_cooldown_s: float = 5.0
     # An engine socket not connected this long after it was opened counts as down.
@@ -110,5 +113,7 @@ class RouterConfig:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if not 0 <= self.kv_overlap_weight < float("inf"):
             raise ValueError(f"kv_overlap_weight must be >= 0 and finite, got {self.kv_overlap_weight}")
+        if not isinstance(self.migration_limit, int) or self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be an int >= 0, got {self.migration_limit!r}")
         if self.failure_cooldown_s < 0:
             raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")

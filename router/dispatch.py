@@ -12,6 +12,14 @@ Otherwise a NORMAL engine serves the whole request (same first-token retry).
 Whenever no engine of the role a step needs is live, the step waits for one up to the pool's
 `engine_wait_timeout_s` (a restart in progress) before NoEngineError, a 503 naming the role.
 
+Migration: when an engine fails after tokens have gone out (error delta, dropped connection,
+gone from the registry, token timeout), the request starts again from step 1 under a fresh
+wire id (`REQ~mN`, so no late abort or lease of the failed attempt can touch it) with the
+tokens streamed so far as `output_token_ids`: the prompt engine prefills prompt + them (mostly
+a prefix-cache hit) and samples the next token as if nothing had happened, since a greedy or
+seeded token depends only on the tokens and its position. The client sees one stream, no token
+repeated or missing; after `migration_limit` migrations the next failure ends it with an error.
+
 Whoever stops reading early (client gone, stop string hit) closes the generator; its `finally`
 sends AbortRequest to every engine that may still hold the request. The aborts run as their own
 tasks, because the reader may be a cancelled task whose every further await would be cancelled.
@@ -23,6 +31,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from baton.protocol import GenerateRequest, SamplingOptions, TokenDelta
@@ -37,14 +46,19 @@ OK_FINISH_REASONS = ("", "stop", "length")
 _WATCH_SLICE_S = 0.25  # how often a waiting request checks its engine is still registered
 _GONE = "engine_gone"  # synthetic finish reason: the engine left the registry mid-request
 _ABORT_SEND_S = 1.0  # bound on queueing an AbortRequest before a retry on the same socket
+# Failures another engine would repeat: the request itself was refused.
+_NOT_MIGRATED = ("bad_request",)
 
 
 class EngineFailure(Exception):
-    """An engine failed the request (error delta, timeout, gone); `started` = tokens were sent."""
+    """An engine failed the request (error delta, timeout, gone); `started` = tokens were sent.
+    `role` and `reason` (the finish reason) say which engine failed how, when known."""
 
-    def __init__(self, message: str, started: bool):
+    def __init__(self, message: str, started: bool, role: str = "", reason: str = ""):
         super().__init__(message)
         self.started = started
+        self.role = role
+        self.reason = reason
 
 
 def is_error(delta: TokenDelta) -> bool:
@@ -64,12 +78,14 @@ class _Leg:
 
 class Dispatcher:
     def __init__(self, pool: EnginePool, metrics, first_token_timeout_s: float,
-                 token_timeout_s: float, prompt_retry_limit: int = 2):
+                 token_timeout_s: float, prompt_retry_limit: int = 2,
+                 migration_limit: int = 3):
         self.pool = pool
         self.metrics = metrics
         self.first_token_timeout_s = first_token_timeout_s
         self.token_timeout_s = token_timeout_s
         self.prompt_retry_limit = prompt_retry_limit
+        self.migration_limit = migration_limit
         self._abort_tasks: set[asyncio.Task] = set()
 
     def _roles(self) -> tuple[str, ...]:
@@ -88,21 +104,57 @@ class Dispatcher:
 
     async def generate(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
                        arrival: float) -> AsyncIterator[TokenDelta]:
-        """Deltas of one request until one carries a finish reason.
+        """Deltas of one request until one carries a finish reason, migrated to other engines
+        when one fails mid-stream.
 
         Raises NoEngineError or EngineFailure; `EngineFailure.started` tells whether tokens
         were already yielded.
         """
+        outputs: list[int] = []  # every token yielded so far: what a migration re-sends
+        num_migrations = 0
+        await self.wait_available()
+        while True:
+            wire_id = f"{req_id}~m{num_migrations}" if num_migrations else req_id
+            try:
+                async with aclosing(self._attempt(wire_id, prompt_token_ids, sampling, outputs,
+                                                  arrival)) as deltas:
+                    async for delta in deltas:
+                        outputs.extend(delta.token_ids)
+                        yield delta
+                return
+            except (EngineFailure, NoEngineError) as exc:
+                if not outputs:
+                    raise  # nothing sent yet: the caller answers with a 503
+                reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
+                if reason in _NOT_MIGRATED or num_migrations >= self.migration_limit:
+                    raise EngineFailure(f"{exc}; not migrated (migration {num_migrations} of "
+                                        f"at most {self.migration_limit})", started=True,
+                                        reason=reason) from None
+                num_migrations += 1
+                role = exc.role if isinstance(exc, EngineFailure) else ""
+                self.metrics.migrations.labels(role or "unknown", reason or "error").inc()
+                logger.warning("request %s: %s; migrating with %d tokens generated (migration "
+                               "%d of at most %d)", req_id, exc, len(outputs), num_migrations,
+                               self.migration_limit)
+
+    async def _attempt(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
+                       outputs: list[int], arrival: float) -> AsyncIterator[TokenDelta]:
+        """One pass through the engines from the tokens in `outputs` on (none: a fresh
+        request; else a migration, whose first engine prefills prompt + outputs)."""
         legs: list[_Leg] = []
+        is_migration = bool(outputs)
         request = GenerateRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
-                                  sampling=sampling)
-        keys = RequestKeys(prompt_token_ids)
+                                  sampling=sampling, output_token_ids=list(outputs))
+        # The tokens whose KV this pass computes and moves: a migration's outputs too.
+        keys = RequestKeys(prompt_token_ids + outputs)
         try:
             disaggregated = self.pool.is_disaggregated
-            await self.wait_available()
             first_role = "prompt" if disaggregated else "normal"
             first_leg, first = await self._first_delta(first_role, request, keys, legs)
-            self.metrics.ttft.observe(time.monotonic() - arrival)
+            if is_migration:
+                self._observe_migrated_prefill(req_id, first, len(prompt_token_ids) + len(outputs))
+            else:
+                self.metrics.ttft.observe(time.monotonic() - arrival)
             if first.finish_reason or not disaggregated:
                 yield first
                 last = time.monotonic()
@@ -112,14 +164,15 @@ class Dispatcher:
                 return
             if not first.token_ids or not first.kv_handle:
                 raise EngineFailure(f"prompt engine {first_leg.record.engine_id} sent no first "
-                                    "token or KV handle", started=False)
+                                    "token or KV handle", started=False, role="prompt")
             # The prompt engine's part of the work is done: its blocks wait for the pull only.
             self.pool.add_blocks(first_leg.record.address, -first_leg.num_blocks)
             first_leg.num_blocks = 0
             leg = await self._send("completion", GenerateRequest(
                 req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                 kv_handle=first.kv_handle, first_token_id=first.token_ids[0],
-                first_logprob=first.logprobs[0] if first.logprobs else 0.0), keys, legs)
+                first_logprob=first.logprobs[0] if first.logprobs else 0.0,
+                output_token_ids=list(outputs)), keys, legs)
             handed_at = time.monotonic()
             yield TokenDelta(req_id=req_id, token_ids=first.token_ids, logprobs=first.logprobs,
                              num_prompt_tokens=first.num_prompt_tokens,
@@ -131,6 +184,13 @@ class Dispatcher:
         finally:
             self._end(req_id, legs)
 
+    def _observe_migrated_prefill(self, req_id: str, first: TokenDelta, num_tokens: int) -> None:
+        """A migration's re-prefill: how much of it the prefix cache spared."""
+        self.metrics.migration_tokens.labels("prefilled").inc(num_tokens)
+        self.metrics.migration_tokens.labels("cached").inc(first.num_cached_tokens)
+        logger.info("request %s: re-prefilled %d tokens, %d of them from the prefix cache",
+                    req_id, num_tokens, first.num_cached_tokens)
+
     async def _first_delta(self, role: str, request: GenerateRequest, keys: RequestKeys,
                            legs: list[_Leg]) -> tuple[_Leg, TokenDelta]:
         failed_up: set[str] = set()  # engines that failed the request and are still up
@@ -141,7 +201,8 @@ class Dispatcher:
             except NoEngineError as exc:
                 if not last_error:
                     raise
-                raise EngineFailure(f"{last_error}; retry impossible: {exc}", started=False) from None
+                raise EngineFailure(f"{last_error}; retry impossible: {exc}", started=False,
+                                    role=role) from None
             if attempt:
                 self.metrics.retries.labels(role).inc()
             delta = await self._wait(leg, self.first_token_timeout_s)
@@ -155,7 +216,7 @@ class Dispatcher:
             if delta.finish_reason not in (DISCONNECTED, _GONE):
                 failed_up.add(leg.record.address)
             await self._abort_before_retry(request.req_id, leg)
-        raise EngineFailure(last_error, started=False)
+        raise EngineFailure(last_error, started=False, role=role)
 
     async def _abort_before_retry(self, req_id: str, leg: _Leg) -> None:
         """Abort `leg` now, not in a task: a retry on the same socket (the engine restarted
@@ -190,7 +251,8 @@ class Dispatcher:
             if is_error(delta):
                 self.pool.mark_failed(leg.record.address)
                 raise EngineFailure(f"{leg.record.role} engine {leg.record.engine_id} failed: "
-                                    f"{delta.error or delta.finish_reason}", started=started)
+                                    f"{delta.error or delta.finish_reason}", started=started,
+                                    role=leg.record.role, reason=delta.finish_reason)
             if delta.token_ids:
                 per_token = (now - last) / len(delta.token_ids)
                 for _ in delta.token_ids:

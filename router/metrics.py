@@ -42,6 +42,14 @@ class RouterMetrics:
         self.retries = Counter("baton_router_engine_retries",
                                "Requests retried on another engine before their first token",
                                ["role"], registry=r)
+        self.migrations = Counter("baton_router_migrations",
+                                  "Requests moved to other engines after one failed mid-stream, "
+                                  "by the failed engine's role and the failure",
+                                  ["role", "cause"], registry=r)
+        self.migration_tokens = Counter("baton_router_migration_prefill_tokens",
+                                        "Tokens migrated requests prefilled again (prefilled) "
+                                        "and how many of them were prefix-cache hits (cached)",
+                                        ["kind"], registry=r)
         self.aborts = Counter("baton_router_aborts", "Requests aborted in the engines, by cause",
                               ["cause"], registry=r)
         self.engine_load = Gauge("baton_router_engine_load",

@@ -6,7 +6,9 @@ answers every request with the same canned token ids, one per `delay_s`:
   normal      token_ids[:max_tokens]
   prompt      one delta: token_ids[0] + a KV handle naming this engine (or "length" if max 1)
   completion  token_ids[1:max_tokens], after checking the handle and first token it was given
-`mode` "error" answers each request with an error delta; "silent" never answers.
+`mode` "error" answers each request with an error delta; "silent" never answers. A request
+with `output_token_ids` (a migration) continues the canned ids after that many; `fail_after`
+ends each request with an error delta once this engine has sent that many of its tokens.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ class _Running:
 
 class ScriptedEngine:
     def __init__(self, role: str, token_ids: list[int], delay_s: float = 0.0, mode: str = "ok",
-                 name: str = "", port: int = 0):
+                 name: str = "", port: int = 0, fail_after: int = -1):
         self.role = role
         self.token_ids = token_ids
         self.delay_s = delay_s
         self.mode = mode
         self.name = name or role
+        self.fail_after = fail_after
         self.generates: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.running: dict[str, _Running] = {}
@@ -94,18 +97,20 @@ class ScriptedEngine:
         if self.mode == "error":
             self._send(identity, TokenDelta(req.req_id, finish_reason="error", error="scripted"))
             return
+        given = len(req.output_token_ids)
+        assert req.output_token_ids == self.token_ids[:given], req.output_token_ids
         if self.role == "prompt":
-            done = req.sampling.max_tokens == 1
+            done = req.sampling.max_tokens == given + 1
             self._send(identity, TokenDelta(
-                req.req_id, token_ids=self.token_ids[:1], logprobs=[-0.5],
+                req.req_id, token_ids=self.token_ids[given:given + 1], logprobs=[-0.5],
                 finish_reason="length" if done else "",
                 kv_handle=b"" if done else f"handle:{self.name}".encode(),
                 num_prompt_tokens=len(req.prompt_token_ids)))
             return
-        tokens = self.token_ids[:req.sampling.max_tokens]
+        tokens = self.token_ids[given:req.sampling.max_tokens]
         if self.role == "completion":
             assert req.kv_handle.startswith(b"handle:"), req.kv_handle
-            assert req.first_token_id == self.token_ids[0], req.first_token_id
+            assert req.first_token_id == self.token_ids[given], req.first_token_id
             tokens = tokens[1:]
         self.running[req.req_id] = _Running(identity, req, tokens, next_at=time.monotonic())
 
@@ -113,6 +118,11 @@ class ScriptedEngine:
         now = time.monotonic()
         for req_id, run in list(self.running.items()):
             if now < run.next_at:
+                continue
+            if run.position == self.fail_after:
+                del self.running[req_id]
+                self._send(run.identity, TokenDelta(req_id, finish_reason="error",
+                                                    error="scripted failure"))
                 continue
             token = run.tokens[run.position:run.position + 1]
             run.position += 1

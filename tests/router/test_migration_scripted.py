@@ -1,0 +1,116 @@
+"""Migration in the router, over real HTTP and ZMQ against scripted engines (no model): an
+engine failing mid-stream, the request re-sent with the tokens so far and continued on a live
+engine; the limit; the metrics. The real engines' exactness is tests/router/test_migration_e2e.py."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from router.config import RouterConfig
+from tests.router.conftest import serve_router
+from tests.router.scripted_engine import ScriptedEngine
+from tests.router.test_routing_scripted import MODEL, TEXT, _sse
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture
+def tokens(model_info) -> list[int]:
+    return model_info.tokenizer.encode(TEXT)
+
+
+@pytest.fixture
+def engines():
+    started: list[ScriptedEngine] = []
+
+    def start(*args, **kwargs) -> ScriptedEngine:
+        started.append(ScriptedEngine(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.close()
+
+
+def _config(*entries: ScriptedEngine, **overrides) -> RouterConfig:
+    return RouterConfig(engines=[f"{e.role}={e.address}" for e in entries],
+                        num_prepare_workers=0, **overrides)
+
+
+def _stream(url: str, max_tokens: int = MAX_TOKENS) -> list[dict]:
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=url, timeout=30) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        return _sse(response)
+
+
+def _text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_completion_engine_failing_mid_stream_is_migrated(engines, tokens, model_info):
+    prompt = engines("prompt", tokens, name="p0")
+    failing = engines("completion", tokens, name="c0", fail_after=3)
+    live = engines("completion", tokens, name="c1")
+    with serve_router(_config(prompt, failing, live), model_info) as url:
+        events = _stream(url)
+        assert _text(events) == model_info.tokenizer.decode(tokens[:MAX_TOKENS])
+        assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        # The first token came from p0, three more from c0: four go to the re-prefill.
+        again = prompt.generates[1]
+        assert again.output_token_ids == tokens[:4] and again.req_id.endswith("~m1")
+        assert live.generates[0].output_token_ids == tokens[:4]
+        assert live.generates[0].first_token_id == tokens[4]
+        assert _metric(url, 'baton_router_migrations_total{cause="error",role="completion"}') == 1
+
+
+def test_colocated_engine_failing_mid_stream_is_migrated(engines, tokens, model_info):
+    failing = engines("normal", tokens, name="n0", fail_after=2)
+    live = engines("normal", tokens, name="n1")
+    with serve_router(_config(failing, live), model_info) as url:
+        assert _text(_stream(url)) == model_info.tokenizer.decode(tokens[:MAX_TOKENS])
+        assert live.generates[0].output_token_ids == tokens[:2]
+
+
+@pytest.mark.parametrize("limit", [0, 2])
+def test_the_migration_limit_ends_the_stream_with_a_clear_error(engines, tokens, model_info,
+                                                                 limit):
+    prompt = engines("prompt", tokens, name="p0")
+    failing = [engines("completion", tokens, name=f"c{i}", fail_after=1) for i in range(2)]
+    config = _config(prompt, *failing, migration_limit=limit)
+    with serve_router(config, model_info) as url:
+        events = _stream(url)
+        # Each pass yields the prompt engine's token and one from a completion engine.
+        assert _text(events) == model_info.tokenizer.decode(tokens[:2 * (limit + 1)])
+        error = events[-1]["error"]
+        assert f"migration {limit} of at most {limit}" in error["message"], error
+        assert len(prompt.generates) == limit + 1
+        if limit:
+            assert _metric(url, "baton_router_migrations_total") == limit
+        body = {"model": MODEL, "prompt": "Count:", "max_tokens": MAX_TOKENS, "temperature": 0}
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert whole.status_code == 502 and "migration" in whole.json()["error"]["message"]
+
+
+def test_a_migration_that_needs_one_more_token_ends_at_the_prompt_engine(engines, tokens,
+                                                                         model_info):
+    """Only max_tokens' last token is left: the re-prefill's first token finishes it."""
+    prompt = engines("prompt", tokens, name="p0")
+    failing = engines("completion", tokens, name="c0", fail_after=3)
+    live = engines("completion", tokens, name="c1")
+    with serve_router(_config(prompt, failing, live), model_info) as url:
+        events = _stream(url, max_tokens=5)
+        assert _text(events) == model_info.tokenizer.decode(tokens[:5])
+        assert events[-1]["usage"]["completion_tokens"] == 5
+        assert not live.generates
