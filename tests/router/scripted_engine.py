@@ -8,7 +8,8 @@ answers every request with the same canned token ids, one per `delay_s`:
   completion  token_ids[1:max_tokens], after checking the handle and first token it was given
 `mode` "error" answers each request with an error delta; "silent" never answers. A request
 with `output_token_ids` (a migration) continues the canned ids after that many; `fail_after`
-ends each request with an error delta once this engine has sent that many of its tokens.
+ends each request with an error delta once this engine has sent that many of its tokens;
+`stall_after` goes silent then instead (a hung engine: the router's token timeout).
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ class _Running:
 
 class ScriptedEngine:
     def __init__(self, role: str, token_ids: list[int], delay_s: float = 0.0, mode: str = "ok",
-                 name: str = "", port: int = 0, fail_after: int = -1):
+                 name: str = "", port: int = 0, fail_after: int = -1,
+                 stall_after: int = -1):
         self.role = role
         self.token_ids = token_ids
         self.delay_s = delay_s
         self.mode = mode
         self.name = name or role
         self.fail_after = fail_after
+        self.stall_after = stall_after
         self.generates: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.running: dict[str, _Running] = {}
@@ -118,6 +121,8 @@ class ScriptedEngine:
         now = time.monotonic()
         for req_id, run in list(self.running.items()):
             if now < run.next_at:
+                continue
+            if run.position == self.stall_after:
                 continue
             if run.position == self.fail_after:
                 del self.running[req_id]

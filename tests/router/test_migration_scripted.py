@@ -1,6 +1,7 @@
 """Migration in the router, over real HTTP and ZMQ against scripted engines (no model): an
-engine failing mid-stream, the request re-sent with the tokens so far and continued on a live
-engine; the limit; the metrics. The real engines' exactness is tests/router/test_migration_e2e.py."""
+engine failing (error delta) or hanging (token timeout) mid-stream, the request re-sent with
+the tokens so far and continued on a live engine, a stop string across the seam; the limit;
+the metrics. The real engines' exactness is tests/router/test_migration_e2e.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from router.config import RouterConfig
 from tests.router.conftest import serve_router
 from tests.router.scripted_engine import ScriptedEngine
-from tests.router.test_routing_scripted import MODEL, TEXT, _sse
+from tests.router.test_routing_scripted import MODEL, TEXT, _sse, _wait_for
 
 MAX_TOKENS = 10
 
@@ -38,9 +39,9 @@ def _config(*entries: ScriptedEngine, **overrides) -> RouterConfig:
                         num_prepare_workers=0, **overrides)
 
 
-def _stream(url: str, max_tokens: int = MAX_TOKENS) -> list[dict]:
+def _stream(url: str, max_tokens: int = MAX_TOKENS, **extra) -> list[dict]:
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     with httpx.Client(base_url=url, timeout=30) as http, \
             http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -114,3 +115,29 @@ def test_a_migration_that_needs_one_more_token_ends_at_the_prompt_engine(engines
         assert _text(events) == model_info.tokenizer.decode(tokens[:5])
         assert events[-1]["usage"]["completion_tokens"] == 5
         assert not live.generates
+
+
+def test_a_hung_completion_engine_is_migrated_at_the_token_timeout(engines, tokens, model_info):
+    prompt = engines("prompt", tokens, name="p0")
+    hung = engines("completion", tokens, name="c0", stall_after=3)
+    live = engines("completion", tokens, name="c1")
+    with serve_router(_config(prompt, hung, live, token_timeout_s=1.0), model_info) as url:
+        assert _text(_stream(url)) == model_info.tokenizer.decode(tokens[:MAX_TOKENS])
+        assert _metric(url, 'baton_router_migrations_total{cause="timeout",role="completion"}') == 1
+        _wait_for(lambda: len(hung.aborts) == 1)  # the hung pass is aborted there
+
+
+def test_a_stop_string_across_the_migration_is_found(engines, tokens, model_info):
+    """The text before the failure and after it are one stream: a stop string made of the
+    last token before the failure and the first after it stops the request there."""
+    prompt = engines("prompt", tokens, name="p0")
+    failing = engines("completion", tokens, name="c0", fail_after=3)
+    live = engines("completion", tokens, name="c1")
+    decode = model_info.tokenizer.decode
+    stop = decode(tokens[3:5])  # output 4 came from c0, output 5 is the re-prefill's
+    with serve_router(_config(prompt, failing, live), model_info) as url:
+        events = _stream(url, stop=[stop])
+        assert _text(events) == decode(tokens[:3])
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        assert events[-1]["usage"]["completion_tokens"] == 5
+
