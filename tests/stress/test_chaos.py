@@ -213,6 +213,9 @@ def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role):
             "restart_to_ready_s": restarts}
         print("\nchaos:", json.dumps(figures))
         assert len(kills) == NUM_KILLS
+        # Nothing died but the victims (an engine-side crash under chaos would show here).
+        exits = [m.group(0) for m in baton.stderr.matching(r"\S+ exited \([^)]*\)")]
+        assert exits == [f"{k['engine']} exited (signal 9)" for k in kills], exits
         failed = [(r.prompt, r.error or r.text, r.finish_reason) for r in results
                   if r.error or r.text != expected[r.prompt] or r.finish_reason != "length"]
         assert not failed, f"{len(failed)} of {len(results)} failed: {failed[:5]}\n{baton.tail()}"
