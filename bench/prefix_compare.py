@@ -10,6 +10,11 @@ bench/results/prefix_cache.json and prints a Markdown table, and the two targets
 disaggregated TTFT p50 with caching / without (goal <= 0.3), and blocks pulled with the
 decode-side cache / without (goal <= 0.25).
 
+Routing (`--setups disaggregated+cache 2-prompt+cache-aware 2-prompt+least-loaded --out
+prefix_routing.json`): two prompt engines behind the router's cache-aware or least-loaded
+choice, against one prompt engine (where every turn meets its cache); the target is a
+cached-token fraction of cache-aware routing >= 0.9x the single prompt engine's.
+
     python bench/prefix_compare.py                 # ~12 minutes on 2 cores
     python bench/prefix_compare.py --conversations 4 --turns 4
 """
@@ -36,7 +41,13 @@ SETUPS = {  # name -> (`baton up` flags, engine flags)
     "disaggregated": (["--prompt-engines", "1", "--completion-engines", "1"], OFF),
     "colocated+cache": (["--normal-engines", "1"], []),
     "colocated": (["--normal-engines", "1"], OFF),
+    # Two prompt engines: does routing keep each conversation where its turns are cached?
+    "2-prompt+cache-aware": (["--prompt-engines", "2", "--completion-engines", "1",
+                              "--routing", "cache-aware"], []),
+    "2-prompt+least-loaded": (["--prompt-engines", "2", "--completion-engines", "1",
+                               "--routing", "least-loaded"], []),
 }
+DEFAULT_SETUPS = ["disaggregated+cache", "disaggregated", "colocated+cache", "colocated"]
 
 
 def engine_addresses(log_path: Path) -> dict[str, str]:
@@ -108,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-range", type=int, nargs=2, default=[32, 64], metavar=("LO", "HI"))
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--port", type=int, default=8124)
-    p.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
+    p.add_argument("--setups", nargs="*", default=DEFAULT_SETUPS, choices=list(SETUPS))
     p.add_argument("--results-dir", default=str(sb.RESULTS_DIR))
+    p.add_argument("--out", default="prefix_cache.json", help="JSON file in --results-dir")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -122,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         targets["ttft_p50_ratio"] = on["ttft_p50_ms"] / off["ttft_p50_ms"]
         targets["blocks_pulled_ratio"] = (on["blocks_pulled_per_request"]
                                           / max(1e-9, off["blocks_pulled_per_request"]))
-    out = Path(args.results_dir) / "prefix_cache.json"
+    single = by.get("disaggregated+cache")
+    for name in ("2-prompt+cache-aware", "2-prompt+least-loaded"):
+        if single and name in by:
+            targets[f"cached_fraction_ratio_{name.split('+')[1]}"] = (
+                by[name]["cached_fraction"] / max(1e-9, single["cached_fraction"]))
+    out = Path(args.results_dir) / args.out
     out.write_text(json.dumps({"args": vars(args), "rows": rows, "targets": targets,
                                "runs": records}, indent=1))
     print(table(rows))
