@@ -102,7 +102,8 @@ class Scheduler:
     def add_sequence(self, request_id: str, prompt_token_ids: _Tokens, max_tokens: int, *,
                      eos_token_ids: _Tokens = ..., stop_token_ids: _Tokens = ...,
                      ignore_eos: bool = False, schedulable: bool = True,
-                     chunk_checkpoints: list[int] = ..., structured_output: bool = False) -> int: ...
+                     chunk_checkpoints: list[int] = ..., structured_output: bool = False,
+                     skip_prefix_cache: bool = False) -> int: ...
     def allocate_prompted(self, request_id: str, prompt_token_ids: _Tokens, first_token_id: int,
                           max_tokens: int, *, eos_token_ids: _Tokens = ...,
                           stop_token_ids: _Tokens = ..., ignore_eos: bool = False,

@@ -31,10 +31,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from baton.logprobs import PromptLogprobs, TopLogprobs
 from baton.model import load_model
 from baton.model.config import resolve_dtype
 from baton.model.loader import LoadedModel
-from baton.model_runner import ModelRunner
+from baton.model_runner import ModelRunner, PromptSpan
 from baton.sampler import SamplingParams
 from baton.scheduler import EngineType, Scheduler, SchedulerConfig
 
@@ -107,6 +108,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     # On the request's first output: prompt tokens this engine took from its prefix cache.
     num_cached_tokens: int = 0
+    top: TopLogprobs | None = None  # top_logprobs: alternatives of each new token
+    prompt: PromptLogprobs | None = None  # prompt_logprobs, on the request's first output
 
 
 @dataclass
@@ -133,6 +136,7 @@ class _Request:
     seq_id: int = -1  # the scheduler's stable integer id
     num_given: int = 0  # outputs it arrived with (a migration's, a prompt engine's first token)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
+    prompt_logprobs: PromptLogprobs | None = None  # filled chunk by chunk while prefilling
 
     @property
     def num_tokens(self) -> int:
@@ -248,9 +252,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.check_prompt(request_id, prompt)
         outputs = self.check_outputs(request_id, output_token_ids, params)
+        # Prompt logprobs need the logits of every prompt position: a cached prefix has none.
         seq_id = self.scheduler.add_sequence(
             request_id, np.asarray(ids + outputs, dtype=np.int32),
-            params.max_tokens - len(outputs), **self.stop_options(params))
+            params.max_tokens - len(outputs), **self.stop_options(params),
+            skip_prefix_cache=params.prompt_logprobs >= 0)
         self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
         return request_id
 
@@ -294,6 +300,8 @@ class LLMEngine:
         req.token_ids.extend(int(t) for t in token_ids)
         if params.logprobs:
             req.logprobs.extend(float(lp) for lp in logprobs)
+        if params.prompt_logprobs >= 0:
+            req.prompt_logprobs = PromptLogprobs()
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
 
@@ -344,18 +352,45 @@ class LLMEngine:
                                        if len(r.token_ids) > r.num_given and q > 1)
         # Only a row whose context is complete is sampled: a non-final prompt chunk is not.
         complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
-        sampled, logprobs = self.runner.execute(
+        spans = (self._prompt_spans(reqs, seqlens_q, seqlens_k) if sched_out.prompt_run
+                 else None)
+        samples = self.runner.execute(
             sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
             [r.prompt_token_ids for r in reqs],
-            [r.token_ids for r in reqs])
-        result = self.scheduler.process_outputs(sched_out, sampled)
-        for req, accepted, token, logprob in zip(reqs, np.asarray(result.num_accepted),
-                                                 sampled, logprobs, strict=True):
+            [r.token_ids for r in reqs], spans)
+        for req, prompt in zip(reqs, samples.prompt, strict=True):
+            if prompt is not None:
+                req.prompt_logprobs.logprobs.extend(prompt.logprobs)
+                req.prompt_logprobs.top.extend(prompt.top)
+        result = self.scheduler.process_outputs(sched_out, samples.token_ids)
+        for i, (req, accepted) in enumerate(zip(reqs, np.asarray(result.num_accepted),
+                                                strict=True)):
             if accepted > 0:
-                outputs.append(self._append(req, int(token), float(logprob)))
+                outputs.append(self._append(req, int(samples.token_ids[i]),
+                                            float(samples.logprobs[i]), samples.top[i]))
         self._hand_off(outputs, result.handed_off)
         self._book_finished(outputs, dict(result.finished))
         return outputs
+
+    @staticmethod
+    def _prompt_spans(reqs: list[_Request], seqlens_q: np.ndarray,
+                      seqlens_k: np.ndarray) -> list[PromptSpan | None] | None:
+        """Prompt steps of requests asking prompt logprobs: which chunk positions predict the
+        prompt tokens not scored yet (a recomputed prompt was scored the first time)."""
+        spans: list[PromptSpan | None] = []
+        for req, q, k in zip(reqs, seqlens_q, seqlens_k, strict=True):
+            scored = req.prompt_logprobs
+            start, num_prompt = int(k) - int(q), len(req.prompt_token_ids)
+            end = min(int(k), num_prompt - 1)  # the last prompt position predicts an output
+            if scored is None or len(scored.logprobs) >= end:
+                spans.append(None)
+                continue
+            have = len(scored.logprobs)
+            # The prompt skipped the prefix cache, so every position not scored is computed.
+            assert start <= have, (req.request_id, start, have)
+            spans.append(PromptSpan(have - start, req.prompt_token_ids[have + 1:end + 1],
+                                    req.params.prompt_logprobs))
+        return spans if any(s is not None for s in spans) else None
 
     def _note_cache_hits(self, reqs: list[_Request]) -> None:
         """A request's first prompt step: what its admission took from the prefix cache."""
@@ -386,14 +421,18 @@ class LLMEngine:
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
 
-    def _append(self, req: _Request, token: int, logprob: float) -> RequestOutput:
+    def _append(self, req: _Request, token: int, logprob: float,
+                top: TopLogprobs | None = None) -> RequestOutput:
         self.num_generated_tokens += 1
         req.token_ids.append(token)
         if req.params.logprobs:
             req.logprobs.append(logprob)
-        out = RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None)
+        out = RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None,
+                            top=top)
         if len(req.token_ids) == req.num_given + 1:
             out.num_cached_tokens = req.num_cached_tokens or 0
+            if not req.num_given:  # scored here: the prompt was prefilled on this engine
+                out.prompt = req.prompt_logprobs
         return out
 
     # ------------------------------------------------------------------ offline

@@ -10,16 +10,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from baton.logprobs import PromptLogprobs, TopLogprobs, token_logprobs, top_logprobs
 from baton.model import KVCacheSpec, allocate_kv_cache
 from baton.model.backends import Backend, StepBatch, get_backend
 from baton.model.loader import LoadedModel
 from baton.sampler import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptSpan:
+    """Prompt logprobs wanted from one row's prompt chunk: chunk positions first.. predict
+    `targets` (the prompt tokens after them), with `num_top` alternatives each."""
+
+    first: int
+    targets: list[int]
+    num_top: int = 0
+
+
+@dataclass
+class StepSamples:
+    """What `execute` sampled, row by row."""
+
+    token_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # fp32 [n]
+    top: list[TopLogprobs | None]  # rows asking top_logprobs
+    prompt: list[PromptLogprobs | None]  # rows given a PromptSpan
 
 
 class ModelRunner:
@@ -49,12 +71,13 @@ class ModelRunner:
         return torch.as_tensor(np.asarray(values), device=self.device).long()
 
     def forward(self, input_ids, positions, slot_mapping, seqlens_q, seqlens_k, block_tables,
-                seq_ids=None) -> torch.Tensor:
+                seq_ids=None, logit_rows=None) -> torch.Tensor:
         """Run one flat batch (array-likes as the scheduler gives them); fp32 logits [n, vocab]
-        of each sequence's last token. `slot_mapping` is block_id * block_size + offset of each
-        token; `seqlens_k` each sequence's context length after the step. `seq_ids` (the
-        scheduler's, unique per live sequence) let the backend keep a decoding sequence's state
-        (the CPU backend's dense rows) from step to step; without them nothing is kept."""
+        of each sequence's last token (or of the flat token indices `logit_rows`).
+        `slot_mapping` is block_id * block_size + offset of each token; `seqlens_k` each
+        sequence's context length after the step. `seq_ids` (the scheduler's, unique per live
+        sequence) let the backend keep a decoding sequence's state (the CPU backend's dense
+        rows) from step to step; without them nothing is kept."""
         batch = StepBatch(
             input_ids=self._tensor(input_ids), positions=self._tensor(positions),
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
@@ -65,29 +88,69 @@ class ModelRunner:
         assert num_tokens == batch.input_ids.shape[0] == batch.positions.shape[0] \
             == batch.slot_mapping.shape[0], "ragged batch"
         meta = self.backend.prepare(batch, self.kv_cache, self.config.dtype)
-        logits = self.model(batch.input_ids, batch.positions, self.kv_cache, meta, self.backend)
+        rows = None if logit_rows is None else self._tensor(logit_rows)
+        logits = self.model(batch.input_ids, batch.positions, self.kv_cache, meta, self.backend,
+                            logit_rows=rows)
         self.backend.finish_step(meta)
         return logits
 
     def execute(self, sched_out, seq_ids: np.ndarray,
                 params: Sequence[SamplingParams | None],
                 prompt_token_ids: Sequence[Sequence[int]],
-                output_token_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+                output_token_ids: Sequence[Sequence[int]],
+                prompt_spans: Sequence[PromptSpan | None] | None = None) -> StepSamples:
         """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
         does not end its prompt; it gets a dummy 0, which the scheduler ignores, and draws
         nothing); penalties, min_tokens and seeds read each row's prompt and output ids so far.
-        Returns (token ids int32 [n], their log-probs fp32 [n])."""
+        `prompt_spans[i]` asks for prompt logprobs of row i's chunk positions [first, end).
+        Returns the token ids int32 [n], their log-probs fp32 [n] and what else was asked."""
+        seqlens_q = np.asarray(sched_out.seqlens_q, dtype=np.int64)
+        spans = list(prompt_spans) if prompt_spans is not None else [None] * len(params)
+        logit_rows, last = self._logit_rows(seqlens_q, spans)
         logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
                               sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
-                              seq_ids)
+                              seq_ids, logit_rows)
         n = len(params)
-        sampled = np.zeros(n, dtype=np.int32)
-        logprobs = np.zeros(n, dtype=np.float32)
+        out = StepSamples(np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.float32),
+                          [None] * n, [None] * n)
+        last_logits = logits if last is None else logits[last]
         rows = [i for i, p in enumerate(params) if p is not None]
         if rows:
-            ids, lps = self.sampler(logits[rows], [params[i] for i in rows],
+            ids, lps = self.sampler(last_logits[rows], [params[i] for i in rows],
                                     prompt_token_ids=[prompt_token_ids[i] for i in rows],
                                     output_token_ids=[output_token_ids[i] for i in rows])
-            sampled[rows] = ids.cpu().numpy()
-            logprobs[rows] = lps.cpu().numpy()
-        return sampled, logprobs
+            out.token_ids[rows] = ids.cpu().numpy()
+            out.logprobs[rows] = lps.cpu().numpy()
+        for i in rows:
+            if params[i].top_logprobs:
+                out.top[i] = top_logprobs(last_logits[i:i + 1], params[i].top_logprobs)
+        if last is not None:
+            self._prompt_logprobs(logits, seqlens_q, spans, out)
+        return out
+
+    @staticmethod
+    def _logit_rows(seqlens_q: np.ndarray, spans: list[PromptSpan | None]):
+        """Flat token indices to run the LM head on, and where each row's last token lies in
+        them; (None, None) = only the last tokens, the model's default."""
+        if all(span is None for span in spans):
+            return None, None
+        ends = np.cumsum(seqlens_q)
+        logit_rows, last = [], []
+        for i, span in enumerate(spans):
+            if span is not None:  # the whole chunk: its last position is the row's last token
+                logit_rows.extend(range(int(ends[i] - seqlens_q[i]), int(ends[i])))
+            else:
+                logit_rows.append(int(ends[i]) - 1)
+            last.append(len(logit_rows) - 1)
+        return logit_rows, last
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, seqlens_q: np.ndarray,
+                         spans: list[PromptSpan | None], out: StepSamples) -> None:
+        offset = 0
+        for i, span in enumerate(spans):
+            q = int(seqlens_q[i]) if span is not None else 1
+            if span is not None and span.targets:
+                rows = logits[offset + span.first:offset + span.first + len(span.targets)]
+                out.prompt[i] = token_logprobs(rows, span.targets, span.num_top)
+            offset += q

@@ -26,6 +26,7 @@ import msgspec
 # A single message larger than this is refused before decoding: the longest legal message is a
 # prompt of max_model_len token ids, far below it.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and vLLM's default on logprobs)
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -44,6 +45,12 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     min_tokens: int = 0  # EOS and stop_token_ids are masked before this many outputs
     min_p: float = 0.0
     sample_index: int = 0  # which choice of the request (n > 1): part of a seeded draw
+    # The most likely tokens (id, logprob) beside each sampled one, 0-20 (OpenAI's
+    # top_logprobs); needs `logprobs`.
+    top_logprobs: int = 0
+    # Echo: the prompt's own token logprobs (and this many alternatives each), computed while
+    # prefilling; -1 = not asked. The prompt then skips the prefix cache (no logits there).
+    prompt_logprobs: int = -1
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):
@@ -128,6 +135,15 @@ class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=Tru
     # On a request's first token: prompt tokens the engine took from its prefix cache instead
     # of computing them (the client's usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
+    # With SamplingOptions.top_logprobs: per token of token_ids, the most likely ids and
+    # their logprobs (the model's distribution, best first).
+    top_token_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    # With SamplingOptions.prompt_logprobs, on the first delta: the logprob of each prompt
+    # token after the first (whose has no context), and the alternatives at each position.
+    prompt_logprobs: list[float] = []
+    prompt_top_token_ids: list[list[int]] = []
+    prompt_top_logprobs: list[list[float]] = []
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):

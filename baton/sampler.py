@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.protocol import MAX_TOP_LOGPROBS
+
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-5  # temperatures below this are greedy
@@ -56,6 +58,8 @@ class SamplingParams:
     # Which choice of a request this is (n > 1 forks one prompt into choices 0..n-1): mixed
     # into a seeded row's randomness so choices of one seed differ, each one reproducibly.
     sample_index: int = 0
+    top_logprobs: int = 0  # with logprobs: this many most likely (id, logprob) per token
+    prompt_logprobs: int = -1  # >= 0: the prompt tokens' logprobs, this many alternatives each
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -74,6 +78,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         self._check_penalties()
+        self._check_logprobs()
         if self.top_k == -1:
             self.top_k = 0
 
@@ -97,6 +102,17 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} "
                                  f"for token {token}")
         self.logit_bias = {int(t): float(b) for t, b in dict(self.logit_bias).items()}
+
+    def _check_logprobs(self) -> None:
+        k = self.top_logprobs
+        if not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        if k and not self.logprobs:
+            raise ValueError(f"top_logprobs={k} needs logprobs=True")
+        k = self.prompt_logprobs
+        if not isinstance(k, int) or not -1 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be -1 (off) or in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {k!r}")
 
     @property
     def has_penalties(self) -> bool:

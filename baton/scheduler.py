@@ -207,12 +207,14 @@ class Scheduler:
                      max_tokens: int, *, eos_token_ids: Iterable[int] = (),
                      stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                      schedulable: bool = True, chunk_checkpoints: Iterable[int] = (),
-                     structured_output: bool = False) -> int:
-        """Queue a request; returns its stable integer ``seq_id``."""
+                     structured_output: bool = False, skip_prefix_cache: bool = False) -> int:
+        """Queue a request; returns its stable integer ``seq_id``. ``skip_prefix_cache``: no
+        prefix-cache hit and no key for it (prompt logprobs need every position's logits)."""
         return self._impl.add_sequence(
             request_id, prompt_token_ids, max_tokens, eos_token_ids=tuple(eos_token_ids),
             stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, schedulable=schedulable,
-            chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output)
+            chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output,
+            skip_prefix_cache=skip_prefix_cache)
 
     def allocate_prompted(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
                           first_token_id: int, max_tokens: int, *,

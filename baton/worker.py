@@ -33,14 +33,22 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
         ignore_eos=bool(opts.ignore_eos), logprobs=bool(opts.logprobs),
         presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
         repetition_penalty=opts.repetition_penalty, logit_bias=dict(opts.logit_bias),
-        min_tokens=opts.min_tokens, min_p=opts.min_p, sample_index=opts.sample_index)
+        min_tokens=opts.min_tokens, min_p=opts.min_p, sample_index=opts.sample_index,
+        top_logprobs=int(opts.top_logprobs), prompt_logprobs=int(opts.prompt_logprobs))
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:
-    return TokenDelta(out.request_id, list(out.new_token_ids), list(out.new_logprobs or []),
-                      (out.finish_reason or "") if out.finished else "",
-                      num_prompt_tokens=out.num_prompt_tokens,
-                      num_cached_tokens=out.num_cached_tokens)
+    delta = TokenDelta(out.request_id, list(out.new_token_ids), list(out.new_logprobs or []),
+                       (out.finish_reason or "") if out.finished else "",
+                       num_prompt_tokens=out.num_prompt_tokens,
+                       num_cached_tokens=out.num_cached_tokens)
+    if out.top is not None:
+        delta.top_token_ids, delta.top_logprobs = out.top.token_ids, out.top.logprobs
+    if out.prompt is not None:
+        delta.prompt_logprobs = out.prompt.logprobs
+        delta.prompt_top_token_ids = out.prompt.top_token_ids
+        delta.prompt_top_logprobs = out.prompt.top_logprobs
+    return delta
 
 
 def error_delta(req_id: str, message: str, reason: str = "error") -> TokenDelta:

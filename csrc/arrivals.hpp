@@ -221,6 +221,7 @@ inline SequencePtr Scheduler::make_sequence_(const std::string &request_id, std:
   seq->build_stop_set();
   seq->schedule.schedulable = opts.schedulable;
   seq->structured_output.status = opts.structured_output ? 1 : 0;
+  seq->prefix.chain_end = opts.skip_prefix_cache;
   std::vector<int> cps = opts.chunk_checkpoints;
   std::sort(cps.begin(), cps.end());
   seq->schedule.chunk_checkpoints.assign(cps.begin(), cps.end());

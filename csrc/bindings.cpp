@@ -35,7 +35,8 @@ py::list finished_list(const FinishedList &items) {
 }
 
 AddOptions make_options(std::vector<int32_t> eos, std::vector<int32_t> stop, bool ignore_eos, bool schedulable,
-                        std::vector<int> checkpoints, bool structured_output) {
+                        std::vector<int> checkpoints, bool structured_output,
+                        bool skip_prefix_cache = false) {
   AddOptions o;
   o.eos_token_ids = std::move(eos);
   o.stop_token_ids = std::move(stop);
@@ -43,6 +44,7 @@ AddOptions make_options(std::vector<int32_t> eos, std::vector<int32_t> stop, boo
   o.schedulable = schedulable;
   o.chunk_checkpoints = std::move(checkpoints);
   o.structured_output = structured_output;
+  o.skip_prefix_cache = skip_prefix_cache;
   return o;
 }
 
@@ -250,15 +252,17 @@ PYBIND11_MODULE(_scheduler, m) {
            py::arg("config"), py::arg("all_reduce_min") = py::none())
       .def("add_sequence",
            [](Scheduler &s, const std::string &rid, py::handle prompt, int max_tokens, py::handle eos,
-              py::handle stop, bool ignore_eos, bool schedulable, std::vector<int> checkpoints, bool so) {
+              py::handle stop, bool ignore_eos, bool schedulable, std::vector<int> checkpoints, bool so,
+              bool skip_cache) {
              return s.add_sequence(rid, to_tokens(prompt, "prompt_token_ids"), max_tokens,
                                    make_options(to_tokens(eos, "eos_token_ids"), to_tokens(stop, "stop_token_ids"),
-                                                ignore_eos, schedulable, std::move(checkpoints), so));
+                                                ignore_eos, schedulable, std::move(checkpoints), so, skip_cache));
            },
            py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("max_tokens"), py::kw_only(),
            py::arg("eos_token_ids") = py::tuple(), py::arg("stop_token_ids") = py::tuple(),
            py::arg("ignore_eos") = false, py::arg("schedulable") = true,
-           py::arg("chunk_checkpoints") = std::vector<int>{}, py::arg("structured_output") = false)
+           py::arg("chunk_checkpoints") = std::vector<int>{}, py::arg("structured_output") = false,
+           py::arg("skip_prefix_cache") = false)
       .def("allocate_prompted",
            [](Scheduler &s, const std::string &rid, py::handle prompt, int32_t first, int max_tokens, py::handle eos,
               py::handle stop, bool ignore_eos, bool schedulable, std::vector<int> checkpoints, bool so,

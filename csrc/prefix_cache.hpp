@@ -71,7 +71,8 @@ struct SeqPrefixState {
   int num_registered{0};       // block_table[0, this) already went through PrefixCache::insert
   int num_cached_tokens{0};    // prompt tokens its last admission took from the cache
   bool kv_pending{false};      // allocate_prompted: the pulled KV has not landed; key nothing
-  bool chain_end{false};       // a block holds image tokens: no key from it on (their ids do not say which image)
+  bool chain_end{false};       // a block holds image tokens (their ids do not say which image), or the
+                               // sequence skips the cache (echo): no key from it on
 };
 
 class PrefixCache {

@@ -39,6 +39,9 @@ struct AddOptions {
   bool schedulable{true};
   std::vector<int> chunk_checkpoints;
   bool structured_output{false};
+  // Prompt logprobs (echo) need every prompt position's logits: no prefix-cache hit, no
+  // key (its blocks are not cached either).
+  bool skip_prefix_cache{false};
 };
 
 class Scheduler {

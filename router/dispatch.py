@@ -34,6 +34,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import msgspec
+
 from baton.protocol import GenerateRequest, SamplingOptions, TokenDelta
 from baton.registry import EngineRecord
 from router.engine_client import DISCONNECTED, EngineClient
@@ -174,9 +176,9 @@ class Dispatcher:
                 first_logprob=first.logprobs[0] if first.logprobs else 0.0,
                 output_token_ids=list(outputs)), keys, legs)
             handed_at = time.monotonic()
-            yield TokenDelta(req_id=req_id, token_ids=first.token_ids, logprobs=first.logprobs,
-                             num_prompt_tokens=first.num_prompt_tokens,
-                             num_cached_tokens=first.num_cached_tokens)
+            # The prompt engine's token, with whatever it carries (top and prompt logprobs),
+            # less the handle, which is the completion engine's business.
+            yield msgspec.structs.replace(first, req_id=req_id, kv_handle=b"")
             async for delta in self._follow(leg, started=True, last=handed_at,
                                             kv_since=handed_at):
                 first_leg.is_finished = True  # the completion engine has claimed the KV lease

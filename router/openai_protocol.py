@@ -3,19 +3,26 @@
 Parsing is strict (no "5" for 5, no 1.5 for an int) so a wrong type is a 400 that names the
 field, never a silent coercion. JSON is decoded by msgspec, which bounds what it builds: ints
 beyond 64 bits, floats beyond double range, invalid UTF-8 and nesting past the recursion limit
-are all a 400 here, never a 5xx. Fields the router does not act on (`user`, ...) are accepted
-and ignored, as clients send them by default; fields it cannot honour (`n` > 1, `logprobs`,
-`echo`) are refused by router/prepare.py with a message saying so.
+are all a 400 here, never a 5xx.
+
+No silent ignore (STYLE 20): every field declared here either acts, or is bookkeeping for the
+client with nothing to act on (`user`, `metadata`, `store`, `service_tier`, ...: accepted as
+the OpenAI API defines them), or is one Baton does not implement: `UNSUPPORTED` lists those, and
+a request that sets one (to anything but its no-op value) gets a 400 naming it
+(router/prepare.py). A field declared nowhere is an unknown extra: ignored, with a debug line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -70,12 +77,23 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = None
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
+    # Bookkeeping for the client; nothing to act on.
+    user: str | None = None
+    # Not implemented: a 400 unless unset (UNSUPPORTED).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    guided_json: Any = None  # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class TextPart(_Strict):
@@ -87,6 +105,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # not implemented: 400 when given
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -99,6 +119,45 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Bookkeeping for the client; nothing to act on.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Not implemented: a 400 unless unset or its no-op value (UNSUPPORTED).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+
+# Field -> the values that ask for nothing (besides null): any other value is a 400.
+UNSUPPORTED: dict[str, tuple] = {
+    "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "best_of": (1,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+    "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "audio": (),
+    "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
+}
+
+
+def unsupported_fields(body: BaseModel) -> list[str]:
+    """The UNSUPPORTED fields `body` sets to something that would need acting on."""
+    found = []
+    for name, no_ops in UNSUPPORTED.items():
+        value = getattr(body, name, None)
+        if value is not None and value not in no_ops:
+            found.append(name)
+    return found
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -118,12 +177,26 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
         raise bad_request("Request body holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF "
                           "without its pair): not a character")
+    _log_unknown(data, model)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from None
     except RecursionError:
         raise bad_request("Request body is nested too deeply") from None
+
+
+def _log_unknown(data: dict, model: type[_Strict]) -> None:
+    """Unknown top-level fields (and message fields) are ignored: say so at debug level."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    unknown = sorted(str(k) for k in data if k not in model.model_fields)
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        unknown += sorted({f"messages[].{k}" for m in messages if isinstance(m, dict)
+                           for k in m if k not in ChatMessage.model_fields})
+    if unknown:
+        logger.debug("ignoring unknown request fields: %s", ", ".join(unknown[:20]))
 
 
 def _json_type(value: Any) -> str:

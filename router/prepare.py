@@ -14,12 +14,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from baton.protocol import SamplingOptions
+from baton.protocol import MAX_TOP_LOGPROBS, SamplingOptions
 from router.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    unsupported_fields,
 )
 from router.text import ModelInfo
 
@@ -43,14 +44,19 @@ class Prepared:
     include_usage: bool = False
     min_tokens: int = 0  # stop strings are not matched before this many tokens
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: bool = False  # answer each output token's logprob
+    top_logprobs: int = 0  # ... and this many alternatives of each
+    echo: bool = False  # completions: the prompt's text (and logprobs) come first
+    prompt_text: str = ""  # echo: the prompt as text
+    # Completions with echo and max_tokens 0: the engines make one token, the client gets none.
+    drop_output: bool = False
 
 
 def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
     _check_common(body, info)
-    if body.logprobs is not None:
-        raise bad_request("'logprobs' is not supported by this server; omit it", "logprobs")
-    if body.echo:
-        raise bad_request("'echo' is not supported by this server; omit it", "echo")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}",
+                          "logprobs")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -74,18 +80,36 @@ def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
         if bad:
             raise bad_request(f"Prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
                               "prompt")
-    max_tokens = _max_tokens(body.max_tokens, "max_tokens", "prompt", len(ids), info,
-                             default=COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return _prepared("completion", "cmpl", body, ids, max_tokens, info)
+    # echo with max_tokens 0 scores the prompt only (lm-eval's loglikelihood requests).
+    drop_output = bool(body.echo) and body.max_tokens == 0
+    max_tokens = _max_tokens(1 if drop_output else body.max_tokens, "max_tokens", "prompt",
+                             len(ids), info, default=COMPLETIONS_DEFAULT_MAX_TOKENS)
+    prep = _prepared("completion", "cmpl", body, ids, max_tokens, info)
+    if body.logprobs is not None:
+        prep.logprobs, prep.top_logprobs = True, body.logprobs
+        prep.sampling.logprobs, prep.sampling.top_logprobs = True, body.logprobs
+    if body.echo:
+        prep.echo, prep.drop_output = True, drop_output
+        prep.prompt_text = prompt if isinstance(prompt, str) else info.tokenizer.decode(ids)
+        if body.logprobs is not None:
+            prep.sampling.prompt_logprobs = body.logprobs
+    return prep
 
 
 def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     _check_common(body, info)
-    if body.logprobs or body.top_logprobs:
-        raise bad_request("'logprobs' and 'top_logprobs' are not supported by this server; "
-                          "omit them", "logprobs")
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                          "top_logprobs")
+    if top and not body.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if not body.messages:
         raise bad_request("'messages' must hold at least one message", "messages")
+    for i, message in enumerate(body.messages):
+        if message.tool_calls:
+            raise bad_request("Assistant messages with 'tool_calls' are not supported by this "
+                              "server", f"messages.{i}.tool_calls")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     _check_text_length(sum(len(m["content"]) for m in messages), "messages", info)
     try:
@@ -98,13 +122,21 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
                                  "messages", len(ids), info)
     else:
         max_tokens = _max_tokens(body.max_tokens, "max_tokens", "messages", len(ids), info)
-    return _prepared("chat", "chatcmpl", body, ids, max_tokens, info)
+    prep = _prepared("chat", "chatcmpl", body, ids, max_tokens, info)
+    if body.logprobs:
+        prep.logprobs, prep.top_logprobs = True, top or 0
+        prep.sampling.logprobs, prep.sampling.top_logprobs = True, top or 0
+    return prep
 
 
 def _check_common(body: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> None:
     if body.model != info.name:
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
                        f"'{info.name}'", param="model", code="model_not_found")
+    unsupported = unsupported_fields(body)
+    if unsupported:
+        raise bad_request(f"'{unsupported[0]}' is not supported by this server; omit it",
+                          unsupported[0])
     if body.n is not None and body.n != 1:
         raise bad_request(f"'n' must be 1 (one choice per request is supported), got {body.n}",
                           "n")

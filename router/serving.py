@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from baton.protocol import TokenDelta
 from router.dispatch import Dispatcher, EngineFailure
 from router.engine_pool import NoEngineError
+from router.logprobs import CompletionLogprobs, TokenText, chat_content
 from router.metrics import RouterMetrics
 from router.openai_protocol import APIError
 from router.prepare import Prepared
@@ -36,6 +37,27 @@ class _Progress:
     num_generated: int = 0
     num_cached_tokens: int = 0  # prompt tokens the engines took from their prefix caches
     finish_reason: str | None = None
+    # logprobs asked: the completions shape, or chat's content entries (`chat_sent` of them
+    # already streamed)
+    completion_logprobs: CompletionLogprobs | None = None
+    chat_logprobs: list[dict] = field(default_factory=list)
+    chat_sent: int = 0
+
+    def take_logprobs(self) -> dict | None:
+        """Streaming: the logprobs of the tokens since the last chunk, in the choice's shape."""
+        if self.completion_logprobs is not None:
+            return self.completion_logprobs.take()
+        if self.chat_sent < len(self.chat_logprobs):
+            start, self.chat_sent = self.chat_sent, len(self.chat_logprobs)
+            return {"content": self.chat_logprobs[start:]}
+        return None
+
+    def logprobs_body(self, prep: Prepared) -> dict | None:
+        if not prep.logprobs:
+            return None
+        if self.completion_logprobs is not None:
+            return self.completion_logprobs.body()
+        return {"content": self.chat_logprobs}
 
 
 class Server:
@@ -45,6 +67,7 @@ class Server:
         self.dispatcher = dispatcher
         self.info = info
         self.metrics = metrics
+        self.token_text = TokenText(info.tokenizer)
 
     async def respond(self, prep: Prepared, request: Request, arrival: float):
         deltas = self.dispatcher.generate(prep.req_id, prep.prompt_token_ids, prep.sampling,
@@ -74,18 +97,60 @@ class Server:
             self.metrics.aborts.labels("client_gone").inc()
             return JSONResponse({"error": "client disconnected"}, status_code=499)
 
-    async def _collect(self, prep: Prepared, first: TokenDelta, deltas, arrival: float):
+    def _start(self, prep: Prepared, first: TokenDelta) -> tuple[TextStream, _Progress]:
+        """The request's text and progress, with the echoed prompt (and its logprobs) in."""
         text = TextStream(self.info.tokenizer, prep.stop, prep.min_tokens)
         progress = _Progress()
+        if prep.kind == "completion" and prep.logprobs:
+            progress.completion_logprobs = CompletionLogprobs(self.token_text)
+        if prep.echo:
+            text.text = prep.prompt_text
+            if prep.logprobs:
+                self._echo_logprobs(prep, first, progress.completion_logprobs)
+        return text, progress
+
+    def _echo_logprobs(self, prep: Prepared, first: TokenDelta,
+                       logprobs: CompletionLogprobs) -> None:
+        ids = prep.prompt_token_ids
+        num = len(ids) - 1
+        # From a socket: the lists must be the prompt's, one per token after the first.
+        if not (len(first.prompt_logprobs) == num
+                and len(first.prompt_top_token_ids) in (0, num)
+                and len(first.prompt_top_logprobs) == len(first.prompt_top_token_ids)):
+            raise EngineFailure(f"engine sent {len(first.prompt_logprobs)} prompt logprobs for "
+                                f"a prompt of {len(ids)} tokens", started=False)
+        logprobs.add_null(ids[0])
+        logprobs.add(ids[1:], first.prompt_logprobs, first.prompt_top_token_ids,
+                     first.prompt_top_logprobs)
+
+    def _add_logprobs(self, prep: Prepared, delta: TokenDelta, progress: _Progress) -> None:
+        if not prep.logprobs or not delta.token_ids:
+            return
+        n = len(delta.token_ids)
+        if len(delta.logprobs) != n or len(delta.top_token_ids) not in (0, n) \
+                or len(delta.top_logprobs) != len(delta.top_token_ids):
+            raise EngineFailure(f"engine sent {len(delta.logprobs)} logprobs for {n} tokens",
+                                started=True)
+        if progress.completion_logprobs is not None:
+            progress.completion_logprobs.add(delta.token_ids, delta.logprobs,
+                                             delta.top_token_ids, delta.top_logprobs)
+        else:
+            progress.chat_logprobs.extend(chat_content(
+                self.token_text, delta.token_ids, delta.logprobs, delta.top_token_ids,
+                delta.top_logprobs))
+
+    async def _collect(self, prep: Prepared, first: TokenDelta, deltas, arrival: float):
         try:
+            text, progress = self._start(prep, first)
             async with aclosing(deltas):
-                async for piece in self._text_pieces(first, deltas, text, progress):
+                async for piece in self._text_pieces(prep, first, deltas, text, progress):
                     del piece  # text.text accumulates it
         except EngineFailure as exc:
             raise APIError(502, f"Engine failure: {exc}", "engine_error",
                            code="engine_failure") from None
         self._observe_done(prep, progress, arrival)
-        choice = {"index": 0, "logprobs": None, "finish_reason": progress.finish_reason}
+        choice = {"index": 0, "logprobs": progress.logprobs_body(prep),
+                  "finish_reason": progress.finish_reason}
         if prep.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text.text}
         else:
@@ -94,13 +159,18 @@ class Server:
             "id": prep.req_id, "object": _OBJECT[prep.kind], "created": prep.created,
             "model": prep.model, "choices": [choice], "usage": _usage(prep, progress)})
 
-    async def _text_pieces(self, first: TokenDelta, deltas: AsyncIterator[TokenDelta],
+    async def _text_pieces(self, prep: Prepared, first: TokenDelta,
+                           deltas: AsyncIterator[TokenDelta],
                            text: TextStream, progress: _Progress) -> AsyncIterator[str]:
-        """Text deltas of the request; leaves `progress` with the finish reason."""
+        """Text deltas of the request (possibly empty: a token whose text is held back still
+        has logprobs); leaves `progress` with the finish reason."""
         delta = first
         progress.num_cached_tokens = first.num_cached_tokens
+        if prep.drop_output:  # echo with max_tokens 0: the engines' one token is not shown
+            delta = TokenDelta(first.req_id, finish_reason=first.finish_reason or "length")
         while True:
             progress.num_generated += len(delta.token_ids)
+            self._add_logprobs(prep, delta, progress)
             piece = text.add(delta.token_ids)
             if text.is_stopped:
                 progress.finish_reason = "stop"  # returning closes `deltas`: engines abort
@@ -108,7 +178,7 @@ class Server:
             elif delta.finish_reason:
                 piece += text.flush()
                 progress.finish_reason = delta.finish_reason
-            if piece:
+            if piece or prep.logprobs:
                 yield piece
             if progress.finish_reason:
                 return
@@ -120,15 +190,18 @@ class Server:
 
     async def _stream(self, prep: Prepared, first: TokenDelta, deltas,
                       arrival: float) -> AsyncIterator[bytes]:
-        text = TextStream(self.info.tokenizer, prep.stop, prep.min_tokens)
-        progress = _Progress()
         usage_null = {"usage": None} if prep.include_usage else {}
         try:
             async with aclosing(deltas):
+                text, progress = self._start(prep, first)
                 if prep.kind == "chat":
                     yield self._chunk(prep, {"role": "assistant", "content": ""}, None, usage_null)
-                async for piece in self._text_pieces(first, deltas, text, progress):
-                    yield self._chunk(prep, piece, None, usage_null)
+                elif prep.echo:
+                    yield self._chunk(prep, text.text, None, usage_null, progress.take_logprobs())
+                async for piece in self._text_pieces(prep, first, deltas, text, progress):
+                    logprobs = progress.take_logprobs()
+                    if piece or logprobs:
+                        yield self._chunk(prep, piece, None, usage_null, logprobs)
             yield self._chunk(prep, "", progress.finish_reason, usage_null)
             if prep.include_usage:
                 yield _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
@@ -145,8 +218,8 @@ class Server:
         yield b"data: [DONE]\n\n"
 
     def _chunk(self, prep: Prepared, content: str | dict, finish_reason: str | None,
-               extra: dict) -> bytes:
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+               extra: dict, logprobs: dict | None = None) -> bytes:
+        choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         if prep.kind == "chat":
             choice["delta"] = content if isinstance(content, dict) else (
                 {"content": content} if content else {})

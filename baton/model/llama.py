@@ -109,10 +109,12 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: Any, backend: Backend) -> torch.Tensor:
+                meta: Any, backend: Backend, logit_rows: torch.Tensor | None = None,
+                ) -> torch.Tensor:
         """Run one flat batch (int64 token ids and positions on the model's device); the
         backend writes its K/V into `kv_cache`. Returns fp32 logits [n, vocab] of the last
-        token of each sequence (`backend.last_tokens(meta)`)."""
+        token of each sequence (`backend.last_tokens(meta)`), or of the flat token indices
+        `logit_rows` (prompt logprobs need a prompt's every position)."""
         c = self.config
         rope_cos, rope_sin = self._rope_table()
         cos = rope_cos[positions][:, None, :].to(c.dtype)
@@ -120,7 +122,7 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache[:, i], meta, backend)
-        last = backend.last_tokens(meta)
+        last = backend.last_tokens(meta) if logit_rows is None else logit_rows
         if last is not None:
             x = x[last]
         x = rms_norm(x, self.norm, c.rms_norm_eps)

@@ -248,6 +248,81 @@ def test_logit_bias_penalties_and_min_tokens_through_the_router(deployments, mod
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
 
+def _reference_token_logprobs(ids: list[int]) -> list[float]:
+    """transformers' logprob of each token of `ids` after the first, on the same GGUF."""
+    import torch
+    from model.reference import reference_model
+
+    with torch.inference_mode():
+        logits = reference_model()(torch.tensor([ids])).logits[0].float()
+    lp = logits.log_softmax(dim=-1)
+    return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+
+
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_chat_logprobs_streamed_and_not(deployments, model_info, deployment):
+    """Greedy: each token's logprob is its first alternative's, equal to transformers', and the
+    stream carries the same entries as the whole answer (the first from the prompt engine)."""
+    client = _openai(deployments[deployment])
+    messages = [{"role": "user", "content": "Name three colours."}]
+    kwargs = dict(model=MODEL, messages=messages, temperature=0, max_tokens=8, logprobs=True,
+                  top_logprobs=5)
+    done = client.chat.completions.create(**kwargs)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens
+    assert "".join(e.token for e in content) == done.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 5
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.logprob >= max(t.logprob for t in entry.top_logprobs)
+        assert bytes(entry.bytes).decode() == entry.token
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    # Equal up to float noise: the second run's prompt meets the first's in the prefix cache,
+    # so its last positions are computed in another batch shape.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content, strict=True)) < 1e-4
+    ids = model_info.tokenizer.apply_chat_template(messages, tokenize=True)
+    out = _engine_ids(deployments["normal_engine"], model_info, ids, max_tokens=8)
+    want = _reference_token_logprobs(ids + out)[len(ids) - 1:]
+    assert max(abs(e.logprob - w) for e, w in zip(content, want, strict=True)) < 1e-4
+    wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
+
+
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_completion_echo_logprobs_are_the_prompts(deployments, model_info, deployment):
+    """lm-eval's loglikelihood shape: echo + logprobs (max_tokens 1 and 0): prompt logprobs
+    equal transformers' log-softmax, the first is null, text offsets add up; streamed alike."""
+    client = _openai(deployments[deployment])
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = model_info.tokenizer.encode(prompt)
+    want = _reference_token_logprobs(ids)
+    for max_tokens in (1, 0):
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                         temperature=0, echo=True, logprobs=2)
+        choice = done.choices[0]
+        lp = choice.logprobs
+        assert choice.text.startswith(prompt) and len(lp.tokens) == len(ids) + max_tokens
+        assert done.usage.completion_tokens == max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = lp.token_logprobs[1:len(ids)]
+        assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-4
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert "".join(lp.tokens) == choice.text
+        for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True):
+            assert 2 <= len(top) <= 3 and token in top
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
+                                       temperature=0, echo=True, logprobs=0, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text == prompt
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs]
+    assert tokens[0] is None and len(tokens) == len(ids) + 3
+    assert max(abs(g - w) for g, w in zip(tokens[1:len(ids)], want, strict=True)) < 1e-4
+    wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
+
+
 def test_cache_aware_routing_keeps_conversations_home(deployments, model_info, redis_server):
     """Four interleaved conversations of three turns over the two prompt engines: every later
     turn lands where its prefix is cached (the engine's own cached_tokens says so) and the

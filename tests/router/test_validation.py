@@ -3,6 +3,8 @@ naming the problem. No engine runs here, so a valid request ends in 503."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from router.config import RouterConfig
@@ -51,8 +53,13 @@ def test_malformed_bodies(client, path, raw, words):
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
     ({"model": MODEL, "prompt": "hi", "stop": 7}, "stop", "Invalid value for 'stop'"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, "n", "got 2"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 1}, "logprobs", "not supported"),
-    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", "[0, 20], got 21"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 2}, "best_of", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}},
+     "response_format", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "guided_regex": "a+"}, "guided_regex", "not supported"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "One prompt per request"),
     ({"model": MODEL, "prompt": [1, 10**6]}, "prompt", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": 1}},
@@ -93,7 +100,20 @@ def test_completions_bad_input(client, body, param, words):
      "at least 1"),
     ({"model": MODEL, "messages": CHAT, "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"model": MODEL, "messages": CHAT, "temperature": -1}, "temperature", ">= 0"),
-    ({"model": MODEL, "messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+    ({"model": MODEL, "messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
+    ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "[0, 20], got 21"),
+    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools",
+     "not supported"),
+    ({"model": MODEL, "messages": CHAT, "tool_choice": "required"}, "tool_choice",
+     "not supported"),
+    ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format", "not supported"),
+    ({"model": MODEL, "messages": CHAT, "modalities": ["text", "audio"]}, "modalities",
+     "not supported"),
+    ({"model": MODEL, "messages": [{"role": "assistant", "content": None,
+                                    "tool_calls": [{"id": "x"}]}]},
+     "messages.0.tool_calls", "not supported"),
     ({"model": MODEL, "messages": CHAT, "n": 3}, "n", "got 3"),
 ])
 def test_chat_bad_input(client, body, param, words):
@@ -138,6 +158,20 @@ def test_no_engine_is_503_with_reason(client):
     assert "no normal engine" in error["message"]
     health = client.get("/health")
     assert health.status_code == 503 and "no normal engine" in health.json()["reason"]
+
+
+def test_no_op_values_pass_and_unknown_fields_are_logged(client, caplog):
+    """No silent ignore: a field's no-op value is accepted (it asks for nothing), bookkeeping
+    fields are accepted, and an unknown field is ignored with a debug line naming it."""
+    caplog.set_level(logging.DEBUG, logger="router.openai_protocol")
+    body = {"model": MODEL, "messages": CHAT, "response_format": {"type": "text"},
+            "tool_choice": "none", "tools": [], "user": "u1", "metadata": {"k": "v"},
+            "store": False, "parallel_tool_calls": True, "modalities": ["text"],
+            "no_such_field": 1}
+    _error(client.post("/v1/chat/completions", json=body), 503)  # valid: no engine here
+    assert "no_such_field" in caplog.text
+    _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "echo": True,
+                                                "logprobs": 0, "max_tokens": 0}), 503)
 
 
 def test_models_and_metrics(client):
