@@ -27,10 +27,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from baton.grammar import GrammarCache
 from baton.logprobs import PromptLogprobs, TopLogprobs
 from baton.model import load_model
 from baton.model.config import resolve_dtype
@@ -137,6 +139,7 @@ class _Request:
     num_given: int = 0  # outputs it arrived with (a migration's, a prompt engine's first token)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
     prompt_logprobs: PromptLogprobs | None = None  # filled chunk by chunk while prefilling
+    matcher: Any = None  # structured output: its llguidance matcher (baton/grammar.py)
 
     @property
     def num_tokens(self) -> int:
@@ -177,6 +180,7 @@ class LLMEngine:
             all_reduce_min=all_reduce_min)
         self.max_model_len = max_len
         self._requests: dict[str, _Request] = {}
+        self._grammars: GrammarCache | None = None  # built at the first structured request
         self._by_seq: dict[int, _Request] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests
         self._next_id = 0
@@ -252,6 +256,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.check_prompt(request_id, prompt)
         outputs = self.check_outputs(request_id, output_token_ids, params)
+        self.check_grammar(params, outputs)
         # Prompt logprobs need the logits of every prompt position: a cached prefix has none.
         seq_id = self.scheduler.add_sequence(
             request_id, np.asarray(ids + outputs, dtype=np.int32),
@@ -284,9 +289,27 @@ class LLMEngine:
         return outputs
 
     def stop_options(self, params: SamplingParams) -> dict:
-        """The scheduler's stop settings (S31) for a request."""
+        """The scheduler's stop settings (S31) for a request; a structured one is never
+        recomputed (its matcher cannot be replayed): preempted, it finishes."""
         return {"eos_token_ids": self.model_config.eos_token_ids,
-                "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos}
+                "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos,
+                "structured_output": bool(params.grammar)}
+
+    @property
+    def grammars(self) -> GrammarCache:
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size,
+                                          self.model_config.eos_token_ids)
+        return self._grammars
+
+    def check_grammar(self, params: SamplingParams, token_ids: Sequence[int] = ()) -> None:
+        """ValueError unless the request's grammar compiles and accepts `token_ids` (sampled
+        elsewhere: a prompt engine's first token)."""
+        if params.grammar:
+            matcher = self.grammars.matcher(params.grammar)
+            if token_ids and not matcher.consume_tokens([int(t) for t in token_ids]):
+                raise ValueError(f"tokens {list(token_ids)} break the request's grammar: "
+                                 f"{matcher.get_error()}")
 
     def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
               seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = ()) -> None:
@@ -302,6 +325,9 @@ class LLMEngine:
             req.logprobs.extend(float(lp) for lp in logprobs)
         if params.prompt_logprobs >= 0:
             req.prompt_logprobs = PromptLogprobs()
+        if params.grammar:  # checked by check_grammar: compiled, and takes token_ids
+            req.matcher = self.grammars.matcher(params.grammar)
+            req.matcher.consume_tokens([int(t) for t in token_ids])
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
 
@@ -357,7 +383,7 @@ class LLMEngine:
         samples = self.runner.execute(
             sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
             [r.prompt_token_ids for r in reqs],
-            [r.token_ids for r in reqs], spans)
+            [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete))
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:
                 req.prompt_logprobs.logprobs.extend(prompt.logprobs)
@@ -368,9 +394,30 @@ class LLMEngine:
             if accepted > 0:
                 outputs.append(self._append(req, int(samples.token_ids[i]),
                                             float(samples.logprobs[i]), samples.top[i]))
+                if req.matcher is not None:
+                    self._advance_matcher(req, outputs[-1])
         self._hand_off(outputs, result.handed_off)
         self._book_finished(outputs, dict(result.finished))
         return outputs
+
+    def _allowed_tokens(self, reqs: list[_Request], complete: list[bool]) -> list | None:
+        """Each sampled structured row's grammar mask (bool [vocab]); None when none."""
+        if all(r.matcher is None for r in reqs):
+            return None
+        return [torch.from_numpy(self.grammars.allowed_tokens(r.matcher))
+                if r.matcher is not None and c else None
+                for r, c in zip(reqs, complete, strict=True)]
+
+    def _advance_matcher(self, req: _Request, out: RequestOutput) -> None:
+        """Feed the matcher its row's token; one it refuses (cannot happen under its own
+        mask) finishes the request."""
+        if req.matcher.consume_token(out.new_token_ids[0]):
+            return
+        logger.warning("request %s: grammar refused token %d: %s", req.request_id,
+                       out.new_token_ids[0], req.matcher.get_error())
+        self.scheduler.abort_sequence(req.request_id)
+        self._finish(req, "structured_output_failed")
+        out.finished, out.finish_reason = True, "structured_output_failed"
 
     @staticmethod
     def _prompt_spans(reqs: list[_Request], seqlens_q: np.ndarray,

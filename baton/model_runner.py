@@ -98,11 +98,13 @@ class ModelRunner:
                 params: Sequence[SamplingParams | None],
                 prompt_token_ids: Sequence[Sequence[int]],
                 output_token_ids: Sequence[Sequence[int]],
-                prompt_spans: Sequence[PromptSpan | None] | None = None) -> StepSamples:
+                prompt_spans: Sequence[PromptSpan | None] | None = None,
+                allowed_tokens: Sequence[torch.Tensor | None] | None = None) -> StepSamples:
         """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
         does not end its prompt; it gets a dummy 0, which the scheduler ignores, and draws
         nothing); penalties, min_tokens and seeds read each row's prompt and output ids so far.
-        `prompt_spans[i]` asks for prompt logprobs of row i's chunk positions [first, end).
+        `prompt_spans[i]` asks for prompt logprobs of row i's chunk positions [first, end);
+        `allowed_tokens[i]` is row i's grammar mask (bool [vocab]).
         Returns the token ids int32 [n], their log-probs fp32 [n] and what else was asked."""
         seqlens_q = np.asarray(sched_out.seqlens_q, dtype=np.int64)
         spans = list(prompt_spans) if prompt_spans is not None else [None] * len(params)
@@ -118,7 +120,9 @@ class ModelRunner:
         if rows:
             ids, lps = self.sampler(last_logits[rows], [params[i] for i in rows],
                                     prompt_token_ids=[prompt_token_ids[i] for i in rows],
-                                    output_token_ids=[output_token_ids[i] for i in rows])
+                                    output_token_ids=[output_token_ids[i] for i in rows],
+                                    allowed_tokens=None if allowed_tokens is None
+                                    else [allowed_tokens[i] for i in rows])
             out.token_ids[rows] = ids.cpu().numpy()
             out.logprobs[rows] = lps.cpu().numpy()
         for i in rows:

@@ -51,6 +51,9 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     # Echo: the prompt's own token logprobs (and this many alternatives each), computed while
     # prefilling; -1 = not asked. The prompt then skips the prefix cache (no logits there).
     prompt_logprobs: int = -1
+    # Structured output: an llguidance grammar (serialized; baton/grammar.py) every sampled
+    # token must follow; "" = none. Such a request is never recomputed after a preemption.
+    grammar: str = ""
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):

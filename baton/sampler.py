@@ -60,6 +60,7 @@ class SamplingParams:
     sample_index: int = 0
     top_logprobs: int = 0  # with logprobs: this many most likely (id, logprob) per token
     prompt_logprobs: int = -1  # >= 0: the prompt tokens' logprobs, this many alternatives each
+    grammar: str = ""  # an llguidance grammar the output follows (baton/grammar.py); "" = none
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -170,6 +171,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  prompt_token_ids: Sequence[Sequence[int]] | None = None,
                  output_token_ids: Sequence[Sequence[int]] | None = None,
+                 allowed_tokens: Sequence[torch.Tensor | None] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits fp32 [n, vocab] -> (token ids int64 [n], their log-probs fp32 [n]).
 
@@ -177,13 +179,19 @@ class Sampler:
         top-p, min-p). `prompt_token_ids[i]` / `output_token_ids[i]` are row i's prompt and its
         outputs so far; penalties, min_tokens and a seed (whose draw depends on the number of
         outputs) need them (a request using those without them is an error), plain sampling
-        does not.
+        does not. `allowed_tokens[i]` (bool [vocab], a grammar's mask) leaves row i only those
+        tokens to choose from.
         """
         n = logits.shape[0]
         assert len(params) == n, (len(params), n)
         logits = logits.float()
         logprobs_all = logits.log_softmax(dim=-1)
         logits = self._process(logits, params, prompt_token_ids, output_token_ids)
+        if allowed_tokens is not None and any(m is not None for m in allowed_tokens):
+            logits = logits.clone()  # the caller's tensor stays as the model gave it
+            for i, allowed in enumerate(allowed_tokens):
+                if allowed is not None:
+                    logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
         chosen = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if rows:

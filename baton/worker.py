@@ -34,7 +34,8 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
         presence_penalty=opts.presence_penalty, frequency_penalty=opts.frequency_penalty,
         repetition_penalty=opts.repetition_penalty, logit_bias=dict(opts.logit_bias),
         min_tokens=opts.min_tokens, min_p=opts.min_p, sample_index=opts.sample_index,
-        top_logprobs=int(opts.top_logprobs), prompt_logprobs=int(opts.prompt_logprobs))
+        top_logprobs=int(opts.top_logprobs), prompt_logprobs=int(opts.prompt_logprobs),
+        grammar=str(opts.grammar))
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:

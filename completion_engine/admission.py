@@ -106,6 +106,8 @@ class Admission:
         seed = engine.prefix_cache_seed if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
                               seed)
+        # The prompt engine sampled the first token under the same grammar: it must fit.
+        engine.check_grammar(params, [*outputs, req.first_token_id])
         self.queue.append(_Admission(req, ids, outputs, handle, params))
 
     def abort(self, req_id: str) -> list[TokenDelta] | None:

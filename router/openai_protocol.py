@@ -79,7 +79,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     # Bookkeeping for the client; nothing to act on.
     user: str | None = None
-    # Not implemented: a 400 unless unset (UNSUPPORTED).
+    # Structured outputs (router/structured.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
     guided_json: Any = None  # vLLM's older spellings of structured_outputs
@@ -105,7 +105,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # not implemented: 400 when given
+    tool_calls: list[dict[str, Any]] | None = None  # an earlier answer's (router/tools.py)
     tool_call_id: str | None = None
 
     def text(self) -> str:
@@ -125,10 +125,12 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Not implemented: a 400 unless unset or its no-op value (UNSUPPORTED).
+    # Tool calls (router/tools.py); at most one call per answer, which parallel_tool_calls
+    # either way allows.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Not implemented: a 400 unless unset or its no-op value (UNSUPPORTED).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -141,10 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 # Field -> the values that ask for nothing (besides null): any other value is a 400.
 UNSUPPORTED: dict[str, tuple] = {
-    "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
     "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "audio": (),
     "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
 }

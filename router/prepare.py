@@ -22,7 +22,9 @@ from router.openai_protocol import (
     bad_request,
     unsupported_fields,
 )
+from router.structured import asks_structured, request_grammar
 from router.text import ModelInfo
+from router.tools import history_text, plan_tools, with_tools
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -50,6 +52,7 @@ class Prepared:
     prompt_text: str = ""  # echo: the prompt as text
     # Completions with echo and max_tokens 0: the engines make one token, the client gets none.
     drop_output: bool = False
+    tool_mode: str = ""  # chat with tools: "required" or "auto" (router/tools.py)
 
 
 def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
@@ -106,11 +109,18 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if not body.messages:
         raise bad_request("'messages' must hold at least one message", "messages")
-    for i, message in enumerate(body.messages):
-        if message.tool_calls:
-            raise bad_request("Assistant messages with 'tool_calls' are not supported by this "
-                              "server", f"messages.{i}.tool_calls")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    plan = plan_tools(body, info)
+    if plan is not None:
+        if asks_structured(body):
+            raise bad_request("'tools' and a structured output cannot go together: both "
+                              "constrain the answer", "tools")
+        if body.ignore_eos or body.min_tokens:
+            raise bad_request("'ignore_eos' and 'min_tokens' cannot go with tool calls: the "
+                              "constrained answer ends with EOS", "tools")
+    messages = [{"role": m.role, "content": history_text(m.tool_calls) if m.tool_calls
+                 else m.text()} for m in body.messages]
+    if plan is not None:
+        messages = with_tools(messages, plan)
     _check_text_length(sum(len(m["content"]) for m in messages), "messages", info)
     try:
         ids = info.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -123,6 +133,8 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     else:
         max_tokens = _max_tokens(body.max_tokens, "max_tokens", "messages", len(ids), info)
     prep = _prepared("chat", "chatcmpl", body, ids, max_tokens, info)
+    if plan is not None:
+        prep.sampling.grammar, prep.tool_mode = plan.grammar, plan.mode
     if body.logprobs:
         prep.logprobs, prep.top_logprobs = True, top or 0
         prep.sampling.logprobs, prep.sampling.top_logprobs = True, top or 0
@@ -249,6 +261,7 @@ def _prepared(kind: str, prefix: str, body: CompletionRequest | ChatCompletionRe
         min_tokens=min_tokens,
         min_p=float(body.min_p or 0.0),
     )
+    sampling.grammar = request_grammar(body, info)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     options = body.stream_options
     return Prepared(kind=kind, req_id=f"{prefix}-{uuid.uuid4().hex}", model=info.name,

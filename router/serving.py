@@ -26,6 +26,7 @@ from router.metrics import RouterMetrics
 from router.openai_protocol import APIError
 from router.prepare import Prepared
 from router.text import ModelInfo, TextStream
+from router.tools import parse_answer
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,11 @@ class Server:
         self._observe_done(prep, progress, arrival)
         choice = {"index": 0, "logprobs": progress.logprobs_body(prep),
                   "finish_reason": progress.finish_reason}
-        if prep.kind == "chat":
+        if prep.tool_mode:
+            fields, choice["finish_reason"] = parse_answer(prep.tool_mode, text.text,
+                                                           progress.finish_reason)
+            choice["message"] = {"role": "assistant", **fields}
+        elif prep.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text.text}
         else:
             choice["text"] = text.text
@@ -199,10 +204,17 @@ class Server:
                 elif prep.echo:
                     yield self._chunk(prep, text.text, None, usage_null, progress.take_logprobs())
                 async for piece in self._text_pieces(prep, first, deltas, text, progress):
+                    if prep.tool_mode:  # the JSON is parsed whole, below
+                        continue
                     logprobs = progress.take_logprobs()
                     if piece or logprobs:
                         yield self._chunk(prep, piece, None, usage_null, logprobs)
-            yield self._chunk(prep, "", progress.finish_reason, usage_null)
+            finish_reason = progress.finish_reason
+            if prep.tool_mode:
+                fields, finish_reason = parse_answer(prep.tool_mode, text.text, finish_reason)
+                yield self._chunk(prep, _tool_delta(fields), None, usage_null,
+                                  progress.take_logprobs())
+            yield self._chunk(prep, "", finish_reason, usage_null)
             if prep.include_usage:
                 yield _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
                             "created": prep.created, "model": prep.model, "choices": [],
@@ -243,6 +255,14 @@ def _usage(prep: Prepared, progress: _Progress) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": progress.num_generated,
             "total_tokens": num_prompt + progress.num_generated,
             "prompt_tokens_details": {"cached_tokens": progress.num_cached_tokens}}
+
+
+def _tool_delta(fields: dict) -> dict:
+    """A whole tool answer as one chunk's delta: the call (OpenAI's indexed tool-call delta,
+    name and arguments at once), or the content of an "auto" answer."""
+    if "tool_calls" not in fields:
+        return {"content": fields["content"]}
+    return {"tool_calls": [{"index": i, **call} for i, call in enumerate(fields["tool_calls"])]}
 
 
 def _sse(payload: dict) -> bytes:

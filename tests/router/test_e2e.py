@@ -9,7 +9,9 @@ Two deployments share one module so the model is loaded once per engine:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import time
 
@@ -320,6 +322,99 @@ def test_completion_echo_logprobs_are_the_prompts(deployments, model_info, deplo
     tokens = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs]
     assert tokens[0] is None and len(tokens) == len(ids) + 3
     assert max(abs(g - w) for g, w in zip(tokens[1:len(ids)], want, strict=True)) < 1e-4
+    wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
+
+
+_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                            "age": {"type": "integer"}},
+           "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_structured_outputs_validate(deployments, deployment):
+    """json_schema (strict), json_object and vLLM's regex/choice extras, streamed and not: the
+    prompt engine constrains the first token, the completion engine the rest."""
+    import jsonschema
+
+    client = _openai(deployments[deployment])
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": _PERSON,
+                                                  "strict": True}}
+    done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_tokens=60, response_format=fmt)
+    assert done.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done.choices[0].message.content), _PERSON)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0.9, seed=5, max_tokens=60,
+        response_format=fmt, stream=True) if c.choices)
+    jsonschema.validate(json.loads(streamed), _PERSON)
+    loose = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           max_tokens=60, response_format={"type": "json_object"})
+    text = loose.choices[0].message.content
+    if loose.choices[0].finish_reason == "stop":  # an open-ended object may run to max_tokens
+        assert isinstance(json.loads(text), dict)
+    assert text.lstrip().startswith("{")
+    choice = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:",
+                                       max_tokens=5, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
+    assert choice.choices[0].text in (" yes", " no")
+    regex = client.completions.create(model=MODEL, prompt="A date:", max_tokens=12,
+                                      temperature=0,
+                                      extra_body={"structured_outputs": {"regex": r" \d{4}-\d{2}"}})
+    assert re.fullmatch(r" \d{4}-\d{2}", regex.choices[0].text), regex.choices[0].text
+    wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
+
+
+_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+_TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 20}}, "required": ["zone"]}}}
+
+
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_tool_calls_validate(deployments, deployment):
+    """required and named: a call whose arguments validate against the tool's parameters,
+    finish reason tool_calls, streamed as a tool-call delta; auto: a call or an answer; none:
+    plain text; a second turn carries the call and its result."""
+    import jsonschema
+
+    client = _openai(deployments[deployment])
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (_WEATHER, _TIME)}
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                              max_tokens=80, tools=[_WEATHER, _TIME],
+                                              tool_choice=choice)
+        assert done.choices[0].finish_reason == "tool_calls", done.choices[0]
+        call = done.choices[0].message.tool_calls[0]
+        assert choice == "required" or call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = [c.choices[0] for c in client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=60, tools=[_WEATHER],
+        tool_choice="required", stream=True) if c.choices]
+    deltas = [d for c in chunks if c.delta.tool_calls for d in c.delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
+    assert chunks[-1].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(deltas[0].function.arguments), schemas["get_weather"])
+    auto = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_tokens=60, tools=[_WEATHER])
+    message = auto.choices[0].message
+    assert (auto.choices[0].finish_reason == "tool_calls") == bool(message.tool_calls)
+    assert message.tool_calls or isinstance(message.content, str)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           max_tokens=8, tools=[_WEATHER], tool_choice="none")
+    assert plain.choices[0].message.tool_calls is None
+    turn2 = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}])
+    assert turn2.choices[0].finish_reason in ("stop", "length")
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
 

@@ -11,6 +11,7 @@ from router.config import RouterConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Hello"}]
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def _error(response, status: int) -> dict:
@@ -57,9 +58,19 @@ def test_malformed_bodies(client, path, raw, words):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
     ({"model": MODEL, "prompt": "hi", "best_of": 2}, "best_of", "not supported"),
-    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}},
-     "response_format", "not supported"),
-    ({"model": MODEL, "prompt": "hi", "guided_regex": "a+"}, "guided_regex", "not supported"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}},
+     "response_format", "must be text, json_object or json_schema"),
+    ({"model": MODEL, "prompt": "hi", "guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs.choice", "one structured output at a time"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"json": {"type": "bogus"}}},
+     "structured_outputs.json", "bogus"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"choice": "yes"}},
+     "structured_outputs.choice", "non-empty strings"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"regx": "a"}},
+     "structured_outputs", "unknown"),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a"},
+      "ignore_eos": True}, "ignore_eos", "cannot go with a structured output"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "One prompt per request"),
     ({"model": MODEL, "prompt": [1, 10**6]}, "prompt", "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": 1}},
@@ -103,17 +114,28 @@ def test_completions_bad_input(client, body, param, words):
     ({"model": MODEL, "messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
     ({"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      "[0, 20], got 21"),
-    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools",
-     "not supported"),
+    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools.0",
+     "must be"),
     ({"model": MODEL, "messages": CHAT, "tool_choice": "required"}, "tool_choice",
+     "needs 'tools'"),
+    ({"model": MODEL, "messages": CHAT, "tools": [_TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, "tool_choice", "not one of"),
+    ({"model": MODEL, "messages": CHAT, "tools": [_TOOL, _TOOL]}, "tools.1.function.name",
+     "unique"),
+    ({"model": MODEL, "messages": CHAT, "tools": [_TOOL],
+      "response_format": {"type": "json_object"}}, "tools", "cannot go together"),
+    ({"model": MODEL, "messages": CHAT, "functions": [_TOOL["function"]]}, "functions",
      "not supported"),
     ({"model": MODEL, "messages": CHAT, "response_format": {"type": "json_schema"}},
-     "response_format", "not supported"),
+     "response_format", "'schema' object"),
+    ({"model": MODEL, "messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "nope"),
     ({"model": MODEL, "messages": CHAT, "modalities": ["text", "audio"]}, "modalities",
      "not supported"),
     ({"model": MODEL, "messages": [{"role": "assistant", "content": None,
                                     "tool_calls": [{"id": "x"}]}]},
-     "messages.0.tool_calls", "not supported"),
+     "messages", "need function.name"),
     ({"model": MODEL, "messages": CHAT, "n": 3}, "n", "got 3"),
 ])
 def test_chat_bad_input(client, body, param, words):
