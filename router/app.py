@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.registry import Registry
+from router import api_models, openapi_doc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.engine_pool import EnginePool, NoEngineError
@@ -83,6 +84,7 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
     _add_middleware(app, config, metrics)
     _add_error_handlers(app)
     _add_routes(app)
+    openapi_doc.install(app)
     return app
 
 
@@ -160,26 +162,30 @@ async def _off_loop(request: Request, kind: str) -> Prepared:
 
 
 def _add_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              responses=openapi_doc.generation_responses(api_models.CompletionResponse))
     async def completions(request: Request):
         arrival = time.monotonic()
         prep = await _off_loop(request, "completion")
         return await request.app.state.server.respond(prep, request, arrival)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses=openapi_doc.generation_responses(api_models.ChatCompletionResponse))
     async def chat_completions(request: Request):
         arrival = time.monotonic()
         prep = await _off_loop(request, "chat")
         return await request.app.state.server.respond(prep, request, arrival)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=api_models.ModelList,
+             responses=api_models.error_responses(401))
     async def models(request: Request):
         model = request.app.state.model
         return {"object": "list", "data": [{
             "id": model.name, "object": "model", "created": request.app.state.started,
             "owned_by": "baton", "max_model_len": model.max_model_len}]}
 
-    @app.get("/health")
+    @app.get("/health", response_model=api_models.Health,
+             responses={503: {"model": api_models.Health}})
     async def health(request: Request):
         pool: EnginePool = request.app.state.pool
         engines = {role: len(pool.records(role)) for role in ("normal", "prompt", "completion")}
@@ -190,7 +196,8 @@ def _add_routes(app: FastAPI) -> None:
                                 status_code=503)
         return {"status": "ok", "engines": engines}
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", response_model=api_models.ResetResult,
+              responses={**api_models.error_responses(401), 503: {"model": api_models.ResetResult}})
     async def reset_prefix_cache(request: Request):
         """vLLM's endpoint: every live engine forgets its cached-free KV blocks (benchmarks
         call it between runs). 503 naming the engines that refused or did not answer."""
@@ -210,6 +217,7 @@ def _add_routes(app: FastAPI) -> None:
                                  "reason": "; ".join(failed)}, status_code=503)
         return {"status": "ok", "engines": results}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics(request: Request):
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
