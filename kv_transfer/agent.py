@@ -48,10 +48,11 @@ class NixlAgent:
         cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                 backends=["UCX"])
         self._agent = nixl_agent(name, cfg)
-        self._reg = self._agent.register_memory([(pool.address, pool.nbytes, 0, "")], "DRAM")
+        self._reg = self._agent.register_memory([(pool.address, pool.nbytes, pool.device_id, "")],
+                                            pool.mem_type)
         self.metadata: bytes = self._agent.get_agent_metadata()
-        logger.debug("NIXL agent %s registered %d blocks of %d bytes", name,
-                     pool.num_blocks, pool.block_bytes)
+        logger.debug("NIXL agent %s registered %d blocks of %d bytes (%s %d)", name,
+                     pool.num_blocks, pool.block_bytes, pool.mem_type, pool.device_id)
 
     def add_peer(self, metadata: bytes) -> str:
         try:
@@ -74,8 +75,8 @@ class NixlAgent:
         loc_rows, rem_rows = descriptor_rows(runs, self.pool, remote)
         handle = None
         try:
-            loc = self._agent.get_xfer_descs(loc_rows, "DRAM")
-            rem = self._agent.get_xfer_descs(rem_rows, "DRAM")
+            loc = self._agent.get_xfer_descs(loc_rows, self.pool.mem_type)
+            rem = self._agent.get_xfer_descs(rem_rows, remote.mem_type)
             handle = self._agent.initialize_xfer(op, loc, rem, peer, notif)
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001

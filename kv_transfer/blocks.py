@@ -48,11 +48,12 @@ def merge_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tupl
 def descriptor_rows(
     runs: list[tuple[int, int, int]], local: PoolSpec, remote: PoolSpec
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 uint64 (address, length, device 0) arrays for the local and the remote side."""
+    """Nx3 uint64 (address, length, device id) arrays for the local and the remote side."""
     arr = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
     loc = np.zeros_like(arr)
     rem = np.zeros_like(arr)
     loc[:, 0] = np.uint64(local.address) + arr[:, 0] * np.uint64(local.block_bytes)
     rem[:, 0] = np.uint64(remote.address) + arr[:, 1] * np.uint64(remote.block_bytes)
     loc[:, 1] = rem[:, 1] = arr[:, 2] * np.uint64(local.block_bytes)
+    loc[:, 2], rem[:, 2] = local.device_id, remote.device_id
     return loc, rem

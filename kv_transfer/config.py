@@ -7,6 +7,7 @@ import ipaddress
 from typing import Any
 
 OPS = ("READ", "WRITE")
+MEM_TYPES = ("DRAM", "VRAM")  # NIXL memory types: host memory, a GPU's memory
 
 
 @dataclasses.dataclass
@@ -70,12 +71,17 @@ class PoolSpec:
     address                                                    address + nbytes
     |  block 0 (null)  |  block 1  |  block 2  | ... | block num_blocks-1 |
     each block = [layers, 2, block_size, kv_heads, head_dim] elements = block_bytes
+
+    The buffer lives where its tensor does: host memory (NIXL DRAM) or GPU `device_id`'s
+    memory (NIXL VRAM, a CUDA tensor); NIXL registers and moves it by that memory type.
     """
 
     address: int
     nbytes: int
     num_blocks: int
     block_bytes: int
+    mem_type: str = "DRAM"
+    device_id: int = 0  # the GPU index for VRAM; 0 for DRAM
 
     def __post_init__(self) -> None:
         if self.address <= 0:
@@ -89,18 +95,27 @@ class PoolSpec:
                 f"nbytes={self.nbytes} != num_blocks={self.num_blocks} * "
                 f"block_bytes={self.block_bytes}"
             )
+        if self.mem_type not in MEM_TYPES:
+            raise ValueError(f"mem_type={self.mem_type!r} is not one of {list(MEM_TYPES)}")
+        if not 0 <= self.device_id < 1024:
+            raise ValueError(f"device_id={self.device_id} out of range")
 
     @classmethod
     def of(cls, pool: Any) -> PoolSpec:
-        """Accept a PoolSpec, a contiguous torch tensor or a contiguous numpy array whose first
-        dimension is the block dimension."""
+        """Accept a PoolSpec, a contiguous torch tensor (host or CUDA memory) or a contiguous
+        numpy array whose first dimension is the block dimension."""
         if isinstance(pool, PoolSpec):
             return pool
         if hasattr(pool, "data_ptr"):  # torch.Tensor
-            if not pool.is_contiguous() or pool.device.type != "cpu":
-                raise ValueError("KV pool tensor must be contiguous host memory")
+            if not pool.is_contiguous():
+                raise ValueError("KV pool tensor must be contiguous")
+            kind = pool.device.type
+            if kind not in ("cpu", "cuda"):
+                raise ValueError(f"KV pool on {pool.device}: NIXL takes host or CUDA memory")
             nbytes = pool.numel() * pool.element_size()
-            return cls(pool.data_ptr(), nbytes, pool.shape[0], nbytes // pool.shape[0])
+            return cls(pool.data_ptr(), nbytes, pool.shape[0], nbytes // pool.shape[0],
+                       "DRAM" if kind == "cpu" else "VRAM",
+                       0 if kind == "cpu" else pool.device.index or 0)
         if hasattr(pool, "__array_interface__"):  # numpy.ndarray
             if not pool.flags["C_CONTIGUOUS"]:
                 raise ValueError("KV pool array must be C-contiguous")

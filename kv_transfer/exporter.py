@@ -158,7 +158,8 @@ class KVExporter:
                 self._table.counters["handshakes_served"] += 1
             return proto.HandshakeReply(
                 msg.seq, self.engine_id, self.instance_id, self.agent.name, self.agent.metadata,
-                self.spec.address, self.spec.num_blocks, self.spec.block_bytes, self.fingerprint)
+                self.spec.address, self.spec.num_blocks, self.spec.block_bytes, self.fingerprint,
+                self.spec.mem_type, self.spec.device_id)
         return self._answer_claim(msg)
 
     def _answer_claim(self, msg: proto.Claim) -> proto.ClaimReply:

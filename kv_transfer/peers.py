@@ -65,7 +65,7 @@ def check_handshake(reply: proto.HandshakeReply, local: PoolSpec,
     if reply.num_blocks > (1 << 40) or reply.block_bytes > (1 << 40):
         raise ValueError(f"pool shape {reply.num_blocks}x{reply.block_bytes} out of range")
     remote = PoolSpec(reply.base_address, reply.num_blocks * reply.block_bytes,
-                      reply.num_blocks, reply.block_bytes)
+                      reply.num_blocks, reply.block_bytes, reply.mem_type, reply.device_id)
     if reply.fingerprint != fingerprint:
         return remote, (f"peer {reply.engine_id} at fingerprint {reply.fingerprint.describe()} "
                         f"!= local fingerprint {fingerprint.describe()}")

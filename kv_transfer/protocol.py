@@ -71,6 +71,9 @@ class HandshakeReply(msgspec.Struct, tag="hs_ok", array_like=True, omit_defaults
     num_blocks: int
     block_bytes: int
     fingerprint: Fingerprint
+    # Where the pool lives (kv_transfer.config.MEM_TYPES): a GPU pool is read as NIXL VRAM.
+    mem_type: str = "DRAM"
+    device_id: int = 0
 
 
 class Claim(msgspec.Struct, tag="claim", array_like=True, omit_defaults=True):

@@ -123,3 +123,34 @@ def test_wire_is_tagged_array_like():
 def test_bad_side_channel_addresses(addr):
     with pytest.raises(ValueError):
         check_address(addr)
+
+
+def test_pool_memory_type_follows_the_tensor():
+    """Host tensors register as NIXL DRAM; a CUDA tensor would register as VRAM of its GPU
+    (these machines have no GPU: the VRAM path is checked through PoolSpec, not NIXL); other
+    devices are refused by name. Descriptor rows carry each side's device id."""
+    import torch
+
+    assert PoolSpec.of(torch.zeros(4, 16)).mem_type == "DRAM"
+    with pytest.raises(ValueError, match="meta"):
+        PoolSpec.of(torch.empty(4, 16, device="meta"))
+    with pytest.raises(ValueError, match="mem_type"):
+        PoolSpec(4096, 8 * 16, 8, 16, "GPU")
+    local, remote = PoolSpec(4096, 128, 8, 16), PoolSpec(1 << 20, 128, 8, 16, "VRAM", 3)
+    loc, rem = descriptor_rows(merge_runs([1, 2], [5, 6]), local, remote)
+    assert loc[:, 2].tolist() == [0] and rem[:, 2].tolist() == [3]
+
+
+def test_handshake_carries_the_pool_memory_type():
+    from kv_transfer.peers import check_handshake
+
+    fp = proto.Fingerprint("m", "float32", 2, 2, 64, 16)
+    local = PoolSpec(4096, 8 * 16, 8, 16)
+    old = proto.HandshakeReply(1, "p0", "i", "a", b"md", 4096, 8, 16, fp)
+    assert check_handshake(proto.decode_to_importer(proto.encode(old)), local, fp)[0].mem_type == "DRAM"
+    gpu = proto.HandshakeReply(1, "p0", "i", "a", b"md", 4096, 8, 16, fp, "VRAM", 1)
+    remote, mismatch = check_handshake(proto.decode_to_importer(proto.encode(gpu)), local, fp)
+    assert (remote.mem_type, remote.device_id, mismatch) == ("VRAM", 1, "")
+    forged = proto.HandshakeReply(1, "p0", "i", "a", b"md", 4096, 8, 16, fp, "DISK", 1)
+    with pytest.raises(ValueError, match="mem_type"):
+        check_handshake(forged, local, fp)
