@@ -37,6 +37,7 @@ from baton.logprobs import PromptLogprobs, TopLogprobs
 from baton.model import load_model
 from baton.model.config import resolve_dtype
 from baton.model.loader import LoadedModel
+from baton.model.quant import check_quantization
 from baton.model_runner import ModelRunner, PromptSpan
 from baton.sampler import SamplingParams
 from baton.scheduler import EngineType, Scheduler, SchedulerConfig
@@ -78,9 +79,13 @@ class EngineConfig:
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
     engine_type: str = "normal"
+    # Weight-only quantization: none | int8 | int4 (CPU kernels for decode steps,
+    # `baton/model/quant.py`). The exact mode: dtype float32, quantization none.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        check_quantization(self.quantization)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "prefill_attempt_interval", "prefill_any_attempt_interval"):
             if getattr(self, name) < 1:
@@ -156,7 +161,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device,
+                                      quantization=config.quantization)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.model_path = loaded.path
         self.runner = ModelRunner(loaded, config.block_size, config.num_blocks,
@@ -205,7 +211,9 @@ class LLMEngine:
         """Model and KV layout identity: published in the registry, and the seed of the
         prefix-cache key chain, so two engines agree on a block's key only when they would
         agree on its bytes."""
-        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}"
+        # Quantized weights compute other K/V than the float ones (same layout, other bytes).
+        quant = "" if self.config.quantization == "none" else f"/{self.config.quantization}"
+        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}{quant}"
 
     @property
     def prefix_cache_seed(self) -> int:

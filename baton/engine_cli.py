@@ -41,6 +41,9 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     m = p.add_argument_group("model and cache")
     m.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization (CPU kernels for decode steps); the exact "
+                        "mode is --dtype float32 --quantization none")
     m.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     m.add_argument("--num-blocks", type=int, default=0,

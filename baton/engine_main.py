@@ -31,6 +31,7 @@ def engine_config(args: argparse.Namespace, role: str):
 
     return EngineConfig(
         model=args.model or None, dtype=args.dtype, device=args.device or None,
+        quantization=args.quantization,
         block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -14,8 +14,12 @@ Rows:
                                 max_num_seqs = batch (paged KV: no padding, a finished request's
                                 place is taken at the next step). Output tokens/s, prefill
                                 included, counting only the tokens each request asked for.
+  mode_{int8,int4}_*            Baton in a quantized mode (--quantization) against Baton's exact
+                                mode (fp32, no quantization), interleaved: the "transformers"
+                                column of these rows is the exact mode.
 
     .venv/bin/python bench/model_bench.py [--threads 2] [--decode-tokens 32] [--repeats 3]
+        [--modes int8,int4] [--skip-transformers]
 """
 
 from __future__ import annotations
@@ -130,6 +134,29 @@ def hf_mixed(model, work: MixedWorkload, batch: int) -> float:
     return work.num_tokens / (time.perf_counter() - start)
 
 
+def mode_rows(exact, args) -> list[dict]:
+    """Each quantized mode against the exact engine: prefill 128 and decode at each batch."""
+    from baton.engine import EngineConfig, LLMEngine
+
+    rows = []
+    for mode in (m for m in args.modes.split(",") if m):
+        engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=64,
+                                        kv_cache_memory_bytes=1536 * 2**20, quantization=mode))
+        prompt = make_prompts(engine.tokenizer, 1, 128)[0]
+        b, e = alternate(partial(baton_prefill, engine, prompt), partial(baton_prefill, exact, prompt),
+                         args.repeats)
+        rows.append({"metric": f"mode_{mode}_prefill_tok_s_len128", "baton": b, "transformers": e})
+        for batch in (int(x) for x in args.batches.split(",")):
+            prompts = make_prompts(engine.tokenizer, batch, args.decode_prompt_len)
+            b, e = alternate(partial(baton_decode, engine, prompts, args.decode_tokens),
+                             partial(baton_decode, exact, prompts, args.decode_tokens), args.repeats)
+            rows.append({"metric": f"mode_{mode}_decode_tok_s_batch{batch}", "baton": b,
+                         "transformers": e})
+            logger.info("%s", rows[-1])
+        del engine
+    return rows
+
+
 def alternate(baton_run, hf_run, repeats: int) -> tuple[float, float]:
     """Medians of `repeats` runs of each, interleaved."""
     b, h = [], []
@@ -149,6 +176,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="median of this many runs, Baton and transformers alternating, so a "
                          "shared machine's load falls on both alike")
+    ap.add_argument("--modes", default="int8,int4",
+                    help="quantized modes measured against the exact mode; '' skips them")
+    ap.add_argument("--skip-transformers", action="store_true",
+                    help="only the mode rows (no transformers reference)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -160,16 +191,18 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=64,
                                     kv_cache_memory_bytes=1536 * 2**20))
     path = Path(engine.model_path)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+    if args.skip_transformers:
+        args.mixed_batches = ""
+    hf = None if args.skip_transformers else AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.float32).eval()
     rows = []
-    for length in (128, 1024):
+    for length in () if hf is None else (128, 1024):
         prompt = make_prompts(engine.tokenizer, 1, length)[0]
         baton_prefill(engine, prompt[:16]), hf_prefill(hf, prompt[:16])  # warm-up
         b, h = alternate(partial(baton_prefill, engine, prompt), partial(hf_prefill, hf, prompt),
                          args.repeats)
         rows.append({"metric": f"prefill_tok_s_len{length}", "baton": b, "transformers": h})
-    for batch in (int(x) for x in args.batches.split(",")):
+    for batch in () if hf is None else (int(x) for x in args.batches.split(",")):
         prompts = make_prompts(engine.tokenizer, batch, args.decode_prompt_len)
         b, h = alternate(partial(baton_decode, engine, prompts, args.decode_tokens),
                          partial(hf_decode, hf, prompts, args.decode_tokens), args.repeats)
@@ -186,6 +219,7 @@ def main() -> None:
         del mixed_engine
         rows.append({"metric": f"mixed_tok_s_batch{batch}", "baton": b, "transformers": h})
         logger.info("%s", rows[-1])
+    rows += mode_rows(engine, args)
     for r in rows:
         r["ratio"] = r["baton"] / r["transformers"]
     assert engine.num_free_blocks() == engine.num_total_blocks()

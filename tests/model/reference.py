@@ -143,3 +143,39 @@ def truncate_at_eos(tokens: list[int] | tuple[int, ...], eos: tuple[int, ...]) -
         if t in eos:
             break
     return out
+
+
+def held_out_tokens(num_tokens: int) -> list[int]:
+    """English prose no test or benchmark prompt uses: the Python reference manual's topics
+    (shipped with the interpreter), from a fixed one on, as one token stream."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in ("assignment", "atom-identifiers", "class", "compound",
+                                           "exceptions", "execmodel", "function", "import"))
+    ids = baton_model().tokenizer.encode(text)
+    assert len(ids) >= num_tokens, len(ids)
+    return ids[:num_tokens]
+
+
+def teacher_forced_top1(loaded, tokens: list[int], chunk: int = 512) -> torch.Tensor:
+    """The model's top-1 prediction after every prefix of `tokens` (teacher forcing: the text,
+    not the model's own output, is fed back), as one sequence prefilled in chunks over a paged
+    pool: int64 [len(tokens) - 1]."""
+    from baton.model.backends import StepBatch
+    from baton.model_runner import ModelRunner
+
+    num_blocks = -(-len(tokens) // BLOCK_SIZE)
+    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=num_blocks + 1)
+    table = torch.arange(1, num_blocks + 1)[None]
+    out = []
+    for start in range(0, len(tokens), chunk):
+        end = min(start + chunk, len(tokens))
+        pos = torch.arange(start, end)
+        batch = StepBatch(torch.tensor(tokens[start:end]), pos, pos + BLOCK_SIZE, table,
+                          np.array([end - start]), np.array([end]), None)
+        meta = runner.backend.prepare(batch, runner.kv_cache, loaded.config.dtype)
+        logits = runner.model(batch.input_ids, pos, runner.kv_cache, meta, runner.backend,
+                              logit_rows=torch.arange(end - start))
+        runner.backend.finish_step(meta)
+        out.append(logits.argmax(-1))
+    return torch.cat(out)[:-1]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from baton.model.backends.base import StepBatch
 from baton.model.backends.cpu_decode_rows import DecodeRows, RowGroup
+from baton.model.quant import QUANT_MAX_ROWS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 # the 2-core CPU: 1 and 2 threads take the same time up to ~64 rows).
 _SPLIT_MAX_ROWS = 64
 _ONEDNN = torch.backends.mkldnn.is_available()
+# oneDNN refuses bf16 matmuls on a CPU without AVX512 (this AVX2 EPYC: "could not create a
+# primitive descriptor"); MKL's F.linear runs them anywhere.
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and \
+    torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 _MATH_ATTENTION_MAX_LEN = 256  # decode contexts up to this use matmul + softmax, longer SDPA
 
 
@@ -39,7 +44,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias) that keeps every intra-op thread busy for a decode batch:
     the weight's output rows are cut into one part per thread, viewed as a batch (no copy), and
     one `bmm` runs the parts in parallel. 1.3-1.5x faster for 1-32 rows on 2 threads; large
-    batches (prefill) keep MKL's own threading."""
+    batches (prefill) keep MKL's own threading. A quantized weight runs its int kernel (which
+    threads itself) for a few rows, its dense copy for more (`baton/model/quant.py`)."""
+    if isinstance(weight, QuantizedWeight):
+        if x.shape[0] <= QUANT_MAX_ROWS:
+            return weight.matmul(x)
+        weight = weight.dense
     parts = torch.get_num_threads()
     rows, (n, k) = x.shape[0], weight.shape
     if parts < 2 or rows > _SPLIT_MAX_ROWS or n % parts:
@@ -48,10 +58,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.expand(parts, rows, k), w).transpose(0, 1).reshape(rows, n)
 
 
+def portable_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):  # the int kernels are CPU-only
+        weight = weight.dense
+    return F.linear(x, weight)
+
+
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The vocabulary projection, the largest GEMM of a decode step (49152 x 576 for SmolLM2):
     oneDNN's matmul, which threads it, beats MKL's 1.3-1.8x on this CPU at 8-256 rows."""
-    if _ONEDNN and x.dtype in (torch.float32, torch.bfloat16):
+    if isinstance(weight, QuantizedWeight):
+        if x.shape[0] <= QUANT_MAX_ROWS:
+            return weight.matmul(x)
+        weight = weight.dense
+    if _ONEDNN and x.dtype in _ONEDNN_DTYPES:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     return F.linear(x, weight)
 
@@ -268,5 +288,5 @@ class PortableBackend(CPUBackend):
     replaces it; these machines have no GPU to build and measure one on."""
 
     name = "portable"
-    linear = staticmethod(F.linear)
-    lm_head = staticmethod(F.linear)
+    linear = staticmethod(portable_linear)
+    lm_head = staticmethod(portable_linear)
