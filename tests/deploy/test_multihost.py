@@ -47,11 +47,8 @@ KV_TIMEOUT_S = 10.0  # the completion engine's --kv-timeout
 # ~300 tokens: a prefill long enough to cut the link behind it, one pull of ~19 blocks.
 LONG_PROMPT = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(24))
 
-# Runs inside the client namespace: wait for the router's /health, then send both requests.
-CLIENT = r"""
-import json, sys, time, urllib.request
-base, timeout_s, prompt, max_tokens = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-deadline = time.monotonic() + timeout_s
+# Both client scripts start here: wait until `deadline` for the router's /health.
+_WAIT_HEALTHY = r"""
 while True:
     try:
         with urllib.request.urlopen(base + "/health", timeout=2) as r:
@@ -62,6 +59,14 @@ while True:
     if time.monotonic() > deadline:
         sys.exit("router not healthy in time")
     time.sleep(0.5)
+"""
+
+# Runs inside the client namespace: wait for the router's /health, then send both requests.
+CLIENT = r"""
+import json, sys, time, urllib.request
+base, timeout_s, prompt, max_tokens = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+deadline = time.monotonic() + timeout_s
+""" + _WAIT_HEALTHY + r"""
 def post(path, body):
     req = urllib.request.Request(base + path, json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -81,16 +86,7 @@ STREAM_CLIENT = r"""
 import json, sys, time, urllib.request
 base, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 deadline = time.monotonic() + 180
-while True:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=2) as r:
-            if r.status == 200:
-                break
-    except OSError:
-        pass
-    if time.monotonic() > deadline:
-        sys.exit("router not healthy in time")
-    time.sleep(0.5)
+""" + _WAIT_HEALTHY + r"""
 model = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=5).read())["data"][0]["id"]
 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "ignore_eos": True}

@@ -45,6 +45,23 @@ def make_client(model_info):
         client.__exit__(None, None, None)
 
 
+@pytest.fixture
+def engines():
+    """`engines(role, tokens, **kwargs)` -> a ScriptedEngine (tests/router/scripted_engine.py),
+    closed after the test."""
+    from tests.router.scripted_engine import ScriptedEngine
+
+    started: list[ScriptedEngine] = []
+
+    def start(*args, **kwargs) -> ScriptedEngine:
+        started.append(ScriptedEngine(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.close()
+
+
 @contextlib.contextmanager
 def serve_router(config: RouterConfig, info: ModelInfo | None = None) -> Iterator[str]:
     """Run the router under uvicorn in a thread on a free loopback port; yields its base URL."""

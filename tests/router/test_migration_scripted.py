@@ -8,10 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from router.config import RouterConfig
 from tests.router.conftest import serve_router
-from tests.router.scripted_engine import ScriptedEngine
-from tests.router.test_routing_scripted import MODEL, TEXT, _sse, _wait_for
+from tests.router.test_routing_scripted import MODEL, TEXT, _config, _sse, _wait_for
 
 MAX_TOKENS = 10
 
@@ -19,24 +17,6 @@ MAX_TOKENS = 10
 @pytest.fixture
 def tokens(model_info) -> list[int]:
     return model_info.tokenizer.encode(TEXT)
-
-
-@pytest.fixture
-def engines():
-    started: list[ScriptedEngine] = []
-
-    def start(*args, **kwargs) -> ScriptedEngine:
-        started.append(ScriptedEngine(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.close()
-
-
-def _config(*entries: ScriptedEngine, **overrides) -> RouterConfig:
-    return RouterConfig(engines=[f"{e.role}={e.address}" for e in entries],
-                        num_prepare_workers=0, **overrides)
 
 
 def _stream(url: str, max_tokens: int = MAX_TOKENS, **extra) -> list[dict]:

@@ -22,19 +22,6 @@ def tokens(model_info) -> list[int]:
     return model_info.tokenizer.encode(TEXT)
 
 
-@pytest.fixture
-def engines():
-    started: list[ScriptedEngine] = []
-
-    def start(*args, **kwargs) -> ScriptedEngine:
-        started.append(ScriptedEngine(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.close()
-
-
 def _config(*entries: ScriptedEngine, **overrides) -> RouterConfig:
     overrides.setdefault("num_prepare_workers", 0)  # routing is under test, not preparing
     return RouterConfig(engines=[f"{e.role}={e.address}" for e in entries], **overrides)
