@@ -16,8 +16,8 @@ import sys
 
 import torch
 
+from baton.cpus import engine_threads, parse_cpus
 from baton.dp import DPConfig, DPGroup
-from baton.launcher import engine_threads, parse_cpus
 from baton.metrics import EngineMetrics
 from baton.registry import RegistryConfig, make_registry
 from baton.service import EngineService, ServiceConfig

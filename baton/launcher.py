@@ -18,6 +18,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from baton.cpus import cpu_shares, engine_threads
+from baton.engine_cli import ROLE_COMMANDS, add_common_args
 from baton.redis_server import RedisServer, RedisStartError, free_port, port_is_free
 from baton.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 
@@ -35,7 +37,8 @@ class LaunchConfig:
     redis_url: str = ""  # "" = start a local redis-server
     api_key: str = ""
     ready_timeout_s: float = 300.0
-    engine_args: list[str] = field(default_factory=list)  # passed through to every engine
+    # Flags after `--`, passed to every engine whose role has them (role_engine_args).
+    engine_args: list[str] = field(default_factory=list)
     pin_cpus: bool = True  # give each engine its own cores (see cpu_shares)
     metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # once up, for every child
@@ -53,38 +56,37 @@ class LaunchConfig:
                              f"{self.num_completion_engines} completion)")
         if self.num_normal_engines and disagg:
             raise ValueError("run either normal engines or prompt+completion engines, not both")
+        role_engine_args(self.engine_args, "normal")  # an unknown flag fails here, not at start
 
 
-def engine_threads(num_engines: int) -> int:
-    """Each engine's share of the cores, so two engines on two cores do not fight."""
-    return max(1, (os.cpu_count() or 1) // max(1, num_engines))
+def role_engine_args(engine_args: list[str], role: str) -> list[str]:
+    """`engine_args` less the flags `role`'s engine does not have but another role's does
+    (`--lease-ttl` reaches prompt engines only, `--kv-timeout` completion engines only).
 
+    Without this one role-specific flag made the other role's engines exit at start-up. A
+    flag (or value) no role accepts is a ValueError naming it.
+    """
+    def unknown_to(r: str) -> list[str]:
+        parser = argparse.ArgumentParser(prog=f"baton {r} engine", add_help=False)
+        add_common_args(parser, r)
+        return parser.parse_known_args(engine_args)[1]
 
-def cpu_shares(num_engines: int, threads: int) -> list[str]:
-    """Disjoint CPU lists (`--cpus` values), one per engine, or [] when they do not fit.
-
-    Unpinned, the kernel moves a prefilling engine's thread onto the core a decoding engine was
-    using, and the decode stalls for a time slice: exactly the interference disaggregation is
-    meant to remove. One engine alone gains nothing from pinning."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if num_engines < 2 or num_engines * threads > len(cpus):
-        return []
-    return [",".join(map(str, cpus[i * threads:(i + 1) * threads])) for i in range(num_engines)]
-
-
-def parse_cpus(spec: str) -> set[int]:
-    """A `--cpus` value as cpu_shares writes it (`0`, `2-3`, `0,2-3`) -> a CPU set; ValueError
-    naming the spec otherwise."""
-    cpus: set[int] = set()
-    try:
-        for part in filter(None, spec.split(",")):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"--cpus {spec!r}: expected CPU numbers and ranges like 0,2-3") from None
-    if not cpus or min(cpus) < 0:
-        raise ValueError(f"--cpus {spec!r}: expected CPU numbers and ranges like 0,2-3")
-    return cpus
+    unknown = unknown_to(role)
+    if not unknown:
+        return list(engine_args)
+    elsewhere = [r for r in ("normal", "prompt", "completion") if r != role]
+    nobody = [a for a in unknown if all(a in unknown_to(r) for r in elsewhere)]
+    if nobody:
+        raise ValueError(f"no engine takes the engine flag(s) {' '.join(nobody)} "
+                         "(see baton prompt-engine --help, baton completion-engine --help)")
+    # The parser keeps the unknown tokens in order: drop them as a subsequence.
+    kept, j = [], 0
+    for arg in engine_args:
+        if j < len(unknown) and arg == unknown[j]:
+            j += 1
+        else:
+            kept.append(arg)
+    return kept
 
 
 def _engine_answers(address: str) -> bool:
@@ -170,7 +172,8 @@ class Launcher:
         argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
                 "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
-                *self._model_args(), *self._metrics_args(engine_id), *cfg.engine_args]
+                *self._model_args(), *self._metrics_args(engine_id),
+                *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
         self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address)))
 

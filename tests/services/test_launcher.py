@@ -18,7 +18,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.launcher import cpu_shares, parse_cpus
+from baton.cpus import cpu_shares, parse_cpus
+from baton.launcher import LaunchConfig, role_engine_args
 from baton.redis_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -169,3 +170,24 @@ def test_cpu_shares_are_disjoint_or_none():
         sets = [parse_cpus(s) for s in shares]
         assert len(sets) == 2 and sets[0].isdisjoint(sets[1])
         assert sets[0] | sets[1] <= set(cpus)
+
+
+def test_engine_flags_reach_the_roles_that_have_them():
+    # `baton up -- --lease-ttl 8` used to make every completion engine exit at start-up.
+    args = ["--num-blocks", "8", "--lease-ttl", "8", "--kv-timeout=5", "--max-model-len", "512"]
+    common = ["--num-blocks", "8", "--max-model-len", "512"]
+    assert role_engine_args(args, "normal") == common
+    assert role_engine_args(args, "prompt") == ["--num-blocks", "8", "--lease-ttl", "8",
+                                                "--max-model-len", "512"]
+    assert role_engine_args(args, "completion") == ["--num-blocks", "8", "--kv-timeout=5",
+                                                    "--max-model-len", "512"]
+    assert role_engine_args(common, "completion") == common
+
+
+def test_an_engine_flag_no_role_takes_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="--lease-tll 8"):
+        LaunchConfig(engine_args=["--lease-tll", "8"])
+    result = subprocess.run([sys.executable, "-m", "baton.cli", "up", "--", "--no-such-flag"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "no engine takes the engine flag(s) --no-such-flag" in result.stderr
