@@ -144,12 +144,49 @@ def seeded_uniform(seed: int, sample_index: int, position: int) -> float:
     return (x >> 40) / float(1 << 24)
 
 
+_NUM_CANDIDATES = 512  # the most likely tokens top-k/top-p look at before sorting a whole row
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k / top-p drop; rows with k=0 and p=1 are untouched."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """Mask (to -inf) what top-k / top-p drop; rows with k=0 and p=1 are untouched.
+
+    Sorting a whole vocabulary costs ~3 ms a row on CPU (batch 32: 90 ms a step, most of the
+    sampler). The kept set almost always lies among the few hundred most likely tokens, so those
+    come first from `topk`; a row falls back to the full sort only when tokens past them might
+    be kept. Either way the mask is the same: a token is dropped when its rank is >= k or the
+    probability mass before it (over the top k, or the whole row without top-k) reaches p."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    num_cand = min(vocab, _NUM_CANDIDATES)
+    if num_cand == vocab:
+        return _top_k_top_p_sorted(logits, k, top_p)
+    cand, order = logits.topk(num_cand, dim=-1)  # sorted, most likely first
+    drop = torch.arange(num_cand, device=logits.device)[None, :] >= k[:, None]
+    masked = cand.masked_fill(drop, float("-inf"))
+    whole_row = k >= vocab  # no top-k: probabilities are over the whole row
+    norm = torch.where(whole_row, logits.logsumexp(dim=-1), masked.logsumexp(dim=-1))
+    probs = (masked - norm[:, None]).exp()
+    drop |= probs.cumsum(dim=-1) - probs >= top_p[:, None]
+    drop[:, 0] = False
+    # Exact where every token past the candidates is dropped anyway: by top-k, or by top-p
+    # because the candidates' mass already reaches p.
+    covered = (k <= num_cand) | (whole_row & (probs.sum(dim=-1) >= top_p))
+    untouched = whole_row & (top_p >= 1)
+    out = torch.full_like(logits, float("-inf")).scatter_(
+        -1, order, cand.masked_fill(drop, float("-inf")))
+    out[untouched] = logits[untouched]
+    rest = (~covered & ~untouched).nonzero()[:, 0]
+    if len(rest):
+        out[rest] = _top_k_top_p_sorted(logits[rest], k[rest], top_p[rest])
+    return out
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    """`_apply_top_k_top_p` by sorting whole rows (`k` already resolved to 1..vocab)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     drop = ranks >= k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)

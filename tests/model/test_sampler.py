@@ -218,3 +218,36 @@ def test_penalised_greedy_run_equals_transformers_with_the_reference_formula() -
         assert int(got[0]) == int(want.argmax()), (len(output), tok.decode(output))
         output.append(int(got[0]))
     assert output != unpenalised  # the penalties did change the run
+
+
+def _sorted_mask(logits, top_k, top_p):
+    from baton.sampler import _top_k_top_p_sorted
+
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    return _top_k_top_p_sorted(logits, k, top_p)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.95), (0, 0.5), (50, 1.0), (50, 0.9), (5, 0.1),
+                                         (1000, 0.95), (600, 0.99), (0, 1.0)])
+def test_top_k_top_p_over_candidates_masks_what_the_full_sort_masks(top_k, top_p):
+    # The candidate path (topk of 512, then a full sort only where needed) replaced sorting
+    # every row. Its mask is the full sort's, up to float rounding of the mass before a token:
+    # a token kept by one and dropped by the other has that mass within 1e-5 of top_p.
+    from baton.sampler import _apply_top_k_top_p
+
+    gen = torch.Generator().manual_seed(top_k * 7 + int(top_p * 100))
+    logits = torch.cat([torch.randn(16, 49152, generator=gen) * s for s in (0.1, 1.0, 4.0, 10.0)])
+    k = torch.full((64,), top_k)
+    p = torch.full((64,), top_p)
+    new = _apply_top_k_top_p(logits, k, p)
+    old = logits if (top_k == 0 and top_p == 1.0) else _sorted_mask(logits, k, p)
+    kept_new, kept_old = new > float("-inf"), old > float("-inf")
+    assert torch.equal(new[kept_new], logits[kept_new])  # kept logits are untouched
+    for row in (kept_new != kept_old).any(dim=-1).nonzero()[:, 0].tolist():
+        order = logits[row].argsort(descending=True)
+        kk = top_k if 0 < top_k < 49152 else 49152
+        probs = logits[row][order].masked_fill(torch.arange(49152) >= kk, float("-inf")).softmax(-1)
+        mass_before = dict(zip(order.tolist(), (probs.cumsum(-1) - probs).tolist(), strict=True))
+        for token in (kept_new[row] != kept_old[row]).nonzero()[:, 0].tolist():
+            assert abs(mass_before[token] - top_p) < 1e-5, (row, token, mass_before[token])
