@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -74,7 +74,7 @@ class Tokenizer:
         tokens = list(gguf_field(reader, "tokenizer.ggml.tokens"))
         types = list(gguf_field(reader, "tokenizer.ggml.token_type", []))
         merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
-        spelling = _bytes_to_unicode()
+        spelling = bytes_to_unicode()
         alphabet = set(spelling.values())
         # Tokens outside the byte alphabet are re-spelled byte by byte, as transformers does.
         vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i

@@ -16,22 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from baton.tokenizer import Tokenizer
+from baton.tokenizer import Tokenizer, bytes_to_unicode
 
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: the character that stands for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    """GPT-2's byte-level alphabet, reversed: the byte each character stands for."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class TokenText:
