@@ -268,9 +268,13 @@ class Scheduler:
     def set_structured_output_status(self, request_id: str, status: int) -> None:
         self._impl.set_structured_output_status(request_id, status)
 
-    def fork_seq(self, parent_request_id: str, child_request_id: str, branch_id: str = "") -> int:
-        """A branch sharing the parent's prefix KV (pinned blocks); returns its seq_id."""
-        return self._impl.fork_seq(parent_request_id, child_request_id, branch_id)
+    def fork_seq(self, parent_request_id: str, child_request_id: str, branch_id: str = "",
+                 last_token_id: int = -1) -> int:
+        """A branch sharing the parent's prefix KV (pinned blocks); returns its seq_id.
+        ``last_token_id`` >= 0 replaces the child's newest output token (one without KV: an
+        n > 1 choice's own first token); the stop check then runs on it."""
+        return self._impl.fork_seq(parent_request_id, child_request_id, branch_id,
+                                   last_token_id)
 
     def num_waiting(self) -> int:
         return self._impl.num_waiting()

@@ -48,8 +48,10 @@ inline void Scheduler::fail_sequence(const std::string &request_id, SequenceStat
 
 // S16: a new branch sharing the parent's prefix KV. Blocks and state are
 // pinned, not copied; the possibly half-written tail block is cloned on admission.
+// last_token_id >= 0 replaces the child's newest output token, which has no KV
+// yet: n > 1 choices share the prompt but each samples its own first token.
 inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::string &child_id,
-                                   const std::string &branch_id) {
+                                   const std::string &branch_id, int32_t last_token_id) {
   PoolGuard guard(*this);
   auto parent = lookup_(parent_id);
   if (parent->is_finished()) throw std::invalid_argument("fork_seq: parent " + parent_id + " is finished");
@@ -57,6 +59,14 @@ inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::stri
     throw std::invalid_argument("fork_seq: parent " + parent_id + " has a step in flight; book it first");
   }
   if (registry_.count(child_id)) throw std::invalid_argument("fork_seq: duplicate request id " + child_id);
+  const bool own_last = last_token_id >= 0;
+  if (own_last && (parent->get_output_len() < 1 || parent->cache.num_tokens != parent->get_len() - 1)) {
+    throw std::invalid_argument("fork_seq: last_token_id for " + child_id + " needs a parent whose only token "
+                                "without KV is its newest output; " + parent_id + " has " +
+                                std::to_string(parent->get_output_len()) + " outputs, KV for " +
+                                std::to_string(parent->cache.num_tokens) + " of " +
+                                std::to_string(parent->get_len()) + " tokens");
+  }
   auto child = std::make_shared<Sequence>(*parent);
   child->seq_id = next_seq_id_++;
   child->request_id = child_id;
@@ -90,6 +100,11 @@ inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::stri
     child->schedule.status = SequenceStatus::WAITING;  // RUNNING once admitted from `prompted`
     child->schedule.branch_id = branch_id.empty() ? "fork" : branch_id;
     prompted.emplace_back(child, true);
+    if (own_last) {
+      child->data.token_ids.back() = last_token_id;
+      child->data.last_token_id = last_token_id;
+      check_stop_(*child);  // its own token may end it: admission from `prompted` drops it
+    }
   } else {
     child->schedule.status = SequenceStatus::WAITING;
     child->schedule.branch_id = "_" + (branch_id.empty() ? std::string("fork") : branch_id);

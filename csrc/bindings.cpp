@@ -297,7 +297,7 @@ PYBIND11_MODULE(_scheduler, m) {
       .def("set_structured_output_status", &Scheduler::set_structured_output_status, py::arg("request_id"),
            py::arg("status"))
       .def("fork_seq", &Scheduler::fork_seq, py::arg("parent_request_id"), py::arg("child_request_id"),
-           py::arg("branch_id") = "")
+           py::arg("branch_id") = "", py::arg("last_token_id") = -1)
       .def("schedule", &Scheduler::schedule)
       .def("process_outputs",
            [](Scheduler &s, SchedulerOutputs &out, py::handle sampled) {

@@ -81,7 +81,8 @@ class Scheduler {
   }
 
   void fail_sequence(const std::string &request_id, SequenceStatus status);
-  int64_t fork_seq(const std::string &parent_id, const std::string &child_id, const std::string &branch_id);
+  int64_t fork_seq(const std::string &parent_id, const std::string &child_id, const std::string &branch_id,
+                   int32_t last_token_id = -1);
 
   // ---- COMPLETION engine: KV arrives from a prompt engine ---------------------
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from baton.scheduler import EngineType
 
-from .utils import add_requests, create_requests, create_scheduler, drain, sampled, step
+from .utils import EOS, add_requests, create_requests, create_scheduler, drain, sampled, step
 
 IMG, PAD = 100, 101
 
@@ -43,6 +46,33 @@ def test_s16_fork_of_finished_prompt_goes_through_prompted() -> None:
     sched.abort_sequence("parent")
     step(sched)
     assert [sched.ref_count(b) for b in parent_table[:2]] == [1, 1]  # still the child's
+    drain(sched)
+
+
+def test_s16_fork_with_its_own_last_token() -> None:
+    """n > 1: each forked choice feeds its own first token; blocks pinned, tail cloned,
+    every block back after; a choice whose own token stops it never runs."""
+    sched = create_scheduler(prefill_attempt_interval=70)
+    sched.add_sequence("p", [10] * 40, 8, eos_token_ids=[EOS])
+    step(sched, token=7)
+    table = sched.sequence_info("p")["block_table"]
+    sched.fork_seq("p", "c1", "n", last_token_id=8)
+    sched.fork_seq("p", "c2", "n", last_token_id=EOS)  # its own first token is EOS
+    assert [sched.ref_count(b) for b in table] == [3, 3, 3]
+    assert sched.sequence_info("c1")["token_ids"][-2:] == [10, 8]
+    assert sched.sequence_info("p")["token_ids"][-1] == 7  # the parent keeps its own
+    out = sched.schedule()
+    assert dict(out.finished) == {"c2": "stop"}  # dropped at admission, its pins returned
+    rows = dict(zip(out.request_ids, np.asarray(out.input_ids).tolist(), strict=True))
+    assert rows == {"p": 7, "c1": 8}  # each row feeds its own token
+    assert [list(p) for p in out.clone_blocks] == [
+        [table[-1], sched.sequence_info("c1")["block_table"][-1]]]
+    sched.process_outputs(out, sampled(out))
+    assert [sched.ref_count(b) for b in table] == [2, 2, 1]  # c1 has its own tail now
+    sched.check_invariants()
+    sched.add_sequence("q", [10] * 8, 8)
+    with pytest.raises(ValueError, match="only token without KV"):
+        sched.fork_seq("q", "c3", last_token_id=9)  # q has no output to replace yet
     drain(sched)
 
 
