@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # The same math in one call (ATen's composite: bit-identical to the lines below in fp32,
+        # tested), instead of eight dispatches of a few microseconds each, twice a layer.
+        return torch.rms_norm(x, weight.shape, weight, eps)
     # fp32 statistics whatever the activation dtype, as the reference implementation does.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -54,8 +54,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows, (n, k) = x.shape[0], weight.shape
     if parts < 2 or rows > _SPLIT_MAX_ROWS or n % parts:
         return F.linear(x, weight)
-    w = weight.view(parts, n // parts, k).transpose(1, 2)  # [parts, k, n / parts]
-    return torch.bmm(x.expand(parts, rows, k), w).transpose(0, 1).reshape(rows, n)
+    w = _split_view(weight, parts)  # [parts, k, n / parts]
+    out = torch.bmm(x.expand(parts, rows, k), w)  # [parts, rows, n / parts]
+    # One row: the parts already lie in output order, the reshape is a view.
+    return out.view(1, n) if rows == 1 else out.transpose(0, 1).reshape(rows, n)
+
+
+def _split_view(weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """The weight's output rows as `parts` batch entries, [parts, k, n / parts] (a view), kept
+    on the weight itself: building it costs two dispatches, four linears a layer."""
+    cached = getattr(weight, "_baton_split", None)
+    if cached is None or cached.shape[0] != parts:
+        n, k = weight.shape
+        cached = weight.view(parts, n // parts, k).transpose(1, 2)
+        weight._baton_split = cached
+    return cached
 
 
 def portable_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,7 +113,9 @@ class DecodeGroup:
     permutation: torch.Tensor | None  # = rows, or None when rows are 0..n-1 in entry order
     new_pos: torch.Tensor  # int64 [n] position of the new token (context length - 1)
     lens: np.ndarray  # int64 [n] context length of each entry after this step
-    mask: torch.Tensor  # additive [n, 1, 1, max_len] in row order: 0 up to the length, -inf after
+    # additive [n, 1, 1, max_len] in row order: 0 up to the length, -inf after; None when every
+    # row is max_len long (batch 1 always): adding zeros changes nothing but costs a dispatch.
+    mask: torch.Tensor | None
     kv: torch.Tensor  # the workspace view described above
 
 
@@ -122,6 +137,10 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillSlice]
     last_token: torch.Tensor | None  # int64 [n] flat index of each sequence's last token; None = all
+    # An all-decode step leaves the pool alone layer by layer (attention reads the dense rows)
+    # and copies every layer's new K/V into it at once in `finish_step`: one index op a step
+    # instead of a stack and an index_put a layer. None: each layer writes its tokens' slots.
+    deferred_pool: torch.Tensor | None = None
 
 
 def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
@@ -142,12 +161,15 @@ def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarra
         identity = bool((rows == torch.arange(n, device=device)).all())
         lens_t = torch.as_tensor(glens, device=device)
         row_lens = lens_t if identity else torch.empty_like(lens_t).index_copy_(0, rows, lens_t)
-        mask = torch.zeros((n, max_len), dtype=dtype, device=device)
-        mask.masked_fill_(torch.arange(max_len, device=device)[None, :] >= row_lens[:, None],
-                          float("-inf"))
+        mask = None
+        if int(glens.min()) < max_len:
+            mask = torch.zeros((n, max_len), dtype=dtype, device=device)
+            mask.masked_fill_(torch.arange(max_len, device=device)[None, :] >= row_lens[:, None],
+                              float("-inf"))
+            mask = mask[:, None, None, :]
         groups.append(DecodeGroup(
             group, None if len(prepared) == 1 else torch.as_tensor(index, device=device), rows,
-            None if identity else rows, lens_t - 1, glens, mask[:, None, None, :],
+            None if identity else rows, lens_t - 1, glens, mask,
             group.ws[:, :, :n, :, :max_len]))
     tokens = None if is_all else torch.as_tensor(starts[dec], device=device)
     return DecodeBatch(tokens, groups)
@@ -176,7 +198,9 @@ def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor
     if decode is None or decode.tokens is not None:
         last = torch.as_tensor(starts + seqlens_q - 1, device=device)
     slots = batch.slot_mapping
-    return AttentionMetadata(slots // block_size, slots % block_size, decode, prefills, last)
+    deferred = kv_cache if decode is not None and decode.tokens is None else None
+    return AttentionMetadata(slots // block_size, slots % block_size, decode, prefills, last,
+                             deferred)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
@@ -207,7 +231,9 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Decode
     if keys.shape[2] <= _MATH_ATTENTION_MAX_LEN:
         # Two batched GEMMs and a softmax: for short contexts the fused CPU kernel's own
         # overhead dominates (batch 32 x 80 tokens: 221 vs 364 us a layer on 2 threads).
-        scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(head_dim ** -0.5).add_(g.mask)
+        scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(head_dim ** -0.5)
+        if g.mask is not None:
+            scores.add_(g.mask)
         out = torch.matmul(scores.softmax(-1), vals)
     else:
         out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=g.mask)
@@ -271,15 +297,24 @@ class CPUBackend:
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
                   meta: AttentionMetadata, layer: int) -> torch.Tensor:
-        # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
-        layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)
+        if meta.deferred_pool is None:
+            # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
+            layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)
         return paged_attention(q, k, v, layer_kv, meta, layer)
 
     @staticmethod
     def finish_step(meta: AttentionMetadata) -> None:
-        if meta.decode is not None:  # every layer wrote this step's token into the rows
-            for g in meta.decode.groups:
-                g.group.commit(g.rows, g.lens)
+        if meta.decode is None:
+            return
+        for g in meta.decode.groups:  # every layer wrote this step's token into the rows
+            if meta.deferred_pool is not None:
+                blocks, offsets = meta.slot_blocks, meta.slot_offsets
+                if g.index is not None:
+                    blocks, offsets = blocks[g.index], offsets[g.index]
+                # ws [L, 2, rows, Hkv, cap, D] at (row, position) of each entry: [n, L, 2, Hkv,
+                # D], the shape of the pool [blocks, L, 2, B, Hkv, D] at (block, offset).
+                meta.deferred_pool[blocks, :, :, offsets] = g.group.ws[:, :, g.rows, :, g.new_pos]
+            g.group.commit(g.rows, g.lens)
 
 
 class PortableBackend(CPUBackend):
