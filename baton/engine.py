@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from baton.choices import choice_id, for_choice, plan_split
 from baton.grammar import GrammarCache
 from baton.logprobs import PromptLogprobs, TopLogprobs
 from baton.model import load_model
@@ -117,6 +118,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     top: TopLogprobs | None = None  # top_logprobs: alternatives of each new token
     prompt: PromptLogprobs | None = None  # prompt_logprobs, on the request's first output
+    index: int = 0  # the choice (n > 1) this output is of
+    base_id: str = ""  # the request's id when this is another choice than its carrier's
 
 
 @dataclass
@@ -145,6 +148,14 @@ class _Request:
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
     prompt_logprobs: PromptLogprobs | None = None  # filled chunk by chunk while prefilling
     matcher: Any = None  # structured output: its llguidance matcher (baton/grammar.py)
+    index: int = 0  # the choice (n > 1) this sequence is (baton/choices.py)
+    base_id: str = ""  # the request's id, when this sequence is one of its forked choices
+    base_sample_index: int = 0  # choice i draws with this + i
+    is_split: bool = True  # False: n > 1 and its first tokens are not drawn yet
+
+    @property
+    def wire_id(self) -> str:
+        return self.base_id or self.request_id
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +199,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._grammars: GrammarCache | None = None  # built at the first structured request
         self._by_seq: dict[int, _Request] = {}
+        self._families: dict[str, set[str]] = {}  # n > 1: request id -> its choices' ids
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests
         self._next_id = 0
         self.num_recomputed = 0  # prompt steps that re-prefilled generated tokens (preemption)
@@ -264,6 +276,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.check_prompt(request_id, prompt)
         outputs = self.check_outputs(request_id, output_token_ids, params)
+        if params.n > 1 and outputs:
+            raise ValueError(f"request {request_id!r}: n={params.n} with earlier outputs (a "
+                             "migrated request) is not supported")
         self.check_grammar(params, outputs)
         # Prompt logprobs need the logits of every prompt position: a cached prefix has none.
         seq_id = self.scheduler.add_sequence(
@@ -320,14 +335,20 @@ class LLMEngine:
                                  f"{matcher.get_error()}")
 
     def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-              seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = ()) -> None:
+              seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = (),
+              index: int = 0, base_id: str = "") -> None:
         """Register a request the scheduler already holds as `seq_id`. `token_ids` were sampled
         elsewhere (a prompt engine's first token): they count as outputs, so the request's
-        next draw is at the position it would have had on a single engine."""
+        next draw is at the position it would have had on a single engine. With n > 1 it is
+        choice `index` (of request `base_id`, when forked), its params already the choice's."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         req = _Request(request_id, prompt_token_ids, params, seq_id=seq_id,
-                       num_given=len(token_ids))
+                       num_given=len(token_ids), index=index, base_id=base_id,
+                       base_sample_index=params.sample_index - index,
+                       is_split=params.n == 1 or bool(token_ids))
+        if params.n > 1:
+            self._families.setdefault(req.wire_id, set()).add(request_id)
         req.token_ids.extend(int(t) for t in token_ids)
         if params.logprobs:
             req.logprobs.extend(float(lp) for lp in logprobs)
@@ -344,22 +365,28 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._by_seq.pop(req.seq_id, None)
+            family = self._families.get(req.wire_id)
+            if family is not None:
+                family.discard(request_id)
+                if not family:
+                    del self._families[req.wire_id]
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; its final output comes with the next
-        `step()`. False when it is unknown or already finished."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return False
-        self.scheduler.abort_sequence(request_id)
-        self._pending.append(self._finish(req, "abort"))
-        return True
+        `step()`. False when it is unknown or already finished. Every choice of an n > 1
+        request ends."""
+        ids = sorted(self._families.get(request_id, ())) or [request_id]
+        reqs = [self._requests[i] for i in ids if i in self._requests]
+        for req in reqs:
+            self.scheduler.abort_sequence(req.request_id)
+            self._pending.append(self._finish(req, "abort"))
+        return bool(reqs)
 
     def _finish(self, req: _Request, reason: str) -> RequestOutput:
         req.finish_reason = reason
         self.untrack(req.request_id)
         return RequestOutput(req.request_id, [], [] if req.params.logprobs else None, True,
-                             reason)
+                             reason, index=req.index, base_id=req.base_id)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -391,7 +418,9 @@ class LLMEngine:
         samples = self.runner.execute(
             sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
             [r.prompt_token_ids for r in reqs],
-            [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete))
+            [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
+            self._choice_params(reqs, complete))
+        splits = self._plan_splits(reqs, samples)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:
                 req.prompt_logprobs.logprobs.extend(prompt.logprobs)
@@ -406,6 +435,8 @@ class LLMEngine:
                     self._advance_matcher(req, outputs[-1])
         self._hand_off(outputs, result.handed_off)
         self._book_finished(outputs, dict(result.finished))
+        for req, split, top in splits:
+            self._split(req, split, top, outputs)
         return outputs
 
     def _allowed_tokens(self, reqs: list[_Request], complete: list[bool]) -> list | None:
@@ -426,6 +457,71 @@ class LLMEngine:
         self.scheduler.abort_sequence(req.request_id)
         self._finish(req, "structured_output_failed")
         out.finished, out.finish_reason = True, "structured_output_failed"
+
+    # ------------------------------------------------------------------ n > 1 (baton/choices.py)
+    def _choice_params(self, reqs: list[_Request], complete: list[bool]) -> list | None:
+        """The other choices' params of each row that draws an n > 1 prompt's first tokens."""
+        if all(r.is_split for r in reqs):
+            return None
+        return [[for_choice(r.params, r.base_sample_index, i) for i in range(1, r.params.n)]
+                if c and not r.is_split else None for r, c in zip(reqs, complete, strict=True)]
+
+    def _plan_splits(self, reqs: list[_Request], samples) -> list[tuple]:
+        """Before booking: each split row's carrier choice, whose token the scheduler books."""
+        splits = []
+        for i, (req, extra) in enumerate(zip(reqs, samples.choices or [None] * len(reqs),
+                                             strict=True)):
+            if extra is None:
+                continue
+            tokens = [int(samples.token_ids[i]), *extra[0]]
+            lps = [float(samples.logprobs[i]), *extra[1]]
+            capped = (req.params.max_tokens - req.num_given <= 1
+                      or req.num_tokens + 1 > self.max_model_len)
+            split = plan_split(req.params, self.model_config.eos_token_ids, tokens, lps, capped)
+            if split.carrier:
+                samples.token_ids[i], samples.logprobs[i] = tokens[split.carrier], lps[split.carrier]
+                req.index = split.carrier
+                req.params = for_choice(req.params, req.base_sample_index, split.carrier)
+            req.is_split = True
+            splits.append((req, split, samples.top[i]))
+        return splits
+
+    def _split(self, req: _Request, split, top: TopLogprobs | None,
+               outputs: list[RequestOutput]) -> None:
+        """After booking: the other choices' first tokens; NORMAL forks those that go on, a
+        PROMPT engine hands them off with the carrier (its worker names them in the hand-off)."""
+        forks = self.config.engine_type == "normal" and req.request_id in self._requests
+        for j in split.others():
+            token, lp, reason = split.token_ids[j], split.logprobs[j], split.reasons[j]
+            if forks and not reason:
+                child = self._fork(req, j, token, lp)
+                rid = child.request_id
+            else:
+                rid = choice_id(req.wire_id, j)
+                if not reason and self.config.engine_type == "normal":
+                    reason = req.finish_reason or "abort"  # the carrier failed: no fork
+            self.num_generated_tokens += 1
+            outputs.append(RequestOutput(rid, [token], [lp] if req.params.logprobs else None,
+                                         bool(reason), reason or None, top=top, index=j,
+                                         base_id=req.wire_id))
+
+    def fork_choices(self, request_id: str, choices: Sequence[tuple[int, int, float]]) -> None:
+        """COMPLETION: once an n > 1 prompt's KV has landed, its other choices (index, first
+        token sampled by the prompt engine, logprob) fork from it."""
+        req = self._requests[request_id]
+        for index, token, lp in choices:
+            self._fork(req, index, token, lp)
+
+    def _fork(self, req: _Request, index: int, token: int, logprob: float) -> _Request:
+        cid = choice_id(req.wire_id, index)
+        seq_id = self.scheduler.fork_seq(req.request_id, cid, "n", last_token_id=token)
+        self.track(cid, req.prompt_token_ids, for_choice(req.params, req.base_sample_index, index),
+                   int(seq_id), token_ids=[token], logprobs=[logprob], index=index,
+                   base_id=req.wire_id)
+        child = self._requests[cid]
+        child.num_cached_tokens = req.num_cached_tokens
+        child.prompt_logprobs = None  # the prompt was scored once, for the carrier
+        return child
 
     @staticmethod
     def _prompt_spans(reqs: list[_Request], seqlens_q: np.ndarray,
@@ -483,7 +579,7 @@ class LLMEngine:
         if req.params.logprobs:
             req.logprobs.append(logprob)
         out = RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None,
-                            top=top)
+                            top=top, index=req.index, base_id=req.base_id)
         if len(req.token_ids) == req.num_given + 1:
             out.num_cached_tokens = req.num_cached_tokens or 0
             if not req.num_given:  # scored here: the prompt was prefilled on this engine

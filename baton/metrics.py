@@ -172,8 +172,9 @@ class EngineMetrics:
     def on_arrival(self, req_id: str) -> None:
         self._times[req_id] = (time.monotonic(), 0.0)
 
-    def on_delta(self, delta: TokenDelta) -> None:
-        """A delta the service sends for a request it tracks (after `on_arrival`)."""
+    def on_delta(self, delta: TokenDelta, ends: bool | None = None) -> None:
+        """A delta the service sends for a request it tracks (after `on_arrival`); `ends`:
+        it is the request's last (None: when it has a finish reason or a KV handle)."""
         times = self._times.get(delta.req_id)
         if times is None:
             return
@@ -184,7 +185,9 @@ class EngineMetrics:
             else:
                 self._ttft.observe(now - arrived)
             self._times[delta.req_id] = (arrived, now)
-        if delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
+        if ends is None:
+            ends = bool(delta.finish_reason or delta.kv_handle)  # a handle ends a PROMPT request
+        if ends:
             del self._times[delta.req_id]
             self._e2e.observe(now - arrived)
             self._finished.labels(*self._labels, delta.finish_reason or "handed_off").inc()

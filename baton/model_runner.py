@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ class StepSamples:
     logprobs: np.ndarray  # fp32 [n]
     top: list[TopLogprobs | None]  # rows asking top_logprobs
     prompt: list[PromptLogprobs | None]  # rows given a PromptSpan
+    # Rows given more choices (n > 1, the prompt's end): their (token ids, logprobs), one
+    # per extra choice, drawn from the row's logits.
+    choices: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -99,13 +102,17 @@ class ModelRunner:
                 prompt_token_ids: Sequence[Sequence[int]],
                 output_token_ids: Sequence[Sequence[int]],
                 prompt_spans: Sequence[PromptSpan | None] | None = None,
-                allowed_tokens: Sequence[torch.Tensor | None] | None = None) -> StepSamples:
+                allowed_tokens: Sequence[torch.Tensor | None] | None = None,
+                choice_params: Sequence[list[SamplingParams] | None] | None = None,
+                ) -> StepSamples:
         """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
         does not end its prompt; it gets a dummy 0, which the scheduler ignores, and draws
         nothing); penalties, min_tokens and seeds read each row's prompt and output ids so far.
         `prompt_spans[i]` asks for prompt logprobs of row i's chunk positions [first, end);
-        `allowed_tokens[i]` is row i's grammar mask (bool [vocab]).
+        `allowed_tokens[i]` is row i's grammar mask (bool [vocab]); `choice_params[i]` draws
+        more tokens from row i's logits, one per params (the other choices of an n > 1 prompt).
         Returns the token ids int32 [n], their log-probs fp32 [n] and what else was asked."""
+        self._clone_blocks(np.asarray(sched_out.clone_blocks))
         seqlens_q = np.asarray(sched_out.seqlens_q, dtype=np.int64)
         spans = list(prompt_spans) if prompt_spans is not None else [None] * len(params)
         logit_rows, last = self._logit_rows(seqlens_q, spans)
@@ -130,7 +137,29 @@ class ModelRunner:
                 out.top[i] = top_logprobs(last_logits[i:i + 1], params[i].top_logprobs)
         if last is not None:
             self._prompt_logprobs(logits, seqlens_q, spans, out)
+        if choice_params is not None:
+            out.choices = [None if not extra else self._sample_choices(
+                last_logits[i:i + 1], extra, prompt_token_ids[i], output_token_ids[i],
+                None if allowed_tokens is None else allowed_tokens[i])
+                for i, extra in enumerate(choice_params)]
         return out
+
+    def _sample_choices(self, row: torch.Tensor, params: list[SamplingParams],
+                        prompt_ids: Sequence[int], output_ids: Sequence[int],
+                        allowed: torch.Tensor | None) -> tuple[list[int], list[float]]:
+        """More draws from one row's logits (a copy per draw: the sampler edits its rows)."""
+        k = len(params)
+        ids, lps = self.sampler(row.repeat(k, 1), params, prompt_token_ids=[prompt_ids] * k,
+                                output_token_ids=[output_ids] * k,
+                                allowed_tokens=None if allowed is None else [allowed] * k)
+        return [int(t) for t in ids.tolist()], [float(lp) for lp in lps.tolist()]
+
+    def _clone_blocks(self, pairs: np.ndarray) -> None:
+        """S16: a fork admitted this step gets a private copy of its half-written tail block,
+        before the step writes either copy; `dst == 0` only releases `src` (nothing to copy)."""
+        for src, dst in pairs.reshape(-1, 2).tolist():
+            if dst:
+                self.kv_cache[dst].copy_(self.kv_cache[src])
 
     @staticmethod
     def _logit_rows(seqlens_q: np.ndarray, spans: list[PromptSpan | None]):

@@ -27,6 +27,7 @@ import msgspec
 # prompt of max_model_len token ids, far below it.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and vLLM's default on logprobs)
+MAX_CHOICES = 128  # the most choices (n) one request may ask of an engine
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -54,6 +55,9 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     # Structured output: an llguidance grammar (serialized; baton/grammar.py) every sampled
     # token must follow; "" = none. Such a request is never recomputed after a preemption.
     grammar: str = ""
+    # Choices of the prompt (OpenAI's n): one prefill, n first tokens (choice i draws with
+    # sample_index + i), then n forks of one sequence sharing the prompt's KV blocks.
+    n: int = 1
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):
@@ -68,6 +72,12 @@ class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=
     # The engine prefills prompt + these and counts them as outputs (max_tokens, min_tokens,
     # penalties, a seed's position); a KV handle then covers prompt + these.
     output_token_ids: list[int] = []
+    # COMPLETION role with sampling.n > 1: the choices that go on here (those the prompt
+    # engine's first token did not finish) and each one's first token and its logprob;
+    # first_token_id is first_token_ids[0]. Empty: the one choice 0.
+    choice_indices: list[int] = []
+    first_token_ids: list[int] = []
+    first_logprobs: list[float] = []
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):
@@ -147,6 +157,9 @@ class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=Tru
     prompt_logprobs: list[float] = []
     prompt_top_token_ids: list[list[int]] = []
     prompt_top_logprobs: list[list[float]] = []
+    # Which choice (n > 1) the tokens and finish reason are for. A request ends when each of
+    # its choices has a finish reason; an error or abort reason ends all of them at once.
+    index: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):

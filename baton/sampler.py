@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.protocol import MAX_TOP_LOGPROBS
+from baton.protocol import MAX_CHOICES, MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class SamplingParams:
     top_logprobs: int = 0  # with logprobs: this many most likely (id, logprob) per token
     prompt_logprobs: int = -1  # >= 0: the prompt tokens' logprobs, this many alternatives each
     grammar: str = ""  # an llguidance grammar the output follows (baton/grammar.py); "" = none
+    # Choices of one prompt (OpenAI's n): choice i draws with sample_index + i (baton/choices.py)
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -73,6 +75,8 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         if not isinstance(self.sample_index, int) or self.sample_index < 0:
             raise ValueError(f"sample_index must be a non-negative int, got {self.sample_index!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -126,6 +126,8 @@ class EngineService:
         port = bound.rsplit(":", 1)[1]
         self.address = f"tcp://{config.advertise_host or config.host}:{port}"
         self.req_to_identity: dict[str, bytes] = {}
+        # n > 1: the choices of a request not finished yet (it ends with its last one).
+        self.req_to_choices: dict[str, set[int]] = {}
         self.counters = _Counters()
         self._stop = threading.Event()  # set by signals or stop(): begin draining
         self._heartbeat: Heartbeat | None = None
@@ -257,6 +259,8 @@ class EngineService:
             return
         self.counters.num_requests += 1
         self.req_to_identity[req.req_id] = identity
+        if req.sampling.n > 1:
+            self.req_to_choices[req.req_id] = set(req.choice_indices or range(req.sampling.n))
         if self.metrics is not None:
             self.metrics.on_arrival(req.req_id)
         self._send_all(self.worker.add_request(req))
@@ -267,19 +271,33 @@ class EngineService:
         tracked goes to `fallback`, or nowhere (it was already finished and forgotten)."""
         batches: dict[bytes, list[TokenDelta]] = {}
         for delta in deltas:
-            if self.metrics is not None:
-                self.metrics.on_delta(delta)  # of the requests it saw arrive; others pass
             identity = self.req_to_identity.get(delta.req_id)
+            ends = identity is not None and self._ends_request(delta)
+            if self.metrics is not None:  # of the requests it saw arrive; others pass
+                self.metrics.on_delta(delta, ends)
             if identity is None:
                 if fallback is None:
                     continue
                 identity = fallback
-            elif delta.finish_reason or delta.kv_handle:  # a KV handle ends a PROMPT request
+            elif ends:
                 del self.req_to_identity[delta.req_id]
                 self.counters.num_requests_finished += 1
             batches.setdefault(identity, []).append(delta)
         for identity, batch in batches.items():
             self._send(identity, EngineOutputs(batch))
+
+    def _ends_request(self, delta: TokenDelta) -> bool:
+        """A KV handle ends a PROMPT request, a finish reason its choice; an error or abort
+        reason, or the last choice's finish, the request."""
+        if not (delta.finish_reason or delta.kv_handle):
+            return False
+        left = self.req_to_choices.get(delta.req_id)
+        if left is not None and not delta.kv_handle and delta.finish_reason in ("stop", "length"):
+            left.discard(delta.index)
+            if left:
+                return False
+        self.req_to_choices.pop(delta.req_id, None)
+        return True
 
     def _send(self, identity: bytes, msg: EngineOutputs | EngineStats | ControlReply) -> None:
         try:
@@ -312,6 +330,7 @@ class EngineService:
         for req_id, ident in list(self.req_to_identity.items()):
             if ident == identity:
                 self.req_to_identity.pop(req_id, None)
+                self.req_to_choices.pop(req_id, None)
                 if self.metrics is not None:
                     self.metrics.forget(req_id)
                 self.worker.abort_request(req_id)

@@ -35,7 +35,7 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
         repetition_penalty=opts.repetition_penalty, logit_bias=dict(opts.logit_bias),
         min_tokens=opts.min_tokens, min_p=opts.min_p, sample_index=opts.sample_index,
         top_logprobs=int(opts.top_logprobs), prompt_logprobs=int(opts.prompt_logprobs),
-        grammar=str(opts.grammar))
+        grammar=str(opts.grammar), n=int(opts.n))
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:
@@ -45,6 +45,10 @@ def to_delta(out: RequestOutput) -> TokenDelta:
                        num_cached_tokens=out.num_cached_tokens)
     if out.top is not None:
         delta.top_token_ids, delta.top_logprobs = out.top.token_ids, out.top.logprobs
+    if out.index:
+        delta.index = out.index
+    if out.base_id:  # a choice forked from the request (n > 1): the router knows one id
+        delta.req_id = out.base_id
     if out.prompt is not None:
         delta.prompt_logprobs = out.prompt.logprobs
         delta.prompt_top_token_ids = out.prompt.top_token_ids

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from baton.choices import for_choice, stops_at
 from baton.engine import LLMEngine
 from baton.protocol import GenerateRequest, TokenDelta
 from baton.sampler import SamplingParams
@@ -50,6 +51,9 @@ class _Admission:
     output_token_ids: list[int]  # a migrated request's earlier outputs
     handle: kvproto.KVHandle
     params: SamplingParams
+    # (choice index, first token, its logprob): the pulled sequence is the first, the others
+    # fork from it once its KV has landed (n > 1, baton/choices.py).
+    choices: list[tuple[int, int, float]]
     aborted: bool = False
 
 
@@ -81,6 +85,33 @@ def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
     return handle
 
 
+def check_choices(req: GenerateRequest, params: SamplingParams, vocab_size: int,
+                  eos_token_ids: list[int], num_outputs: int) -> list[tuple[int, int, float]]:
+    """The choices going on here (index, first token, logprob); ValueError unless they are
+    distinct choices of the request's n, each with a token, and (n > 1) none ended by it: a
+    choice forks from the pulled sequence, which must still be running then."""
+    if not req.choice_indices:
+        if params.n > 1:
+            raise ValueError(f"n={params.n} needs the choices that go on (choice_indices)")
+        return [(0, req.first_token_id, req.first_logprob)]
+    indices, tokens = list(req.choice_indices), list(req.first_token_ids)
+    logprobs = list(req.first_logprobs) or [0.0] * len(tokens)
+    if len(tokens) != len(indices) or len(logprobs) != len(indices):
+        raise ValueError(f"{len(indices)} choice indices, {len(tokens)} first tokens and "
+                         f"{len(logprobs)} logprobs do not match")
+    if len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
+        raise ValueError(f"choice indices {indices[:8]} are not distinct choices of n={params.n}")
+    if tokens[0] != req.first_token_id:
+        raise ValueError(f"first_token_id {req.first_token_id} is not the first choice's "
+                         f"{tokens[0]}")
+    for token in tokens:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"first token id {token} out of range")
+        if stops_at(params, eos_token_ids, token) or params.max_tokens - num_outputs <= 1:
+            raise ValueError(f"choice with first token {token} is finished already")
+    return list(zip(indices, tokens, logprobs, strict=True))
+
+
 class Admission:
     """Prompts waiting for blocks (`queue`), prompts being pulled (`pulling`)."""
 
@@ -106,9 +137,12 @@ class Admission:
         seed = engine.prefix_cache_seed if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
                               seed)
-        # The prompt engine sampled the first token under the same grammar: it must fit.
-        engine.check_grammar(params, [*outputs, req.first_token_id])
-        self.queue.append(_Admission(req, ids, outputs, handle, params))
+        choices = check_choices(req, params, engine.model_config.vocab_size,
+                                engine.model_config.eos_token_ids, len(outputs))
+        for _, token, _ in choices:
+            # The prompt engine sampled the first token under the same grammar: it must fit.
+            engine.check_grammar(params, [*outputs, token])
+        self.queue.append(_Admission(req, ids, outputs, handle, params, choices))
 
     def abort(self, req_id: str) -> list[TokenDelta] | None:
         """None when the request is past admission (decoding, or unknown)."""
@@ -139,13 +173,16 @@ class Admission:
     def _allocate(self, adm: _Admission) -> AllocStatus:
         req, engine, outputs = adm.req, self.engine, adm.output_token_ids
         keys = adm.handle.block_keys if engine.config.enable_prefix_caching else ()
+        index, first_token, first_logprob = adm.choices[0]
         alloc = engine.scheduler.allocate_prompted(
-            req.req_id, adm.prompt_token_ids + outputs, req.first_token_id,
+            req.req_id, adm.prompt_token_ids + outputs, first_token,
             adm.params.max_tokens - len(outputs), **engine.stop_options(adm.params),
             block_keys=keys)
         if alloc.status == AllocStatus.OK:
-            engine.track(req.req_id, adm.prompt_token_ids, adm.params, alloc.seq_id,
-                         token_ids=[*outputs, req.first_token_id], logprobs=[req.first_logprob])
+            params = for_choice(adm.params, adm.params.sample_index, index)
+            engine.track(req.req_id, adm.prompt_token_ids, params, alloc.seq_id,
+                         token_ids=[*outputs, first_token], logprobs=[first_logprob],
+                         index=index)
             self.pulling[req.req_id] = adm
             hit = alloc.num_cached_blocks
             self.num_blocks_reused += hit
@@ -165,6 +202,8 @@ class Admission:
             if result.state == TransferState.DONE and not adm.aborted:
                 self.num_pulls_done += 1
                 self.engine.scheduler.commit_prompted(result.request_id)
+                if len(adm.choices) > 1:  # S16: the forks share the blocks just pulled
+                    self.engine.fork_choices(result.request_id, adm.choices[1:])
                 continue
             self.engine.scheduler.free_prompted(result.request_id)
             self.engine.untrack(result.request_id)

@@ -7,7 +7,8 @@ A request's life in this process:
    request (EOS, max_tokens 1) its blocks are freed and the delta carries the finish reason.
 3. Otherwise the scheduler hands the sequence off with its blocks; `HandOff` (handoff.py) holds
    them under a lease keyed by request id and the delta carries the first token and the encoded
-   `KVHandle` for the router to pass to a completion engine.
+   `KVHandle` for the router to pass to a completion engine. With n > 1 (baton/choices.py) the
+   step sends one delta per choice, each with its own first token, the handle on the last.
 4. The lease ends (pulled and released, expired, or aborted); `tick()` returns the blocks, which
    stay in the prefix cache (keyed), so the next turn of the conversation skips their prefill.
 """
@@ -52,17 +53,19 @@ class PromptWorker(EngineWorker):
         return []  # unknown, finished, or claimed (freed once its reader is done)
 
     def step(self) -> list[TokenDelta]:
-        deltas = []
-        for out in self.engine.step():
-            delta = to_delta(out)
+        outputs = self.engine.step()
+        deltas = [to_delta(out) for out in outputs]
+        for out in outputs:
             if out.handed_off_block_ids is not None:
                 # The keys name the blocks' contents whether or not this engine caches: a
                 # completion engine that does can reuse what it holds.
                 keys = self.engine.scheduler.block_keys(out.request_id)
-                delta.kv_handle = self.handoff.hold(out.request_id, out.handed_off_block_ids,
-                                                    out.num_prompt_tokens,
-                                                    [int(k) for k in keys])
-            deltas.append(delta)
+                handle = self.handoff.hold(out.request_id, out.handed_off_block_ids,
+                                           out.num_prompt_tokens, [int(k) for k in keys])
+                # On the request's last delta: with n > 1 the other choices' first tokens come
+                # before it, and the handle ends the request here.
+                last = max(i for i, d in enumerate(deltas) if d.req_id == out.request_id)
+                deltas[last].kv_handle = handle
         return deltas
 
     def tick(self) -> list[TokenDelta]:

@@ -55,9 +55,11 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
         if info is None:
             model = await asyncio.to_thread(
                 load_model_info, config.model_path, config.model_name, config.max_model_len)
+            model.max_n = config.max_n
         else:  # a tokenizer loaded once (tests, embedding) still obeys this config's limits
             model = dataclasses.replace(info, name=config.model_name or info.name,
-                                        max_model_len=config.max_model_len or info.max_model_len)
+                                        max_model_len=config.max_model_len or info.max_model_len,
+                                        max_n=config.max_n)
         pool = EnginePool(config, metrics, registry)
         await pool.start()
         dispatcher = Dispatcher(pool, metrics, config.first_token_timeout_s,

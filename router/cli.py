@@ -36,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request moves to other engines after one failed mid-stream "
                         "(prompt + tokens so far are prefilled again); 0 = fail at once")
+    p.add_argument("--max-n", type=int, default=16,
+                   help="the most choices (n) one request may ask for; past it, a 400")
     p.add_argument("--graceful-shutdown", type=int, default=10,
                    help="seconds in-flight requests may still run at shutdown")
     p.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, refresh_s=args.refresh,
         first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout,
         engine_wait_timeout_s=args.engine_wait_timeout, prompt_retry_limit=args.prompt_retries,
-        migration_limit=args.migration_limit,
+        migration_limit=args.migration_limit, max_n=args.max_n,
         graceful_shutdown_s=args.graceful_shutdown, max_request_bytes=args.max_request_bytes,
         max_concurrent_requests=args.max_concurrent_requests, body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,

@@ -6,6 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from baton.protocol import MAX_CHOICES
 from baton.registry import ROLES
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
@@ -45,6 +46,9 @@ class RouterConfig:
     # Migrations a request may go through: each time an engine fails it mid-stream, the router
     # re-prefills prompt + tokens so far and continues on live engines; 0 = fail at once.
     migration_limit: int = 3
+    # The most choices (OpenAI's n) one request may ask for (each is a sequence on the
+    # engines, sharing the prompt's KV blocks); past it, a 400 naming n.
+    max_n: int = 16
     # Seconds an engine that failed a request is avoided unless it is the only one left.
     failure_cooldown_s: float = 5.0
     # An engine socket not connected this long after it was opened counts as down.
@@ -115,5 +119,7 @@ class RouterConfig:
             raise ValueError(f"kv_overlap_weight must be >= 0 and finite, got {self.kv_overlap_weight}")
         if not isinstance(self.migration_limit, int) or self.migration_limit < 0:
             raise ValueError(f"migration_limit must be an int >= 0, got {self.migration_limit!r}")
+        if not isinstance(self.max_n, int) or not 1 <= self.max_n <= MAX_CHOICES:
+            raise ValueError(f"max_n must be an int in [1, {MAX_CHOICES}], got {self.max_n!r}")
         if self.failure_cooldown_s < 0:
             raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")

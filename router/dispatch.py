@@ -9,6 +9,10 @@ Disaggregated (prompt and completion engines registered):
   3. pick a completion engine the same way (cache-aware: the one that must pull the least); send GenerateRequest with the handle, the first
      token and its logprob; yield the first token; stream the completion engine's deltas.
 Otherwise a NORMAL engine serves the whole request (same first-token retry).
+With n > 1 (baton/choices.py) the request is still one request per engine: the prompt engine
+sends one first delta per choice (the KV handle on one of them), the completion engine gets the
+handle once with the first token of every choice that goes on, and deltas carry their choice's
+`index` until each choice has its finish reason.
 Whenever no engine of the role a step needs is live, the step waits for one up to the pool's
 `engine_wait_timeout_s` (a restart in progress) before NoEngineError, a 503 naming the role.
 
@@ -19,6 +23,8 @@ tokens streamed so far as `output_token_ids`: the prompt engine prefills prompt 
 a prefix-cache hit) and samples the next token as if nothing had happened, since a greedy or
 seeded token depends only on the tokens and its position. The client sees one stream, no token
 repeated or missing; after `migration_limit` migrations the next failure ends it with an error.
+A request with n > 1 is not migrated: a failure after its first tokens ends it with an error
+that says so.
 
 Whoever stops reading early (client gone, stop string hit) closes the generator; its `finally`
 sends AbortRequest to every engine that may still hold the request. The aborts run as their own
@@ -78,6 +84,23 @@ class _Leg:
     num_blocks: int = 0  # what this leg adds to the engine's active blocks (cache-aware cost)
 
 
+def _completion_request(req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
+                        handle: bytes, going: list[TokenDelta],
+                        outputs: list[int]) -> GenerateRequest:
+    """What the completion engine gets: the KV handle and the first token of each choice that
+    goes on (n > 1: their indices; it forks them after the one pull)."""
+    request = GenerateRequest(
+        req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling, kv_handle=handle,
+        first_token_id=going[0].token_ids[0],
+        first_logprob=going[0].logprobs[0] if going[0].logprobs else 0.0,
+        output_token_ids=list(outputs))
+    if sampling.n > 1:
+        request.choice_indices = [d.index for d in going]
+        request.first_token_ids = [d.token_ids[0] for d in going]
+        request.first_logprobs = [d.logprobs[0] if d.logprobs else 0.0 for d in going]
+    return request
+
+
 class Dispatcher:
     def __init__(self, pool: EnginePool, metrics, first_token_timeout_s: float,
                  token_timeout_s: float, prompt_retry_limit: int = 2,
@@ -128,6 +151,10 @@ class Dispatcher:
                 if not outputs:
                     raise  # nothing sent yet: the caller answers with a 503
                 reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
+                if sampling.n > 1:  # the choices' outputs would each need a migration
+                    raise EngineFailure(f"{exc}; not migrated: a request with n={sampling.n} "
+                                        "choices is not migrated", started=True,
+                                        reason=reason) from None
                 if reason in _NOT_MIGRATED or num_migrations >= self.migration_limit:
                     raise EngineFailure(f"{exc}; not migrated (migration {num_migrations} of "
                                         f"at most {self.migration_limit})", started=True,
@@ -157,30 +184,35 @@ class Dispatcher:
                 self._observe_migrated_prefill(req_id, first, len(prompt_token_ids) + len(outputs))
             else:
                 self.metrics.ttft.observe(time.monotonic() - arrival)
-            if first.finish_reason or not disaggregated:
-                yield first
-                last = time.monotonic()
-                if not first.finish_reason:
-                    async for delta in self._follow(first_leg, started=True, last=last):
-                        yield delta
+            left = set(range(sampling.n))  # the choices not finished
+            if not disaggregated:
+                async for delta in self._follow(first_leg, started=True,
+                                                last=time.monotonic(), left=left, first=first):
+                    yield delta
                 return
-            if not first.token_ids or not first.kv_handle:
-                raise EngineFailure(f"prompt engine {first_leg.record.engine_id} sent no first "
-                                    "token or KV handle", started=False, role="prompt")
+            firsts = await self._first_choices(first_leg, first, sampling.n)
+            left.difference_update(d.index for d in firsts if d.finish_reason)
+            if not left:
+                for delta in firsts:
+                    yield delta
+                return
+            going = [d for d in firsts if not d.finish_reason]
+            handle = next((d.kv_handle for d in firsts if d.kv_handle), b"")
+            if not handle:
+                raise EngineFailure(f"prompt engine {first_leg.record.engine_id} sent no "
+                                    "KV handle", started=False, role="prompt")
             # The prompt engine's part of the work is done: its blocks wait for the pull only.
             self.pool.add_blocks(first_leg.record.address, -first_leg.num_blocks)
             first_leg.num_blocks = 0
-            leg = await self._send("completion", GenerateRequest(
-                req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                kv_handle=first.kv_handle, first_token_id=first.token_ids[0],
-                first_logprob=first.logprobs[0] if first.logprobs else 0.0,
-                output_token_ids=list(outputs)), keys, legs)
+            leg = await self._send("completion", _completion_request(
+                req_id, prompt_token_ids, sampling, handle, going, outputs), keys, legs)
             handed_at = time.monotonic()
-            # The prompt engine's token, with whatever it carries (top and prompt logprobs),
+            # The prompt engine's tokens, with whatever they carry (top and prompt logprobs),
             # less the handle, which is the completion engine's business.
-            yield msgspec.structs.replace(first, req_id=req_id, kv_handle=b"")
+            for delta in firsts:
+                yield msgspec.structs.replace(delta, req_id=req_id, kv_handle=b"")
             async for delta in self._follow(leg, started=True, last=handed_at,
-                                            kv_since=handed_at):
+                                            kv_since=handed_at, left=left):
                 first_leg.is_finished = True  # the completion engine has claimed the KV lease
                 yield delta
         finally:
@@ -240,12 +272,35 @@ class Dispatcher:
         await client.send(request)
         return leg
 
+    async def _first_choices(self, leg: _Leg, first: TokenDelta, n: int) -> list[TokenDelta]:
+        """A prompt engine's first delta of each of the n choices (one token each; the KV
+        handle on one of them unless every choice finished); EngineFailure otherwise."""
+        firsts = [first]
+        while True:
+            delta = firsts[-1]
+            if is_error(delta):
+                raise EngineFailure(f"prompt engine {leg.record.engine_id} failed: "
+                                    f"{delta.error or delta.finish_reason}", started=False,
+                                    role="prompt", reason=delta.finish_reason)
+            if len(delta.token_ids) != 1 or not 0 <= delta.index < n or \
+                    any(d.index == delta.index for d in firsts[:-1]):
+                raise EngineFailure(f"prompt engine {leg.record.engine_id} sent "
+                                    f"{len(delta.token_ids)} first tokens for choice "
+                                    f"{delta.index} of {n}", started=False, role="prompt")
+            if len(firsts) == n:
+                return firsts
+            firsts.append(await self._wait(leg, self.first_token_timeout_s))
+
     async def _follow(self, leg: _Leg, started: bool, last: float,
-                      kv_since: float | None = None) -> AsyncIterator[TokenDelta]:
-        """Deltas of `leg` until a finish reason; an error delta raises EngineFailure."""
+                      kv_since: float | None = None, left: set[int] | None = None,
+                      first: TokenDelta | None = None) -> AsyncIterator[TokenDelta]:
+        """Deltas of `leg` (from `first`, when given) until each choice in `left` (default:
+        the one choice 0) has a finish reason; an error delta raises EngineFailure."""
+        left = {0} if left is None else left
         while True:
             timeout = self.first_token_timeout_s if kv_since is not None else self.token_timeout_s
-            delta = await self._wait(leg, timeout)
+            is_first = first is not None  # already awaited (and timed) by the caller
+            delta, first = (first, None) if is_first else (await self._wait(leg, timeout), None)
             now = time.monotonic()
             if kv_since is not None:  # this gap is the KV pull, not an inter-token latency
                 self.metrics.kv_transfer.observe(now - kv_since)
@@ -255,15 +310,20 @@ class Dispatcher:
                 raise EngineFailure(f"{leg.record.role} engine {leg.record.engine_id} failed: "
                                     f"{delta.error or delta.finish_reason}", started=started,
                                     role=leg.record.role, reason=delta.finish_reason)
-            if delta.token_ids:
+            if delta.index not in left:  # from a socket: a choice that is not (or no more) running
+                raise EngineFailure(f"{leg.record.role} engine {leg.record.engine_id} sent "
+                                    f"choice {delta.index}, not one of {sorted(left)}",
+                                    started=started, role=leg.record.role)
+            if delta.token_ids and not is_first:
                 per_token = (now - last) / len(delta.token_ids)
                 for _ in delta.token_ids:
                     self.metrics.itl.observe(per_token)
                 last = now
             if delta.finish_reason:
-                leg.is_finished = True
+                left.discard(delta.index)
+                leg.is_finished = not left
             yield delta
-            if delta.finish_reason:
+            if not left:
                 return
 
     async def _wait(self, leg: _Leg, timeout_s: float) -> TokenDelta:

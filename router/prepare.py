@@ -149,9 +149,9 @@ def _check_common(body: CompletionRequest | ChatCompletionRequest, info: ModelIn
     if unsupported:
         raise bad_request(f"'{unsupported[0]}' is not supported by this server; omit it",
                           unsupported[0])
-    if body.n is not None and body.n != 1:
-        raise bad_request(f"'n' must be 1 (one choice per request is supported), got {body.n}",
-                          "n")
+    if body.n is not None and not 1 <= body.n <= info.max_n:
+        raise bad_request(f"'n' must be in [1, {info.max_n}] (this server's --max-n), got "
+                          f"{body.n}", "n")
     t = body.temperature
     if t is not None and (not math.isfinite(t) or t < 0):
         raise bad_request(f"'temperature' must be >= 0, got {t}", "temperature")
@@ -260,6 +260,7 @@ def _prepared(kind: str, prefix: str, body: CompletionRequest | ChatCompletionRe
         logit_bias={int(k): float(v) for k, v in (body.logit_bias or {}).items()},
         min_tokens=min_tokens,
         min_p=float(body.min_p or 0.0),
+        n=body.n or 1,
     )
     sampling.grammar = request_grammar(body, info)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -86,7 +86,7 @@ def _portable(info: ModelInfo) -> tuple:
     tok = info.tokenizer
     return (info.name, info.max_model_len, list(info.stop_token_ids), info.max_token_chars,
             type(tok), tok.backend.to_str(), tok.bos_token_id, tok.eos_token_id,
-            tok.chat_template, tok.add_bos_token)
+            tok.chat_template, tok.add_bos_token, info.max_n)
 
 
 def _init_worker(portable: tuple) -> None:
@@ -98,11 +98,12 @@ def _init_worker(portable: tuple) -> None:
 
     global _worker_info
     (name, max_model_len, stop_ids, max_token_chars, tokenizer_type, backend, bos, eos,
-     template, add_bos) = portable
+     template, add_bos, max_n) = portable
     tokenizer = tokenizer_type(HFTokenizer.from_str(backend), bos_token_id=bos,
                                eos_token_id=eos, chat_template=template, add_bos_token=add_bos)
     _worker_info = ModelInfo(name=name, tokenizer=tokenizer, max_model_len=max_model_len,
-                             stop_token_ids=stop_ids, max_token_chars=max_token_chars)
+                             stop_token_ids=stop_ids, max_token_chars=max_token_chars,
+                             max_n=max_n)
 
 
 def _ping() -> bool:

@@ -61,6 +61,16 @@ class _Progress:
         return {"content": self.chat_logprobs}
 
 
+@dataclass
+class _Choice:
+    """One choice of the answer (n > 1: several, each its own text, stop strings, logprobs)."""
+
+    index: int
+    text: TextStream
+    progress: _Progress
+    num_deltas: int = 0
+
+
 class Server:
     """Runs prepared requests through the dispatcher."""
 
@@ -98,17 +108,22 @@ class Server:
             self.metrics.aborts.labels("client_gone").inc()
             return JSONResponse({"error": "client disconnected"}, status_code=499)
 
-    def _start(self, prep: Prepared, first: TokenDelta) -> tuple[TextStream, _Progress]:
-        """The request's text and progress, with the echoed prompt (and its logprobs) in."""
-        text = TextStream(self.info.tokenizer, prep.stop, prep.min_tokens)
-        progress = _Progress()
-        if prep.kind == "completion" and prep.logprobs:
-            progress.completion_logprobs = CompletionLogprobs(self.token_text)
-        if prep.echo:
-            text.text = prep.prompt_text
-            if prep.logprobs:
-                self._echo_logprobs(prep, first, progress.completion_logprobs)
-        return text, progress
+    def _start(self, prep: Prepared, first: TokenDelta) -> list[_Choice]:
+        """Each choice's text and progress, with the echoed prompt (and its logprobs) in: the
+        prompt was scored once, on the request's first delta."""
+        choices = []
+        for index in range(prep.sampling.n):
+            text = TextStream(self.info.tokenizer, prep.stop, prep.min_tokens)
+            progress = _Progress()
+            if prep.kind == "completion" and prep.logprobs:
+                progress.completion_logprobs = CompletionLogprobs(self.token_text)
+            if prep.echo:
+                text.text = prep.prompt_text
+                if prep.logprobs:
+                    self._echo_logprobs(prep, first, progress.completion_logprobs)
+            choices.append(_Choice(index, text, progress))
+        choices[0].progress.num_cached_tokens = first.num_cached_tokens
+        return choices
 
     def _echo_logprobs(self, prep: Prepared, first: TokenDelta,
                        logprobs: CompletionLogprobs) -> None:
@@ -142,84 +157,94 @@ class Server:
 
     async def _collect(self, prep: Prepared, first: TokenDelta, deltas, arrival: float):
         try:
-            text, progress = self._start(prep, first)
+            choices = self._start(prep, first)
             async with aclosing(deltas):
-                async for piece in self._text_pieces(prep, first, deltas, text, progress):
-                    del piece  # text.text accumulates it
+                async for event in self._events(prep, first, deltas, choices):
+                    del event  # each choice's text.text accumulates its pieces
         except EngineFailure as exc:
             raise APIError(502, f"Engine failure: {exc}", "engine_error",
                            code="engine_failure") from None
-        self._observe_done(prep, progress, arrival)
-        choice = {"index": 0, "logprobs": progress.logprobs_body(prep),
-                  "finish_reason": progress.finish_reason}
-        if prep.tool_mode:
-            fields, choice["finish_reason"] = parse_answer(prep.tool_mode, text.text,
-                                                           progress.finish_reason)
-            choice["message"] = {"role": "assistant", **fields}
-        elif prep.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text.text}
-        else:
-            choice["text"] = text.text
+        self._observe_done(prep, choices, arrival)
         return JSONResponse({
             "id": prep.req_id, "object": _OBJECT[prep.kind], "created": prep.created,
-            "model": prep.model, "choices": [choice], "usage": _usage(prep, progress)})
+            "model": prep.model, "choices": [self._choice_body(prep, c) for c in choices],
+            "usage": _usage(prep, choices)})
 
-    async def _text_pieces(self, prep: Prepared, first: TokenDelta,
-                           deltas: AsyncIterator[TokenDelta],
-                           text: TextStream, progress: _Progress) -> AsyncIterator[str]:
-        """Text deltas of the request (possibly empty: a token whose text is held back still
-        has logprobs); leaves `progress` with the finish reason."""
+    @staticmethod
+    def _choice_body(prep: Prepared, choice: _Choice) -> dict:
+        progress, text = choice.progress, choice.text
+        body = {"index": choice.index, "logprobs": progress.logprobs_body(prep),
+                "finish_reason": progress.finish_reason}
+        if prep.tool_mode:
+            fields, body["finish_reason"] = parse_answer(prep.tool_mode, text.text,
+                                                         progress.finish_reason)
+            body["message"] = {"role": "assistant", **fields}
+        elif prep.kind == "chat":
+            body["message"] = {"role": "assistant", "content": text.text}
+        else:
+            body["text"] = text.text
+        return body
+
+    async def _events(self, prep: Prepared, first: TokenDelta, deltas: AsyncIterator[TokenDelta],
+                      choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str, bool]]:
+        """(choice, text delta, whether it just finished) until every choice has its finish
+        reason. A piece may be empty: a token whose text is held back still has logprobs."""
         delta = first
-        progress.num_cached_tokens = first.num_cached_tokens
-        if prep.drop_output:  # echo with max_tokens 0: the engines' one token is not shown
-            delta = TokenDelta(first.req_id, finish_reason=first.finish_reason or "length")
         while True:
-            progress.num_generated += len(delta.token_ids)
-            self._add_logprobs(prep, delta, progress)
-            piece = text.add(delta.token_ids)
-            if text.is_stopped:
-                progress.finish_reason = "stop"  # returning closes `deltas`: engines abort
-                self.metrics.aborts.labels("stop_string").inc()
-            elif delta.finish_reason:
-                piece += text.flush()
-                progress.finish_reason = delta.finish_reason
-            if piece or prep.logprobs:
-                yield piece
-            if progress.finish_reason:
-                return
+            choice = choices[delta.index]  # the dispatcher checked the index
+            if not choice.progress.finish_reason:  # one stopped by a stop string reads on
+                event = self._advance(prep, choice, delta)
+                if event is not None:
+                    yield event
+            if all(c.progress.finish_reason for c in choices):
+                return  # returning closes `deltas`: the engines abort what still runs
             try:
                 delta = await deltas.__anext__()
-            except StopAsyncIteration:  # the dispatcher always ends with a finish reason
+            except StopAsyncIteration:  # the dispatcher always ends with finish reasons
                 raise EngineFailure("the engine stream ended without a finish reason",
                                     started=True) from None
+
+    def _advance(self, prep: Prepared, choice: _Choice,
+                 delta: TokenDelta) -> tuple[_Choice, str, bool] | None:
+        progress, text = choice.progress, choice.text
+        if prep.drop_output and not choice.num_deltas:
+            # echo with max_tokens 0: the engines' one token is not shown
+            delta = TokenDelta(delta.req_id, finish_reason=delta.finish_reason or "length")
+        choice.num_deltas += 1
+        progress.num_generated += len(delta.token_ids)
+        self._add_logprobs(prep, delta, progress)
+        piece = text.add(delta.token_ids)
+        if text.is_stopped:
+            progress.finish_reason = "stop"
+            self.metrics.aborts.labels("stop_string").inc()
+        elif delta.finish_reason:
+            piece += text.flush()
+            progress.finish_reason = delta.finish_reason
+        if piece or prep.logprobs or progress.finish_reason:
+            return choice, piece, bool(progress.finish_reason)
+        return None
 
     async def _stream(self, prep: Prepared, first: TokenDelta, deltas,
                       arrival: float) -> AsyncIterator[bytes]:
         usage_null = {"usage": None} if prep.include_usage else {}
         try:
             async with aclosing(deltas):
-                text, progress = self._start(prep, first)
-                if prep.kind == "chat":
-                    yield self._chunk(prep, {"role": "assistant", "content": ""}, None, usage_null)
-                elif prep.echo:
-                    yield self._chunk(prep, text.text, None, usage_null, progress.take_logprobs())
-                async for piece in self._text_pieces(prep, first, deltas, text, progress):
-                    if prep.tool_mode:  # the JSON is parsed whole, below
-                        continue
-                    logprobs = progress.take_logprobs()
-                    if piece or logprobs:
-                        yield self._chunk(prep, piece, None, usage_null, logprobs)
-            finish_reason = progress.finish_reason
-            if prep.tool_mode:
-                fields, finish_reason = parse_answer(prep.tool_mode, text.text, finish_reason)
-                yield self._chunk(prep, _tool_delta(fields), None, usage_null,
-                                  progress.take_logprobs())
-            yield self._chunk(prep, "", finish_reason, usage_null)
+                choices = self._start(prep, first)
+                for c in choices:
+                    if prep.kind == "chat":
+                        yield self._chunk(prep, c.index, {"role": "assistant", "content": ""},
+                                          None, usage_null)
+                    elif prep.echo:
+                        yield self._chunk(prep, c.index, c.text.text, None, usage_null,
+                                          c.progress.take_logprobs())
+                async for choice, piece, finished in self._events(prep, first, deltas, choices):
+                    for chunk in self._event_chunks(prep, choice, piece, finished, usage_null):
+                        yield chunk
             if prep.include_usage:
                 yield _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
                             "created": prep.created, "model": prep.model, "choices": [],
-                            "usage": _usage(prep, progress)})
-            self._observe_done(prep, progress, arrival)
+                            "usage": _usage(prep, choices)})
+            self._observe_done(prep, choices, arrival)
         except EngineFailure as exc:
             logger.warning("request %s failed mid-stream: %s", prep.req_id, exc)
             yield _sse(APIError(502, f"Engine failure: {exc}", "engine_error",
@@ -229,9 +254,28 @@ class Server:
             raise
         yield b"data: [DONE]\n\n"
 
-    def _chunk(self, prep: Prepared, content: str | dict, finish_reason: str | None,
+    def _event_chunks(self, prep: Prepared, choice: _Choice, piece: str, finished: bool,
+                      usage_null: dict) -> list[bytes]:
+        """The SSE chunks of one event: its text (a tool answer is parsed whole, at its end),
+        then, when the choice finished, its finish reason."""
+        chunks, progress = [], choice.progress
+        if not prep.tool_mode:
+            logprobs = progress.take_logprobs()
+            if piece or logprobs:
+                chunks.append(self._chunk(prep, choice.index, piece, None, usage_null, logprobs))
+        if finished:
+            finish_reason = progress.finish_reason
+            if prep.tool_mode:
+                fields, finish_reason = parse_answer(prep.tool_mode, choice.text.text,
+                                                     finish_reason)
+                chunks.append(self._chunk(prep, choice.index, _tool_delta(fields), None,
+                                          usage_null, progress.take_logprobs()))
+            chunks.append(self._chunk(prep, choice.index, "", finish_reason, usage_null))
+        return chunks
+
+    def _chunk(self, prep: Prepared, index: int, content: str | dict, finish_reason: str | None,
                extra: dict, logprobs: dict | None = None) -> bytes:
-        choice: dict = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if prep.kind == "chat":
             choice["delta"] = content if isinstance(content, dict) else (
                 {"content": content} if content else {})
@@ -240,21 +284,23 @@ class Server:
         return _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
                      "created": prep.created, "model": prep.model, "choices": [choice], **extra})
 
-    def _observe_done(self, prep: Prepared, progress: _Progress, arrival: float) -> None:
+    def _observe_done(self, prep: Prepared, choices: list[_Choice], arrival: float) -> None:
         self.metrics.e2e.observe(time.monotonic() - arrival)
         self.metrics.prompt_tokens.inc(len(prep.prompt_token_ids))
-        self.metrics.generated_tokens.inc(progress.num_generated)
+        self.metrics.generated_tokens.inc(sum(c.progress.num_generated for c in choices))
 
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
 
 
-def _usage(prep: Prepared, progress: _Progress) -> dict:
+def _usage(prep: Prepared, choices: list[_Choice]) -> dict:
+    """The prompt once (it was prefilled once), the outputs of every choice."""
     num_prompt = len(prep.prompt_token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": progress.num_generated,
-            "total_tokens": num_prompt + progress.num_generated,
-            "prompt_tokens_details": {"cached_tokens": progress.num_cached_tokens}}
+    num_generated = sum(c.progress.num_generated for c in choices)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
+            "total_tokens": num_prompt + num_generated,
+            "prompt_tokens_details": {"cached_tokens": choices[0].progress.num_cached_tokens}}
 
 
 def _tool_delta(fields: dict) -> dict:

@@ -30,6 +30,7 @@ class ModelInfo:
     # The most characters one token stands for: a text over max_model_len times this cannot
     # fit, whatever the tokenizer makes of it (router/prepare.py refuses it untokenized).
     max_token_chars: int = 0
+    max_n: int = 16  # the most choices (n) one request may ask for (RouterConfig.max_n)
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:

@@ -132,3 +132,63 @@ def test_decode_rows_across_length_classes(engine) -> None:
         assert group.ws is None or bool(torch.isfinite(group.ws).all())
     for prompt, out in zip(short, outs[1:], strict=True):
         assert out.token_ids == engine.generate(prompt, GREEDY)[0].token_ids
+
+
+def _choices(engine: LLMEngine, prompt, params: SamplingParams, abort_after: int = 0) -> dict:
+    """Run one request to the end: each choice's (token ids, finish reason)."""
+    engine.add_request("n", prompt, params)
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    num_steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert (out.base_id or out.request_id) == "n"
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+            if out.finished:
+                assert out.index not in reasons
+                reasons[out.index] = out.finish_reason
+        num_steps += 1
+        if num_steps == abort_after:
+            assert engine.abort_request("n")
+    return {i: (tokens.get(i, []), reasons[i]) for i in sorted(reasons)}
+
+
+def test_n_choices_fork_one_prompt_each_equal_to_its_own_request(engine) -> None:
+    """n > 1: one prefill, the other choices forked (shared blocks, cloned tail); choice i is
+    token for token the n = 1 request drawing with sample_index i; greedy choices are equal."""
+    prompt = engine.tokenizer.encode("Once upon a time, in a land far away,")
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=5, n=3)
+    got = _choices(engine, prompt, seeded)
+    assert got == _choices(engine, prompt, seeded)
+    alone = [engine.generate(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=5,
+                                                    sample_index=i))[0] for i in range(3)]
+    assert got == {i: (o.token_ids, o.finish_reason) for i, o in enumerate(alone)}
+    assert len({tuple(t) for t, _ in got.values()}) > 1
+    greedy = _choices(engine, prompt, SamplingParams(temperature=0, max_tokens=4, n=2))
+    assert greedy[0] == greedy[1] == _choices(engine, prompt,
+                                              SamplingParams(temperature=0, max_tokens=4))[0]
+    capped = _choices(engine, prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=1, n=3))
+    assert capped == {i: (got[i][0][:1], "length") for i in range(3)}
+    aborted = _choices(engine, prompt, SamplingParams(temperature=0, max_tokens=50, n=3,
+                                                      ignore_eos=True), abort_after=3)
+    assert {r for _, r in aborted.values()} == {"abort"} and len(aborted) == 3
+
+
+def test_n_choices_whose_first_token_stops_need_no_fork(engine) -> None:
+    """A choice that ends at its first token (a stop id) is no sequence; when it is choice 0,
+    the prompt's sequence goes on as the next choice instead, each still its own draw."""
+    prompt = engine.tokenizer.encode("My favourite colour is")
+    for seed in range(20):  # the first seed whose choice 0 starts unlike choices 1 and 2
+        params = SamplingParams(temperature=1.5, seed=seed, max_tokens=1, n=3)
+        firsts = [t[0] for t, _ in _choices(engine, prompt, params).values()]
+        if firsts[0] not in firsts[1:]:
+            break
+    stop = SamplingParams(temperature=1.5, seed=seed, max_tokens=5, n=3,
+                          stop_token_ids=(firsts[0],))
+    got = _choices(engine, prompt, stop)
+    assert got[0] == ([firsts[0]], "stop")
+    for i in (1, 2):
+        alone = engine.generate(prompt, SamplingParams(temperature=1.5, seed=seed, max_tokens=5,
+                                                       sample_index=i,
+                                                       stop_token_ids=(firsts[0],)))[0]
+        assert got[i] == (alone.token_ids, alone.finish_reason)

@@ -250,6 +250,90 @@ def test_logit_bias_penalties_and_min_tokens_through_the_router(deployments, mod
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
 
+def _completion_choices(url: str, body: dict, stream: bool = False):
+    """Each choice's (text, finish reason) by index, and the usage."""
+    client = _openai(url)
+    if not stream:
+        done = client.completions.create(model=MODEL, **body)
+        assert [c.index for c in done.choices] == list(range(body["n"]))
+        return [(c.text, c.finish_reason) for c in done.choices], done.usage, done
+    texts, reasons, usage = {}, {}, None
+    for chunk in client.completions.create(model=MODEL, stream=True,
+                                           stream_options={"include_usage": True}, **body):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                assert c.index not in reasons
+                reasons[c.index] = c.finish_reason
+    return [(texts[i], reasons[i]) for i in range(body["n"])], usage, None
+
+
+def test_n_choices_fork_one_prompt(deployments, model_info):
+    """n > 1: one prefill and one pull, the other choices forked; seeded choices repeat, differ
+    from each other, are each the n = 1 request drawing with sample_index i, and are the same
+    co-located, disaggregated, streamed or not; greedy choices are equal; usage counts every
+    choice once and the prompt once; a disconnect ends every choice; pools whole after."""
+    tok, engine = model_info.tokenizer, deployments["normal_engine"]
+    prompt = "Once upon a time, in a land far away,"
+    body = {"prompt": prompt, "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 6,
+            "logprobs": 0}
+    normal, usage, done = _completion_choices(deployments["normal"], body)
+    assert len({text for text, _ in normal}) > 1
+    assert usage.prompt_tokens == len(tok.encode(prompt))
+    assert usage.completion_tokens == sum(len(c.logprobs.tokens) for c in done.choices)
+    assert _completion_choices(deployments["normal"], body)[0] == normal
+    from baton.engine_client import EngineClient
+
+    with EngineClient(engine.address) as direct:
+        for i, (text, _) in enumerate(normal):
+            alone = direct.generate(tok.encode(prompt), SamplingOptions(
+                max_tokens=6, temperature=1.0, seed=11, sample_index=i,
+                stop_token_ids=list(model_info.stop_token_ids)), timeout_s=120)
+            assert tok.decode(alone.token_ids) == text, i
+    pd, pd_usage, _ = _completion_choices(deployments["pd"], body)
+    assert pd == normal and pd_usage.completion_tokens == usage.completion_tokens
+    assert _completion_choices(deployments["pd"], body, stream=True)[0] == normal
+    assert _completion_choices(deployments["normal"], body, stream=True)[0] == normal
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    for deployment in ("normal", "pd"):
+        client = _openai(deployments[deployment])
+        one = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                             max_tokens=8)
+        two = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                             max_tokens=8, n=2)
+        assert [c.message.content for c in two.choices] == [one.choices[0].message.content] * 2
+        assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+        assert two.usage.prompt_tokens == one.usage.prompt_tokens
+        # Each choice its own grammar matcher (the forks' fed their own first token), and
+        # the prompt scored once, echoed in every choice.
+        picked = client.completions.create(
+            model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=1.0,
+            seed=2, n=3, extra_body={"structured_outputs": {"choice": [" yes", " no", " maybe"]}})
+        assert all(c.text in (" yes", " no", " maybe") for c in picked.choices), picked
+        echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, n=2,
+                                           echo=True, logprobs=0, temperature=0)
+        assert [c.text.startswith(prompt) for c in echoed.choices] == [True, True]
+        assert echoed.choices[0].logprobs == echoed.choices[1].logprobs
+        assert echoed.choices[0].logprobs.token_logprobs[0] is None
+    too_many = httpx.post(f"{deployments['normal']}/v1/completions",
+                          json={"model": MODEL, "prompt": prompt, "n": 17})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+
+    long = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+            "temperature": 1.0, "ignore_eos": True, "stream": True, "n": 3}
+    for deployment in ("normal", "pd"):
+        with httpx.Client(base_url=deployments[deployment], timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json=long) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: {")
+                if seen == 8:
+                    break
+    wait_whole([engine, *deployments["prompts"], deployments["completion"]])
+
+
 def _reference_token_logprobs(ids: list[int]) -> list[float]:
     """transformers' logprob of each token of `ids` after the first, on the same GGUF."""
     import torch

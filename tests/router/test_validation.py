@@ -53,7 +53,8 @@ def test_malformed_bodies(client, path, raw, words):
     ({"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k", "got -2"),
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream", "valid boolean"),
     ({"model": MODEL, "prompt": "hi", "stop": 7}, "stop", "Invalid value for 'stop'"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n", "got 2"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, "n", "got 17"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n", "got 0"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", "[0, 20], got 21"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
     ({"model": MODEL, "prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
@@ -136,7 +137,7 @@ def test_completions_bad_input(client, body, param, words):
     ({"model": MODEL, "messages": [{"role": "assistant", "content": None,
                                     "tool_calls": [{"id": "x"}]}]},
      "messages", "need function.name"),
-    ({"model": MODEL, "messages": CHAT, "n": 3}, "n", "got 3"),
+    ({"model": MODEL, "messages": CHAT, "n": 17}, "n", "got 17"),
 ])
 def test_chat_bad_input(client, body, param, words):
     error = _error(client.post("/v1/chat/completions", json=body), 400)

@@ -1,0 +1,62 @@
+"""Choices of one prompt (OpenAI's `n`): prefilled once, then one sequence per choice.
+
+A request with n > 1, in any role:
+1. Its prompt is one scheduler sequence (the *carrier*), prefilled once. The step that ends the
+   prompt draws n first tokens from the last position's logits: choice i with sample_index
+   base + i, so a seeded choice i is the same token whatever else runs (baton/sampler.py).
+2. `plan_split` picks which choice the carrier goes on as: the first whose token does not end
+   it (EOS, a stop id), since a sequence the scheduler finished cannot be forked. Choices that
+   end at their first token need no sequence at all.
+3. NORMAL: every other choice that goes on is forked from the carrier (`fork_seq` with its own
+   first token: the prompt's blocks are shared, pinned; the half-written tail block cloned on
+   admission, S16). PROMPT: nothing is forked; the hand-off carries every first token and the
+   completion engine forks after the one pull. COMPLETION: the pulled sequence is the first
+   choice the router names, the others are forked from it once its KV has landed.
+4. Each choice decodes on its own and finishes on its own; an abort of the request ends them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from baton.sampler import SamplingParams
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The scheduler's id of a request's choice `index` other than its carrier."""
+    return f"{request_id}#{index}"
+
+
+def for_choice(params: SamplingParams, base_sample_index: int, index: int) -> SamplingParams:
+    """Choice `index`'s own params: its draws are mixed with sample_index base + index."""
+    return dataclasses.replace(params, sample_index=base_sample_index + index)
+
+
+def stops_at(params: SamplingParams, eos_token_ids: Sequence[int], token: int) -> bool:
+    """Whether `token` finishes a sequence with reason stop (the scheduler's S31 stop set)."""
+    return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
+
+
+@dataclass
+class ChoiceSplit:
+    """The first tokens of an n > 1 prompt and what becomes of each choice."""
+
+    token_ids: list[int]  # choice i's first token
+    logprobs: list[float]
+    carrier: int  # the choice the prompt's own sequence goes on as
+    reasons: list[str]  # "" = goes on, else the finish reason of its first token
+
+    def others(self) -> list[int]:
+        return [i for i in range(len(self.token_ids)) if i != self.carrier]
+
+
+def plan_split(params: SamplingParams, eos_token_ids: Sequence[int], token_ids: list[int],
+               logprobs: list[float], is_length_capped: bool) -> ChoiceSplit:
+    """Which choice carries the prompt's sequence, and which end at their first token
+    (`is_length_capped`: the first token reaches max_tokens or the model length: all do)."""
+    reasons = ["stop" if stops_at(params, eos_token_ids, t) else
+               "length" if is_length_capped else "" for t in token_ids]
+    carrier = next((i for i, r in enumerate(reasons) if not r), 0)
+    return ChoiceSplit(token_ids, logprobs, carrier, reasons)
