@@ -9,7 +9,8 @@ answers every request with the same canned token ids, one per `delay_s`:
 `mode` "error" answers each request with an error delta; "silent" never answers. A request
 with `output_token_ids` (a migration) continues the canned ids after that many; `fail_after`
 ends each request with an error delta once this engine has sent that many of its tokens;
-`stall_after` goes silent then instead (a hung engine: the router's token timeout).
+`stall_after` goes silent then instead (a hung engine: the router's token timeout). A normal
+engine answers each of a request's n choices with the same ids (deltas carrying their index).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _Running:
     tokens: list[int]
     position: int = 0
     next_at: float = 0.0
+    index: int = 0  # the choice (n > 1)
 
 
 class ScriptedEngine:
@@ -87,8 +89,9 @@ class ScriptedEngine:
                                              num_running=len(self.running)))
         elif isinstance(msg, AbortRequest):
             self.aborts.append(msg.req_id)
-            run = self.running.pop(msg.req_id, None)
-            if run is not None:
+            runs = [self.running.pop(key) for key in list(self.running)
+                    if key == msg.req_id or key.startswith(f"{msg.req_id}#")]
+            if runs:
                 self._send(identity, TokenDelta(msg.req_id, finish_reason="abort"))
         elif isinstance(msg, GenerateRequest):
             self.generates.append(msg)
@@ -115,19 +118,25 @@ class ScriptedEngine:
             assert req.kv_handle.startswith(b"handle:"), req.kv_handle
             assert req.first_token_id == self.token_ids[given], req.first_token_id
             tokens = tokens[1:]
+        if self.role == "normal" and req.sampling.n > 1:
+            for i in range(req.sampling.n):
+                self.running[f"{req.req_id}#{i}"] = _Running(identity, req, tokens,
+                                                             next_at=time.monotonic(), index=i)
+            return
         self.running[req.req_id] = _Running(identity, req, tokens, next_at=time.monotonic())
 
     def _emit_due(self) -> None:
         now = time.monotonic()
-        for req_id, run in list(self.running.items()):
+        for key, run in list(self.running.items()):
+            req_id = run.req.req_id
             if now < run.next_at:
                 continue
             if run.position == self.stall_after:
                 continue
             if run.position == self.fail_after:
-                del self.running[req_id]
+                del self.running[key]
                 self._send(run.identity, TokenDelta(req_id, finish_reason="error",
-                                                    error="scripted failure"))
+                                                    error="scripted failure", index=run.index))
                 continue
             token = run.tokens[run.position:run.position + 1]
             run.position += 1
@@ -135,9 +144,9 @@ class ScriptedEngine:
             finish = ""
             if run.position >= len(run.tokens):
                 finish = "length" if len(self.token_ids) >= run.req.sampling.max_tokens else "stop"
-                del self.running[req_id]
+                del self.running[key]
             self._send(run.identity, TokenDelta(req_id, token_ids=token, logprobs=[-0.1] * len(token),
-                                                finish_reason=finish))
+                                                finish_reason=finish, index=run.index))
 
     def _send(self, identity: bytes, msg) -> None:
         if isinstance(msg, TokenDelta):  # engines send their deltas as EngineOutputs

@@ -64,6 +64,20 @@ def test_colocated_engine_failing_mid_stream_is_migrated(engines, tokens, model_
         assert live.generates[0].output_token_ids == tokens[:2]
 
 
+def test_a_request_with_n_choices_is_not_migrated_and_says_so(engines, tokens, model_info):
+    failing = engines("normal", tokens, name="n0", fail_after=2)
+    live = engines("normal", tokens, name="n1")
+    with serve_router(_config(failing, live), model_info) as url:
+        events = _stream(url, n=2)
+        # Both choices streamed their first two tokens, then the failure ended the request.
+        texts = ["".join(e["choices"][0]["text"] for e in events
+                         if e.get("choices") and e["choices"][0]["index"] == i) for i in (0, 1)]
+        assert texts == [model_info.tokenizer.decode(tokens[:2])] * 2
+        assert "a request with n=2 choices is not migrated" in events[-1]["error"]["message"]
+        assert not live.generates
+        _wait_for(lambda: failing.aborts and not failing.running)  # the other choice ended
+
+
 @pytest.mark.parametrize("limit", [0, 2])
 def test_the_migration_limit_ends_the_stream_with_a_clear_error(engines, tokens, model_info,
                                                                  limit):
