@@ -60,3 +60,36 @@ def plan_split(params: SamplingParams, eos_token_ids: Sequence[int], token_ids: 
                "length" if is_length_capped else "" for t in token_ids]
     carrier = next((i for i, r in enumerate(reasons) if not r), 0)
     return ChoiceSplit(token_ids, logprobs, carrier, reasons)
+
+
+def choice_params(reqs: Sequence, complete: Sequence[bool]) -> list | None:
+    """The other choices' params of each row that draws an n > 1 prompt's first tokens (a
+    complete row of a request not split yet); None when no row does."""
+    if all(r.is_split for r in reqs):
+        return None
+    return [[for_choice(r.params, r.base_sample_index, i) for i in range(1, r.params.n)]
+            if c and not r.is_split else None for r, c in zip(reqs, complete, strict=True)]
+
+
+def plan_splits(reqs: Sequence, samples, eos_token_ids: Sequence[int],
+                max_model_len: int) -> list[tuple]:
+    """Before booking: (request, ChoiceSplit, top logprobs) of each row that drew its
+    choices. A row whose carrier is not choice 0 books the carrier's token instead, and the
+    request's sequence goes on as that choice (its index and sample_index)."""
+    splits = []
+    for i, (req, extra) in enumerate(zip(reqs, samples.choices or [None] * len(reqs),
+                                         strict=True)):
+        if extra is None:
+            continue
+        tokens = [int(samples.token_ids[i]), *extra[0]]
+        lps = [float(samples.logprobs[i]), *extra[1]]
+        capped = (req.params.max_tokens - req.num_given <= 1
+                  or req.num_tokens + 1 > max_model_len)
+        split = plan_split(req.params, eos_token_ids, tokens, lps, capped)
+        if split.carrier:
+            samples.token_ids[i], samples.logprobs[i] = tokens[split.carrier], lps[split.carrier]
+            req.index = split.carrier
+            req.params = for_choice(req.params, req.base_sample_index, split.carrier)
+        req.is_split = True
+        splits.append((req, split, samples.top[i]))
+    return splits

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from baton.choices import choice_id, for_choice, plan_split
+from baton.choices import choice_id, choice_params, for_choice, plan_splits
 from baton.grammar import GrammarCache
 from baton.logprobs import PromptLogprobs, TopLogprobs
 from baton.model import load_model
@@ -419,8 +419,8 @@ class LLMEngine:
             sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
             [r.prompt_token_ids for r in reqs],
             [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
-            self._choice_params(reqs, complete))
-        splits = self._plan_splits(reqs, samples)
+            choice_params(reqs, complete))
+        splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:
                 req.prompt_logprobs.logprobs.extend(prompt.logprobs)
@@ -459,33 +459,6 @@ class LLMEngine:
         out.finished, out.finish_reason = True, "structured_output_failed"
 
     # ------------------------------------------------------------------ n > 1 (baton/choices.py)
-    def _choice_params(self, reqs: list[_Request], complete: list[bool]) -> list | None:
-        """The other choices' params of each row that draws an n > 1 prompt's first tokens."""
-        if all(r.is_split for r in reqs):
-            return None
-        return [[for_choice(r.params, r.base_sample_index, i) for i in range(1, r.params.n)]
-                if c and not r.is_split else None for r, c in zip(reqs, complete, strict=True)]
-
-    def _plan_splits(self, reqs: list[_Request], samples) -> list[tuple]:
-        """Before booking: each split row's carrier choice, whose token the scheduler books."""
-        splits = []
-        for i, (req, extra) in enumerate(zip(reqs, samples.choices or [None] * len(reqs),
-                                             strict=True)):
-            if extra is None:
-                continue
-            tokens = [int(samples.token_ids[i]), *extra[0]]
-            lps = [float(samples.logprobs[i]), *extra[1]]
-            capped = (req.params.max_tokens - req.num_given <= 1
-                      or req.num_tokens + 1 > self.max_model_len)
-            split = plan_split(req.params, self.model_config.eos_token_ids, tokens, lps, capped)
-            if split.carrier:
-                samples.token_ids[i], samples.logprobs[i] = tokens[split.carrier], lps[split.carrier]
-                req.index = split.carrier
-                req.params = for_choice(req.params, req.base_sample_index, split.carrier)
-            req.is_split = True
-            splits.append((req, split, samples.top[i]))
-        return splits
-
     def _split(self, req: _Request, split, top: TopLogprobs | None,
                outputs: list[RequestOutput]) -> None:
         """After booking: the other choices' first tokens; NORMAL forks those that go on, a
@@ -596,6 +569,9 @@ class LLMEngine:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        if any(sp is not None and sp.n > 1 for sp in params_list):
+            raise ValueError("generate() returns one output per prompt: for n > 1 choices use "
+                             "add_request() and step(), whose outputs carry each choice's index")
         ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, params_list, strict=False)]
         reqs = {rid: self._requests[rid] for rid in ids}
         while any(r.finish_reason is None for r in reqs.values()):
