@@ -291,8 +291,15 @@ def test_n_choices_fork_one_prompt(deployments, model_info):
                 max_tokens=6, temperature=1.0, seed=11, sample_index=i,
                 stop_token_ids=list(model_info.stop_token_ids)), timeout_s=120)
             assert tok.decode(alone.token_ids) == text, i
+    prompts, completion = deployments["prompts"], deployments["completion"]
+    before = [sum(e.stats().num_prompt_tokens for e in prompts),
+              completion.stats().extra["kv_pulls_done"]]
     pd, pd_usage, _ = _completion_choices(deployments["pd"], body)
     assert pd == normal and pd_usage.completion_tokens == usage.completion_tokens
+    after = [sum(e.stats().num_prompt_tokens for e in prompts),
+             completion.stats().extra["kv_pulls_done"]]
+    # Prefilled once (at most the whole prompt: a cached prefix is skipped), pulled once.
+    assert after[0] - before[0] <= usage.prompt_tokens and after[1] - before[1] == 1
     assert _completion_choices(deployments["pd"], body, stream=True)[0] == normal
     assert _completion_choices(deployments["normal"], body, stream=True)[0] == normal
 
