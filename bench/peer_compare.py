@@ -63,6 +63,7 @@ class PeerConfig:
     threads: int = 2  # llama-bench's -t and the in-process prefill engine's threads
     up_timeout_s: float = 300.0
     results_dir: Path = sb.RESULTS_DIR
+    skip_serving: bool = False  # only the prefill row
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.modes if m not in MODES]
@@ -112,10 +113,11 @@ def run_levels(setup: str, mode: str, cfg: PeerConfig, model_path: str) -> list[
     load_before = os.getloadavg()[0]
     server = start_server(setup, mode, cfg, model_path)
     rows = []
+    name = f"{setup}_{mode}" if mode else setup
     try:
         for i, (conc, num) in enumerate(zip(cfg.concurrencies, cfg.num_requests, strict=True)):
             bench = sb.BenchConfig(base_url=server.base_url, max_concurrency=conc,
-                                   num_requests=num, label=f"{setup}_{mode}_c{conc}",
+                                   num_requests=num, label=f"{name}_c{conc}",
                                    drain_timeout_s=600.0, progress=False)
             work = sb.WorkloadConfig(dataset="fixed", input_len=cfg.input_len,
                                      output_len=cfg.output_len, seed=cfg.seed + i)
@@ -245,6 +247,7 @@ def parse_args(argv: list[str] | None) -> PeerConfig:
     p.add_argument("--prefill-repeats", type=int, default=d.prefill_repeats)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: one request per slot, 32 output tokens, one prefill repeat")
+    p.add_argument("--skip-serving", action="store_true", help="only the prefill row")
     p.add_argument("--results-dir", default=str(d.results_dir))
     a = p.parse_args(argv)
     concurrencies = _ints(a.concurrency)
@@ -255,7 +258,18 @@ def parse_args(argv: list[str] | None) -> PeerConfig:
                       input_len=a.input_len, output_len=32 if a.quick else a.output_len,
                       seed=a.seed, port=a.port, llama_server=os.environ.get("LLAMA_SERVER", ""),
                       prefill_repeats=1 if a.quick else a.prefill_repeats,
-                      results_dir=Path(a.results_dir))
+                      results_dir=Path(a.results_dir), skip_serving=a.skip_serving)
+
+
+def write_results(cfg: PeerConfig, model_path: str, rows: list[dict],
+                  prefill: dict[str, dict[int, dict]], t0: float) -> str:
+    table = markdown_table(rows, prefill)
+    (cfg.results_dir / "peer_compare.md").write_text(table + "\n")
+    (cfg.results_dir / "peer_compare.json").write_text(json.dumps(
+        {"config": {**cfg.__dict__, "results_dir": str(cfg.results_dir)}, "model": model_path,
+         "cpu_count": os.cpu_count(), "wall_s": time.monotonic() - t0, "levels": rows,
+         "prefill": prefill}, indent=1))
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,17 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     servers = ([(LLAMA, "")] if cfg.llama_server else []) + \
         [(setup, mode) for mode in cfg.modes for setup in cfg.setups]
-    rows = [row for setup, mode in servers for row in run_levels(setup, mode, cfg, model_path)]
-    prefill = {LLAMA: llama_bench_prefill(cfg, model_path)} if cfg.llama_server else {}
+    rows: list[dict] = []
+    prefill: dict[str, dict[int, dict]] = {}
+    for setup, mode in [] if cfg.skip_serving else servers:
+        rows += run_levels(setup, mode, cfg, model_path)
+        write_results(cfg, model_path, rows, prefill, t0)  # a later failure keeps these
+    if cfg.llama_server:
+        prefill[LLAMA] = llama_bench_prefill(cfg, model_path)
     prefill = {k: v for k, v in prefill.items() if v}
     for mode in cfg.modes:
         prefill[f"Baton {mode}"] = baton_prefill(cfg, mode)
-    table = markdown_table(rows, prefill)
-    (cfg.results_dir / "peer_compare.md").write_text(table + "\n")
-    (cfg.results_dir / "peer_compare.json").write_text(json.dumps(
-        {"config": {**cfg.__dict__, "results_dir": str(cfg.results_dir)}, "model": model_path,
-         "cpu_count": os.cpu_count(), "wall_s": time.monotonic() - t0, "levels": rows,
-         "prefill": prefill}, indent=1))
+    table = write_results(cfg, model_path, rows, prefill, t0)
     print(table)
     print(f"wrote {cfg.results_dir / 'peer_compare.json'} and peer_compare.md")
     return 0
