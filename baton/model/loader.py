@@ -18,7 +18,7 @@ import torch
 
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.llama import LlamaModel
-from baton.model.quant import Int4Codes, check_quantization, gguf_int4_codes, quantize_model
+from baton.model.quant import BLOCK_KINDS, HEAD_NAMES, Blocks, check_quantization, quantize_model
 from baton.model.weights import MissingWeightError, assign_hf_weights
 from baton.model_files import (
     ModelLoadError,
@@ -92,7 +92,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
 
 def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
            tokenizer: Tokenizer, device: torch.device, quantization: str = "none",
-           codes: dict[str, Int4Codes] | None = None) -> LoadedModel:
+           stored: dict[str, Blocks] | None = None) -> LoadedModel:
     with torch.device("meta"):
         model = LlamaModel(config)
     model = model.to_empty(device=device)
@@ -102,7 +102,7 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
         raise ModelLoadError(path, f"missing tensor {e.args[0]}") from None
     except ValueError as e:
         raise ModelLoadError(path, str(e)) from None
-    quantize_model(model, quantization, weights, codes or {})
+    quantize_model(model, quantization, weights, stored or {})
     model.eval()
     logger.info("loaded %s: %d layers, hidden %d, heads %d/%d, vocab %d, %s on %s", path,
                 config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
@@ -147,10 +147,11 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _gguf_weights(path: Path, reader, config: ModelConfig, codes: dict[str, Int4Codes] | None = None,
+def _gguf_weights(path: Path, reader, config: ModelConfig, stored: dict[str, Blocks] | None = None,
                   quantization: str = "none") -> dict[str, torch.Tensor]:
-    """HF-named fp32 weights; with `codes`, also the int4 codes of every Q4_0/Q4_1 layer
-    tensor as stored (the int4 mode's weights, no second rounding)."""
+    """HF-named fp32 weights; with `stored`, also the blocks of every Q4_0/Q4_1/Q8_0 layer
+    weight and vocabulary projection as the file stores them (the quantized modes' weights, no
+    second rounding)."""
     from gguf.quants import dequantize
 
     weights = {}
@@ -174,10 +175,11 @@ def _gguf_weights(path: Path, reader, config: ModelConfig, codes: dict[str, Int4
             # twice int4's bytes.
             raise ModelLoadError(path, f"tensor {t.name} is {t.tensor_type.name}: int8 would "
                                  "round its 4-bit weights again; use --quantization int4")
-        if codes is not None and t.tensor_type.name in ("Q4_0", "Q4_1") and t.name.startswith("blk."):
-            c = gguf_int4_codes(t.data, t.tensor_type.name, w.shape)
-            codes[hf_name] = c.rows_permuted(unpermute_qk(np.arange(w.shape[0]), heads)) \
-                if heads else c
+        if stored is not None and t.tensor_type.name in BLOCK_KINDS and \
+                (t.name.startswith("blk.") or hf_name in HEAD_NAMES):
+            b = Blocks(t.tensor_type.name, np.array(t.data).reshape(w.shape[0], -1))
+            stored[hf_name] = b.rows_permuted(unpermute_qk(np.arange(w.shape[0]), heads)) \
+                if heads else b
         # F32 tensors come back as read-only views of the memory-mapped file: copy those.
         w = np.ascontiguousarray(w) if w.flags.writeable else np.array(w)
         weights[hf_name] = torch.from_numpy(w)
@@ -192,9 +194,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
         tokenizer = Tokenizer.from_gguf(reader)
     except ValueError as e:
         raise ModelLoadError(path, f"tokenizer: {e}") from None
-    codes: dict[str, Int4Codes] | None = {} if quantization == "int4" else None
-    weights = _gguf_weights(path, reader, config, codes, quantization)
-    return _build(path, config, weights, tokenizer, device, quantization, codes)
+    stored: dict[str, Blocks] | None = {} if quantization != "none" else None
+    weights = _gguf_weights(path, reader, config, stored, quantization)
+    return _build(path, config, weights, tokenizer, device, quantization, stored)
 
 
 # ---------------------------------------------------------------- Hugging Face folder

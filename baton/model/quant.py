@@ -1,27 +1,24 @@
-"""Weight-only quantization: int8 (one scale per output row) and int4 (groups of 32 along the
-input, a scale and a zero per group), run by torch's CPU kernels `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`.
+"""Weight-only quantization in GGUF's own block formats, multiplied by baton's kernels
+(`csrc/qkernels.cpp`, torch ops `torch.ops.baton_q.*`), as llama.cpp's CPU backend does:
 
-Both kernels are fast only with bf16 activations (fp32 activations take a generic path, about
-10x slower here), and they pay off only for few rows (a decode step): the backend sends a step
-of at most `QUANT_MAX_ROWS` rows through them, with the activations cast to bf16 and back, and
-a larger one (a prefill chunk) through the dense copy of the same weights (`dense`, the values
-the kernel computes with, in the model's dtype), so prefill keeps the float GEMMs' speed. The
-model's activations, norms and KV stay in its dtype (fp32 by default): the KV layout is the
-exact mode's.
+    int4: every layer weight in Q4_1 (or Q4_0) blocks: 32 4-bit codes, fp16 scale (and offset)
+    int8: every layer weight in Q8_0 blocks: 32 int8 codes, fp16 scale
+    both: the vocabulary projection in Q8_0 blocks
 
-GGUF Q4_0 and Q4_1 blocks are the int4 kernel's own format (32 4-bit codes, one scale, one
-offset), so their codes are taken as they are, never rounded a second time:
-    Q4_1: w = d * q + m        -> scale d, zero m + 8 d   (the kernel computes (q - 8) * s + z)
-    Q4_0: w = d * (q - 8)      -> scale d, zero 0
-The scales and zeros are then held in bf16 (the kernel's), which rounds GGUF's fp16 d and m
-to 8 significant bits: that is the one rounding the format does not allow to avoid. Every
-other tensor (F32, Q8_0, Q6_K, ...; or any tensor for int8, whose kernel has one scale per row)
-is quantized from its float values: symmetric per row for int8, min/max per group for int4.
+A GGUF file's Q4_0 / Q4_1 / Q8_0 tensors are kept as the bytes it stores: nothing is rounded a
+second time (their dequantized values are exactly the exact mode's weights). Any other tensor
+(F32, F16, Q6_K, ...; every tensor of a safetensors checkpoint) is quantized from its float
+values by gguf-py's reference quantizers, the ones that wrote the file. The few-row kernels
+quantize the activations per 32 values to int16 codes and a float scale (ggml's q8_1 with 16-bit
+codes: its 8-bit ones gave 97.2% teacher-forced top-1 agreement with the exact mode, under the
+98% gate) and accumulate exact integer dot products; they run on any x86-64 CPU, AVX2 where it
+is there. A decode step of at most `QUANT_MAX_ROWS` rows runs through them, a larger one (a
+prefill chunk) through `dense`, the same weights dequantized to the model's dtype, so prefill
+keeps the float GEMMs' speed. Activations, norms, attention and KV stay in the model's dtype.
 
-The vocabulary projection stays in the model's dtype: with it int8 (one scale per row, from the
-file's Q8_0), teacher-forced top-1 agreement with the exact mode fell to 96.0% (int8) and 97.4%
-(int4) over 2047 tokens, under the 98% gate.
+int8 refuses a file whose layer weights are 4-bit: Q8_0 from those values re-rounds every
+weight, at twice int4's bytes. A fused projection (q|k|v, gate|up) takes one block kind: a part
+in Q4_0 next to a Q4_1 part is rewritten as Q4_1 (offset -8 d, exact in fp16).
 """
 
 from __future__ import annotations
@@ -35,9 +32,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8", "int4")
-QUANT_MAX_ROWS = 16  # rows up to which the int kernels beat the dense GEMM (a decode batch)
-GROUP_SIZE = 32  # int4 group along the input dimension; GGUF's block size
-_INNER_K_TILES = 2  # int4 packing layout the CPU kernel reads (2, 4 or 8 all work)
+QUANT_MAX_ROWS = 16  # rows up to which the block kernels beat the dense GEMM (a decode batch)
+BLOCK_SIZE = 32  # values per GGUF block
+BLOCK_KINDS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # kind -> (kernel id, bytes)
+_LAYER_KIND = {"int4": ("Q4_1", "Q4_0"), "int8": ("Q8_0",)}  # mode -> block kinds kept as stored
+HEAD_KIND = "Q8_0"
 
 
 def check_quantization(quantization: str) -> None:
@@ -46,101 +45,109 @@ def check_quantization(quantization: str) -> None:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
 
 
+_OPS = None
+
+
+def kernels():
+    """`torch.ops.baton_q`, registered by importing the compiled module."""
+    global _OPS
+    if _OPS is None:
+        try:
+            import baton._qkernels  # noqa: F401  (registers the ops)
+        except ImportError as e:
+            raise RuntimeError(f"baton's quantized kernels are not built ({e}): run `make install`"
+                               ) from None
+        _OPS = torch.ops.baton_q
+    return _OPS
+
+
+@dataclass
+class Blocks:
+    """A 2-D tensor as GGUF blocks: `data` uint8 [N, K / 32 * block bytes], rows in order."""
+
+    kind: str  # a key of BLOCK_KINDS
+    data: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.kind not in BLOCK_KINDS:
+            raise ValueError(f"block kind must be one of {list(BLOCK_KINDS)}, got {self.kind!r}")
+        if self.data.dtype != np.uint8 or self.data.ndim != 2 or \
+                self.data.shape[1] % BLOCK_KINDS[self.kind][1]:
+            raise ValueError(f"{self.kind} blocks must be uint8 [rows, n * "
+                             f"{BLOCK_KINDS[self.kind][1]}], got {self.data.dtype} {self.data.shape}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, width = self.data.shape
+        return n, width // BLOCK_KINDS[self.kind][1] * BLOCK_SIZE
+
+    @staticmethod
+    def of_float(w: torch.Tensor | np.ndarray, kind: str) -> Blocks:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        w = np.ascontiguousarray(np.asarray(w, dtype=np.float32))
+        if w.ndim != 2 or w.shape[1] % BLOCK_SIZE:
+            raise ValueError(f"{kind} needs [rows, k] with k % {BLOCK_SIZE} == 0, got {w.shape}")
+        return Blocks(kind, quantize(w, GGMLQuantizationType[kind]).reshape(w.shape[0], -1))
+
+    def dequantize(self) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = dequantize(self.data, GGMLQuantizationType[self.kind])
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(self.shape))
+
+    def rows_permuted(self, perm: np.ndarray) -> Blocks:
+        return Blocks(self.kind, self.data[perm])
+
+    def as_q4_1(self) -> Blocks:
+        """Q4_0 blocks rewritten as Q4_1 with the same values: d (q - 8) = d q + (-8 d)."""
+        if self.kind != "Q4_0":
+            raise ValueError(f"only Q4_0 blocks convert to Q4_1, got {self.kind}")
+        b = self.data.reshape(-1, 18)
+        d = b[:, 0:2].copy().view(np.float16)
+        m = (d.astype(np.float32) * -8).astype(np.float16)  # a power of two: exact unless it overflows
+        if not np.array_equal(m.astype(np.float32), d.astype(np.float32) * -8):
+            raise ValueError("Q4_0 scale too large for a Q4_1 offset (|8 d| > 65504)")
+        out = np.concatenate((b[:, 0:2], m.view(np.uint8), b[:, 2:]), axis=1)
+        return Blocks("Q4_1", out.reshape(self.data.shape[0], -1))
+
+    @staticmethod
+    def cat(parts: list[Blocks]) -> Blocks:
+        kinds = {p.kind for p in parts}
+        if kinds == {"Q4_0", "Q4_1"}:
+            parts = [p.as_q4_1() if p.kind == "Q4_0" else p for p in parts]
+        elif len(kinds) > 1:
+            raise ValueError(f"cannot fuse blocks of kinds {sorted(kinds)}")
+        return Blocks(parts[0].kind, np.concatenate([p.data for p in parts]))
+
+
 @dataclass
 class QuantizedWeight:
-    """A [out_features, in_features] weight in one of the kernels' packed layouts."""
+    """A [out_features, in_features] weight as GGUF blocks, with its dense copy."""
 
-    kind: str  # "int8" | "int4"
-    packed: torch.Tensor  # int8 [N, K] | uint8 int4-packed [N, K / 2]
-    scales: torch.Tensor  # bf16; int8: [N]; int4: scales and zeros [K / GROUP_SIZE, N, 2]
-    dense: torch.Tensor  # [N, K] in the model's dtype: the weight the kernel computes with
+    kind: str  # a key of BLOCK_KINDS
+    blocks: torch.Tensor  # uint8 [N, K / 32 * block bytes]
+    dense: torch.Tensor  # [N, K] in the model's dtype: the blocks' values, for many rows
     shape: tuple[int, int]
 
+    @staticmethod
+    def of(b: Blocks, dtype: torch.dtype, dense: torch.Tensor | None = None) -> QuantizedWeight:
+        """`dense`: the blocks' values when the caller holds them already (no second copy)."""
+        kernels()  # a missing build fails at load, not at the first step
+        return QuantizedWeight(b.kind, torch.from_numpy(np.ascontiguousarray(b.data)),
+                               (b.dequantize() if dense is None else dense).to(dtype), b.shape)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` by the int kernel (bf16 activations), for x [M, K]; same dtype back."""
-        xb = x.to(self.scales.dtype).contiguous()
-        if self.kind == "int8":
-            y = torch._weight_int8pack_mm(xb, self.packed, self.scales)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP_SIZE, self.scales)
-        return y.to(x.dtype)
+        """`x @ W.T` by the block kernel (activations quantized per 32 values), x [M, K]: a row's
+        values do not depend on the other rows nor on the threads."""
+        y = _OPS.qgemm(x.float().contiguous(), self.blocks, BLOCK_KINDS[self.kind][0])
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + \
-            self.scales.numel() * self.scales.element_size()
-
-
-@dataclass
-class Int4Codes:
-    """int4 codes with per-group affine parameters: w = scale * q + offset, q in 0..15."""
-
-    codes: torch.Tensor  # uint8 [N, K] in 0..15
-    scale: torch.Tensor  # fp32 [N, K / GROUP_SIZE]
-    offset: torch.Tensor  # fp32 [N, K / GROUP_SIZE]
-
-    @staticmethod
-    def cat(parts: list[Int4Codes]) -> Int4Codes:
-        return Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                         torch.cat([p.offset for p in parts]))
-
-    def rows_permuted(self, perm: np.ndarray) -> Int4Codes:
-        idx = torch.as_tensor(perm)
-        return Int4Codes(self.codes[idx], self.scale[idx], self.offset[idx])
-
-
-_KERNEL_DTYPE = torch.bfloat16
-
-
-def quantize_int8(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
-    """Symmetric per-row int8 from float weights; `dtype` the dense copy's."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(_KERNEL_DTYPE)
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    dense = (q.float() * scale.float()[:, None]).to(dtype)
-    return QuantizedWeight("int8", q.contiguous(), scale, dense, tuple(w.shape))
-
-
-def int4_codes_of(w: torch.Tensor) -> Int4Codes:
-    """Asymmetric min/max int4 codes per group of GROUP_SIZE inputs, from float weights."""
-    n, k = w.shape
-    if k % GROUP_SIZE:
-        raise ValueError(f"int4 needs in_features % {GROUP_SIZE} == 0, got {k}")
-    g = w.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    return Int4Codes(q.reshape(n, k), scale, lo)
-
-
-def pack_int4(c: Int4Codes, dtype: torch.dtype) -> QuantizedWeight:
-    """The kernel's layout of int4 codes; `dtype` the dense copy's."""
-    n, k = c.codes.shape
-    packed = torch._convert_weight_to_int4pack_for_cpu(c.codes.to(torch.int32), _INNER_K_TILES)
-    scale = c.scale.to(_KERNEL_DTYPE)
-    zero = (c.offset + 8 * c.scale).to(_KERNEL_DTYPE)  # the kernel: (q - 8) * scale + zero
-    scales = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
-    g = c.codes.float().view(n, k // GROUP_SIZE, GROUP_SIZE) - 8
-    dense = (g * scale.float()[..., None] + zero.float()[..., None]).view(n, k).to(dtype)
-    return QuantizedWeight("int4", packed, scales, dense, (n, k))
-
-
-def gguf_int4_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Codes:
-    """The codes of a Q4_0 / Q4_1 tensor (raw blocks, rows of `shape[1] / 32` blocks) as they
-    are stored: 16 bytes per block, low nibbles the first 16 values, high nibbles the last 16."""
-    n, k = shape
-    width = {"Q4_0": 18, "Q4_1": 20}[type_name]
-    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP_SIZE, width)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[..., 4:]
-    else:
-        m = -8 * d
-        qs = blocks[..., 2:]
-    q = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, k)
-    return Int4Codes(torch.from_numpy(q.astype(np.uint8)), torch.from_numpy(d),
-                     torch.from_numpy(np.ascontiguousarray(m)))
+        return self.blocks.numel()
 
 
 _LAYER_WEIGHTS = {  # fused parameter -> the HF tensors it is made of, in row order
@@ -149,6 +156,7 @@ _LAYER_WEIGHTS = {  # fused parameter -> the HF tensors it is made of, in row or
     "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "down_proj": ("mlp.down_proj",),
 }
+HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the untied head, else the tied one
 
 
 def _replace(module: torch.nn.Module, name: str, weight: QuantizedWeight) -> None:
@@ -156,26 +164,42 @@ def _replace(module: torch.nn.Module, name: str, weight: QuantizedWeight) -> Non
     setattr(module, name, weight)
 
 
+def _layer_blocks(name: str, quantization: str, weights: dict[str, torch.Tensor],
+                  stored: dict[str, Blocks]) -> Blocks:
+    kinds = _LAYER_KIND[quantization]
+    b = stored.get(name)
+    return b if b is not None and b.kind in kinds else Blocks.of_float(weights[name], kinds[0])
+
+
 def quantize_model(model: torch.nn.Module, quantization: str,
-                   weights: dict[str, torch.Tensor], codes: dict[str, Int4Codes]) -> None:
-    """Replace every layer's projections of a loaded `LlamaModel` by
-    quantized weights. `weights`: the checkpoint's HF-named float tensors (quantized from their
-    full precision, not from the model's bf16 copy); `codes`: HF name -> int4 codes taken as
-    stored (GGUF Q4_0/Q4_1), used by int4 in place of a second rounding."""
+                   weights: dict[str, torch.Tensor], stored: dict[str, Blocks]) -> None:
+    """Replace every layer's projections and the vocabulary projection of a loaded `LlamaModel`
+    by block weights. `weights`: the checkpoint's HF-named float tensors; `stored`: HF name ->
+    the blocks a GGUF file stores, taken in place of quantizing the float values again."""
     if quantization == "none":
         return
     dtype = model.config.dtype
     float_bytes = quant_bytes = 0
+    kept = 0
     for i, layer in enumerate(model.layers):
         for attr, parts in _LAYER_WEIGHTS.items():
             names = [f"model.layers.{i}.{p}.weight" for p in parts]
+            blocks = [_layer_blocks(n, quantization, weights, stored) for n in names]
+            as_stored = [b is stored.get(n) for b, n in zip(blocks, names, strict=True)]
+            kept += sum(as_stored)
             float_bytes += getattr(layer, attr).numel() * 4
-            if quantization == "int8":
-                q = quantize_int8(torch.cat([weights[n] for n in names]), dtype)
-            else:
-                q = pack_int4(Int4Codes.cat([codes[n] if n in codes else int4_codes_of(weights[n])
-                                             for n in names]), dtype)
+            # All parts as stored: the layer's float weight holds the blocks' values already.
+            dense = getattr(layer, attr).data if all(as_stored) else None
+            q = QuantizedWeight.of(Blocks.cat(blocks), dtype, dense)
             quant_bytes += q.nbytes
             _replace(layer, attr, q)
-    logger.info("quantized %s: layer weights %.0f MiB (fp32 %.0f MiB), %d taken as stored",
-                quantization, quant_bytes / 2**20, float_bytes / 2**20, len(codes))
+    head_name = HEAD_NAMES[0] if model.lm_head is not None else HEAD_NAMES[1]
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    b = stored.get(head_name)
+    is_stored = b is not None and b.kind == HEAD_KIND
+    q = QuantizedWeight.of(b if is_stored else Blocks.of_float(weights[head_name], HEAD_KIND), dtype,
+                           head.data if is_stored else None)
+    _replace(model, "lm_head", q)
+    logger.info("quantized %s: layer weights %.0f MiB (fp32 %.0f MiB), %d tensors as stored; "
+                "vocabulary projection %s %s", quantization, quant_bytes / 2**20,
+                float_bytes / 2**20, kept, HEAD_KIND, "as stored" if is_stored else "from float")

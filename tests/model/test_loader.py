@@ -63,9 +63,16 @@ def _tiny_hf_folder(folder: Path):
     return model
 
 
-def test_hf_folder_matches_transformers(tmp_path: Path) -> None:
-    ref = _tiny_hf_folder(tmp_path)
-    lm = load_model(tmp_path, device="cpu")
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """(folder, the transformers model saved there), shared by this module's tests."""
+    folder = tmp_path_factory.mktemp("tiny_hf")
+    return folder, _tiny_hf_folder(folder)
+
+
+def test_hf_folder_matches_transformers(tiny_hf) -> None:
+    folder, ref = tiny_hf
+    lm = load_model(folder, device="cpu")
     assert not lm.config.tie_word_embeddings and lm.config.eos_token_ids == (2,)
     from baton.model_runner import ModelRunner
 
@@ -79,3 +86,30 @@ def test_hf_folder_matches_transformers(tmp_path: Path) -> None:
     torch.testing.assert_close(logits[0], want, rtol=1e-4, atol=1e-4)
     text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_hf_folder_quantizes_from_float_into_gguf_blocks(tiny_hf) -> None:
+    """A safetensors checkpoint's weights go into the same block formats as a GGUF file's, by
+    gguf-py's quantizers from the float values; its untied head into Q8_0."""
+    from baton.model.quant import Blocks
+    from baton.model_runner import ModelRunner
+
+    folder = tiny_hf[0]
+    exact = load_model(folder, device="cpu")
+    ids = exact.tokenizer.encode("Hello there, how are you doing today?")
+    n = len(ids)
+
+    def logits(lm):
+        return ModelRunner(lm, 16, num_blocks=8).forward(
+            ids, range(n), [16 + p for p in range(n)], [n], [n], np.array([[1, 2]], np.int32))[0]
+
+    want = logits(exact)
+    float_down = exact.model.layers[1].down_proj.data
+    for quantization, kind, min_cos in (("int4", "Q4_1", 0.99), ("int8", "Q8_0", 0.9999)):
+        lm = load_model(folder, device="cpu", quantization=quantization)
+        down = lm.model.layers[1].down_proj
+        assert (down.kind, lm.model.lm_head.kind) == (kind, "Q8_0")
+        assert np.array_equal(down.blocks.numpy(), Blocks.of_float(float_down, kind).data)
+        assert torch.equal(down.dense, Blocks.of_float(float_down, kind).dequantize())
+        got = logits(lm)  # n <= 16 rows: every projection through the block kernels
+        assert float(torch.nn.functional.cosine_similarity(got, want, dim=0)) >= min_cos

@@ -44,7 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias) that keeps every intra-op thread busy for a decode batch:
     the weight's output rows are cut into one part per thread, viewed as a batch (no copy), and
     one `bmm` runs the parts in parallel. 1.3-1.5x faster for 1-32 rows on 2 threads; large
-    batches (prefill) keep MKL's own threading. A quantized weight runs its int kernel (which
+    batches (prefill) keep MKL's own threading. A quantized weight runs its block kernel (which
     threads itself) for a few rows, its dense copy for more (`baton/model/quant.py`)."""
     if isinstance(weight, QuantizedWeight):
         if x.shape[0] <= QUANT_MAX_ROWS:
@@ -72,14 +72,15 @@ def _split_view(weight: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 def portable_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if isinstance(weight, QuantizedWeight):  # the int kernels are CPU-only
+    if isinstance(weight, QuantizedWeight):  # the block kernels are CPU-only
         weight = weight.dense
     return F.linear(x, weight)
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The vocabulary projection, the largest GEMM of a decode step (49152 x 576 for SmolLM2):
-    oneDNN's matmul, which threads it, beats MKL's 1.3-1.8x on this CPU at 8-256 rows."""
+    oneDNN's matmul, which threads it, beats MKL's 1.3-1.8x on this CPU at 8-256 rows. In the
+    quantized modes a few rows run the Q8_0 block kernel over the file's blocks."""
     if isinstance(weight, QuantizedWeight):
         if x.shape[0] <= QUANT_MAX_ROWS:
             return weight.matmul(x)

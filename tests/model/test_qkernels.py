@@ -1,0 +1,92 @@
+"""The block kernels (`csrc/qkernels.cpp`): the AVX2 path equals the portable scalar path bit for
+bit, both compute exact integer dot products of the stored codes with the activations' int8
+codes, and a row's value depends neither on the other rows of the batch nor on the threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from baton.model.quant import BLOCK_KINDS, Blocks, QuantizedWeight, kernels
+
+KINDS = tuple(BLOCK_KINDS)
+
+
+def _case(kind: str, n: int, k: int, m: int, seed: int) -> tuple[Blocks, torch.Tensor]:
+    g = np.random.default_rng(seed)
+    w = g.standard_normal((n, k)).astype(np.float32) * g.uniform(0.01, 3, (n, 1)).astype(np.float32)
+    x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32) * 4)
+    return Blocks.of_float(w, kind), x
+
+
+def _reference(b: Blocks, x: torch.Tensor) -> torch.Tensor:
+    """float64 over the dequantized weights and activations (the kernels' values exactly)."""
+    q, d, _ = kernels().quantize_activations(x)
+    xq = (q.double().view(x.shape[0], -1, 32) * d.double()[..., None]).view(x.shape)
+    return xq @ b.dequantize().double().T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("n", "k", "m"), [(1, 32, 1), (37, 96, 5), (130, 544, 16), (64, 1536, 13)])
+def test_kernel_equals_scalar_path_and_exact_dot_products(kind: str, n: int, k: int, m: int) -> None:
+    b, x = _case(kind, n, k, m, seed=n + k + m)
+    w = torch.from_numpy(b.data)
+    kind_id = BLOCK_KINDS[kind][0]
+    got = kernels().qgemm(x, w, kind_id)
+    assert torch.equal(got, kernels().qgemm_scalar(x, w, kind_id))
+    want = _reference(b, x)
+    # Exact integer sums: only the float products and sums of k / 32 blocks round.
+    tol = 1e-5 * (x.abs().max() * b.dequantize().abs().max() * k).item()
+    assert (got.double() - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_do_not_depend_on_the_batch_or_the_threads(kind: str) -> None:
+    b, x = _case(kind, 200, 320, 16, seed=7)
+    w = torch.from_numpy(b.data)
+    kind_id = BLOCK_KINDS[kind][0]
+    full = kernels().qgemm(x, w, kind_id)
+    for lo, hi in ((0, 1), (3, 4), (5, 12), (13, 16)):
+        assert torch.equal(kernels().qgemm(x[lo:hi].contiguous(), w, kind_id), full[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels().qgemm(x, w, kind_id), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_stored_extremes_are_exact() -> None:
+    """Q8_0 codes of -128 (a file may store them) stay exact integers."""
+    b, x = _case("Q8_0", 8, 64, 3, seed=3)
+    data = b.data.copy()
+    data.reshape(8, 2, 34)[:, :, 2:] = np.uint8(0x80)  # every code -128
+    b = Blocks("Q8_0", data)
+    got = kernels().qgemm(x, torch.from_numpy(b.data), BLOCK_KINDS["Q8_0"][0])
+    assert torch.equal(got, kernels().qgemm_scalar(x, torch.from_numpy(b.data), 2))
+    assert torch.allclose(got.double(), _reference(b, x), rtol=1e-5, atol=1e-4)
+
+
+def test_q4_0_rewritten_as_q4_1_keeps_its_values() -> None:
+    b, x = _case("Q4_0", 33, 128, 4, seed=5)
+    as_q41 = b.as_q4_1()
+    assert torch.equal(as_q41.dequantize(), b.dequantize())
+    y0 = QuantizedWeight.of(b, torch.float32).matmul(x)
+    y1 = QuantizedWeight.of(as_q41, torch.float32).matmul(x)
+    assert torch.allclose(y0, y1, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_inputs_are_refused_with_their_sizes() -> None:
+    b, x = _case("Q4_1", 8, 64, 2, seed=1)
+    w = torch.from_numpy(b.data)
+    with pytest.raises(RuntimeError, match="need 40"):
+        kernels().qgemm(x, w[:, :20].contiguous(), 1)  # one block a row, two expected
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels().qgemm(x.double(), w, 1)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels().qgemm(x[:, :48].contiguous(), w, 1)
+    with pytest.raises(RuntimeError, match="unknown block kind 7"):
+        kernels().qgemm(x, w, 7)
+    with pytest.raises(ValueError, match="Q4_1 blocks must be uint8"):
+        Blocks("Q4_1", b.data[:, :30])
