@@ -56,7 +56,8 @@ class ModelRunner:
         and what the backend keeps beside it (`Backend.kv_memory_factor`) together."""
         self.model, self.config = loaded.model, loaded.config
         self.device = self.model.device
-        self.backend = backend or get_backend(self.device)
+        # The quantized modes are not the exact one: they may take the fused decode kernels.
+        self.backend = backend or get_backend(self.device, exact=loaded.quantization == "none")
         self.kv_spec = KVCacheSpec.from_model(self.config, block_size)
         if not num_blocks:
             pool_bytes = int(kv_cache_memory_bytes / (1.0 + self.backend.kv_memory_factor))

@@ -72,13 +72,16 @@ class LlamaLayer(nn.Module):
         c = self.config
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = backend.linear(h, self.qkv_proj)
-        num_qk_heads = c.num_heads + c.num_kv_heads
-        # Q and K heads are rotated together; V is a view of the projection.
-        qk = apply_rope(qkv[:, :num_qk_heads * c.head_dim].view(-1, num_qk_heads, c.head_dim),
-                        cos, signed_sin)
-        q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-        v = qkv[:, num_qk_heads * c.head_dim:].view(-1, c.num_kv_heads, c.head_dim)
-        attn = backend.attention(q, k, v, layer_kv, meta, self.index)
+        # A backend may run RoPE, the K/V write and attention as one kernel (a decode step).
+        attn = backend.fused_attention(qkv, cos, signed_sin, meta, self.index)
+        if attn is None:
+            num_qk_heads = c.num_heads + c.num_kv_heads
+            # Q and K heads are rotated together; V is a view of the projection.
+            qk = apply_rope(qkv[:, :num_qk_heads * c.head_dim].view(-1, num_qk_heads, c.head_dim),
+                            cos, signed_sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, num_qk_heads * c.head_dim:].view(-1, c.num_kv_heads, c.head_dim)
+            attn = backend.attention(q, k, v, layer_kv, meta, self.index)
         x = x + backend.linear(attn.reshape(x.shape[0], -1), self.o_proj)
         h = rms_norm(x, self.post_norm, c.rms_norm_eps)
         gate, up = backend.linear(h, self.gate_up_proj).chunk(2, dim=-1)

@@ -57,6 +57,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     path: str  # the file or folder actually read
+    quantization: str = "none"  # none | int8 | int4: how the layer weights are held
 
 
 def default_device() -> torch.device:
@@ -107,7 +108,7 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
     logger.info("loaded %s: %d layers, hidden %d, heads %d/%d, vocab %d, %s on %s", path,
                 config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                 config.vocab_size, config.dtype, device)
-    return LoadedModel(model, config, tokenizer, str(path))
+    return LoadedModel(model, config, tokenizer, str(path), quantization)
 
 
 # ---------------------------------------------------------------- GGUF

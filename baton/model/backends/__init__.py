@@ -8,9 +8,12 @@ from baton.model.backends.base import Backend, StepBatch
 from baton.model.backends.cpu import CPUBackend, PortableBackend
 
 
-def get_backend(device: torch.device | str) -> Backend:
-    """The backend for a device: the tuned CPU one, else plain torch ops."""
-    return CPUBackend() if torch.device(device).type == "cpu" else PortableBackend()
+def get_backend(device: torch.device | str, exact: bool = True) -> Backend:
+    """The backend for a device: the tuned CPU one, else plain torch ops. `exact`: only the
+    eager ops the exact mode is checked with (no fused kernels)."""
+    if torch.device(device).type != "cpu":
+        return PortableBackend()
+    return CPUBackend(fused_decode=not exact)
 
 
 __all__ = ["Backend", "CPUBackend", "PortableBackend", "StepBatch", "get_backend"]

@@ -7,6 +7,8 @@ the device or on a kernel library goes through a `Backend`:
 * `prepare`: per-step attention metadata from the scheduler's flat batch, built once and shared
   by every layer (slots, decode rows, prefill masks, which tokens reach the LM head);
 * `attention`: write one layer's new K/V into the paged pool and attend over it;
+* `fused_attention`: the same with RoPE included, as one kernel, where the backend has one for
+  the step (the CPU backend's decode steps of the quantized modes);
 * `finish_step`: whatever state the backend keeps across steps learns that the step ran;
 * `kv_memory_factor`: bytes the backend keeps beside the pool per pool byte, so the engine's
   memory budget covers both (the CPU backend mirrors decoding sequences' K/V in dense rows).
@@ -56,5 +58,11 @@ class Backend(Protocol):
                   layer_kv: torch.Tensor, meta: Any, layer: int) -> torch.Tensor:
         """Store k, v [T, Hkv, D] at their slots of `layer_kv` [num_blocks, 2, block_size, Hkv,
         D] and return attention of q [T, Hq, D] over each sequence's context: [T, Hq, D]."""
+
+    def fused_attention(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                        meta: Any, layer: int) -> torch.Tensor | None:
+        """RoPE, the K/V write and attention of a whole step in one kernel, from the fused QKV
+        projection [T, (Hq + 2 Hkv) D] and the rotation [T, 1, D]: [T, Hq D]; None = this step
+        takes `attention` (the model applies RoPE itself)."""
 
     def finish_step(self, meta: Any) -> None: ...

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from baton.model.backends import cpu_fused
 from baton.model.backends.base import StepBatch
 from baton.model.backends.cpu_decode_rows import DecodeRows, RowGroup
 from baton.model.quant import QUANT_MAX_ROWS, QuantizedWeight
@@ -127,6 +128,7 @@ class DecodeBatch:
 
     tokens: torch.Tensor | None  # int64 [n] flat index of each token; None = the whole batch
     groups: list[DecodeGroup]
+    fused: bool = False  # attention runs as one compiled op a group (`cpu_fused`)
 
 
 @dataclass
@@ -209,11 +211,30 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Decod
     """Attention of all single-token sequences, one call per row group; returns [n, Hq, D]."""
     if d.tokens is not None:
         q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
+    if d.fused:  # rotated already (a step with prefills): the op takes the rows as they are
+        qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)
+        return fused_groups(qkv, None, None, d, layer, q.shape[1], k.shape[1]).view_as(q)
     if len(d.groups) == 1:
         return group_attention(q, k, v, d.groups[0], layer)
     out = torch.empty_like(q)
     for g in d.groups:
         out[g.index] = group_attention(q[g.index], k[g.index], v[g.index], g, layer)
+    return out
+
+
+def fused_groups(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                 d: DecodeBatch, layer: int, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """`cpu_fused.decode_attention` over each row group of a decode batch: [n, Hq D]."""
+    if len(d.groups) == 1:
+        g = d.groups[0]
+        return cpu_fused.decode_attention(qkv, cos, sin, g.group.ws, layer, g.rows, g.new_pos,
+                                          num_heads, num_kv_heads)
+    out = qkv.new_empty((qkv.shape[0], num_heads * qkv.shape[1] // (num_heads + 2 * num_kv_heads)))
+    for g in d.groups:
+        out[g.index] = cpu_fused.decode_attention(
+            qkv[g.index], None if cos is None else cos[g.index],
+            None if sin is None else sin[g.index], g.group.ws, layer, g.rows, g.new_pos,
+            num_heads, num_kv_heads)
     return out
 
 
@@ -277,8 +298,11 @@ class CPUBackend:
     # Each decoding sequence's K/V is mirrored in its dense row: up to the pool's size again.
     kv_memory_factor = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, fused_decode: bool = False) -> None:
+        """`fused_decode`: decode attention as one compiled op a layer (`cpu_fused`; not the
+        eager path's float operations, so only for modes that are not the exact one)."""
         self.decode_rows = DecodeRows()  # decode K/V, kept across steps
+        self.fused_decode = fused_decode and cpu_fused.AVAILABLE
 
     linear = staticmethod(linear)
     lm_head = staticmethod(lm_head)
@@ -289,7 +313,21 @@ class CPUBackend:
         if seq_ids is None:
             self.decode_rows.reset()  # no identities: nothing may be matched across steps
             seq_ids = np.arange(len(batch.seqlens_q))
-        return build_metadata(batch, seq_ids, kv_cache, self.decode_rows, dtype)
+        meta = build_metadata(batch, seq_ids, kv_cache, self.decode_rows, dtype)
+        if meta.decode is not None and self.fused_decode and dtype == torch.float32:
+            meta.decode.fused = True
+        return meta
+
+    @staticmethod
+    def fused_attention(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                        meta: AttentionMetadata, layer: int) -> torch.Tensor | None:
+        d = meta.decode
+        if d is None or not d.fused or d.tokens is not None:
+            return None  # a step with prefills: the eager path rotates every token
+        ws = d.groups[0].group.ws
+        num_kv_heads, head_dim = ws.shape[3], ws.shape[5]
+        num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+        return fused_groups(qkv, cos[:, 0], signed_sin[:, 0], d, layer, num_heads, num_kv_heads)
 
     @staticmethod
     def last_tokens(meta: AttentionMetadata) -> torch.Tensor | None:

@@ -1,0 +1,43 @@
+"""The CPU backend's fused decode attention: RoPE, the K/V write into the dense decode rows and
+attention of every query head, one compiled op per layer (`csrc/decode_attention.cpp`).
+
+A decode step of SmolLM2 on two cores is bound by dispatch, not arithmetic: the eager path runs
+about 25 torch calls a layer between the QKV projection and the output projection (rotation,
+stack, index_put, two matmuls, softmax, views), a few microseconds each, 30 layers a step. The op
+does the same work in one call with its loops vectorized for AVX2 where the CPU has it. Its
+float operations are not the eager path's (another summation order, a polynomial exp), so the
+exact mode (fp32, no quantization) never takes it: the backend enables it for the quantized
+modes, whose gates are agreement with the exact mode and disaggregated == co-located (each
+output row depends only on its own sequence, never on the batch or the thread split).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _load() -> bool:
+    try:
+        import baton._decode_ops  # noqa: F401  (registers torch.ops.baton_decode)
+    except ImportError as e:  # a source checkout that was never built
+        logger.warning("fused decode attention unavailable (%s): the eager path runs", e)
+        return False
+    return True
+
+
+AVAILABLE = _load()
+
+
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor | None, signed_sin: torch.Tensor | None,
+                     ws: torch.Tensor, layer: int, rows: torch.Tensor, positions: torch.Tensor,
+                     num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """One layer's decode attention for n single-token sequences: qkv [n, (Hq + 2 Hkv) D] (the
+    projection; already rotated when cos is None), cos / signed_sin [n, D]; the new K/V lands
+    in `ws` [L, 2, rows, Hkv, capacity, D] at (layer, rows[i], positions[i]) and each sequence
+    attends over its row's positions 0..positions[i]. Returns [n, Hq D]."""
+    return torch.ops.baton_decode.decode_attention(qkv, cos, signed_sin, ws, layer, rows,
+                                                   positions, num_heads, num_kv_heads)

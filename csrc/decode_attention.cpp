@@ -1,0 +1,200 @@
+// Decode attention of one layer as one op (baton/model/backends/cpu_fused.py says why): for n
+// sequences with one new token each, RoPE on the token's query and key heads, its key and value
+// written into the sequence's dense decode row, and attention of each query head over the row.
+// Every output value depends only on its own sequence's row and token (never on the batch or
+// the thread split), so a disaggregated deployment decodes what a co-located one does.
+//
+// A torch op (TORCH_LIBRARY) threaded with at::parallel_for, so it runs on torch's own
+// intra-op pool; the module is a Python extension only so that importing it registers the op.
+// Built for plain x86-64: the inner loops have AVX2 clones chosen at load time.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace baton_decode {
+
+// Inner loops, compiled once for AVX2+FMA and once for plain x86-64; the loader picks one by
+// the CPU it runs on (GCC's target_clones).
+__attribute__((target_clones("avx2,fma", "default")))
+float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += a[j + l] * b[j + l];
+    float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (; j < n; ++j) s += a[j] * b[j];
+    return s;
+}
+
+__attribute__((target_clones("avx2,fma", "default")))
+float sum(const float* x, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += x[j + l];
+    float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (; j < n; ++j) s += x[j];
+    return s;
+}
+
+__attribute__((target_clones("avx2,fma", "default")))
+void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
+}
+
+// exp(v) for v in [-87, 0] (softmax's arguments after the max is taken off): Cephes'
+// single-precision polynomial, about 1 ulp.
+inline float exp_poly(float v) {
+    v = v < -87.0f ? -87.0f : v;
+    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+    v = v - k * 0.693359375f;
+    v = v - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * v + 1.3981999507e-3f;
+    p = p * v + 8.3334519073e-3f;
+    p = p * v + 4.1665795894e-2f;
+    p = p * v + 1.6666665459e-1f;
+    p = p * v + 5.0000001201e-1f;
+    p = p * v * v + v + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    return p * __builtin_bit_cast(float, bits);
+}
+
+// The same operations eight lanes at a time (no FMA: the scalar tail stays identical).
+__attribute__((target("avx2")))
+int64_t exp_shifted_avx2(float* x, float shift, int64_t n) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f),
+                 half = _mm256_set1_ps(0.5f), c1 = _mm256_set1_ps(0.693359375f),
+                 c2 = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f),
+                 sh = _mm256_set1_ps(shift);
+    const float coef[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), sh);
+        v = _mm256_blendv_ps(v, lo, _mm256_cmp_ps(v, lo, _CMP_LT_OQ));
+        const __m256 k = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, log2e), half));
+        v = _mm256_sub_ps(v, _mm256_mul_ps(k, c1));
+        v = _mm256_sub_ps(v, _mm256_mul_ps(k, c2));
+        __m256 p = _mm256_set1_ps(coef[0]);
+        for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, v), _mm256_set1_ps(coef[c]));
+        p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, v), v), v), one);
+        const __m256i bits = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+        _mm256_storeu_ps(x + j, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+    }
+    return j;
+}
+
+const bool kAvx2 = __builtin_cpu_supports("avx2");
+
+// x[j] = exp(x[j] - shift); returns their sum.
+float exp_shifted(float* x, float shift, int64_t n) {
+    int64_t j = kAvx2 ? exp_shifted_avx2(x, shift, n) : 0;
+    for (; j < n; ++j) x[j] = exp_poly(x[j] - shift);
+    return sum(x, n);
+}
+
+// out = x * cos + rotate_half(x) * sin, with rotate_half's sign folded into `signed_sin`.
+void rope(float* out, const float* x, const float* cos, const float* ssin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < half; ++j) out[j] = x[j] * cos[j] + x[j + half] * ssin[j];
+    for (int64_t j = half; j < d; ++j) out[j] = x[j] * cos[j] + x[j - half] * ssin[j];
+}
+
+// One decode step of one layer's attention for n sequences with one new token each:
+// RoPE on the new token's query and key heads, the key and value written into the sequence's
+// dense row at its position, attention of each query head over the row's keys 0..pos.
+at::Tensor decode_attention(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_opt,
+                            const c10::optional<at::Tensor>& ssin_opt,
+                            at::Tensor ws, int64_t layer, const at::Tensor& rows,
+                            const at::Tensor& pos, int64_t num_heads, int64_t num_kv_heads) {
+    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv");
+    TORCH_CHECK(ws.dim() == 6 && ws.scalar_type() == at::kFloat && ws.is_contiguous(), "ws");
+    const int64_t n = qkv.size(0), d = ws.size(5), cap = ws.size(4), num_rows = ws.size(2);
+    TORCH_CHECK(ws.size(3) == num_kv_heads && num_heads % num_kv_heads == 0, "heads");
+    TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv width");
+    TORCH_CHECK(layer >= 0 && layer < ws.size(0), "layer");
+    const bool rotate = cos_opt.has_value();
+    TORCH_CHECK(rotate == ssin_opt.has_value(), "cos and sin come together");
+    at::Tensor cos, ssin;
+    if (rotate) {
+        cos = *cos_opt;
+        ssin = *ssin_opt;
+        TORCH_CHECK(cos.sizes() == at::IntArrayRef({n, d}) && ssin.sizes() == cos.sizes() &&
+                    cos.is_contiguous() && ssin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                    ssin.scalar_type() == at::kFloat, "cos/sin");
+    }
+    TORCH_CHECK(rows.numel() == n && pos.numel() == n && rows.scalar_type() == at::kLong &&
+                pos.scalar_type() == at::kLong, "rows/pos");
+    auto rows_c = rows.contiguous(), pos_c = pos.contiguous();
+    const int64_t* rp = rows_c.data_ptr<int64_t>();
+    const int64_t* pp = pos_c.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows && pp[i] >= 0 && pp[i] < cap, "row/position out of range");
+    auto out = at::empty({n, num_heads * d}, qkv.options());
+    const float* qp = qkv.data_ptr<float>();
+    const float* cp = rotate ? cos.data_ptr<float>() : nullptr;
+    const float* sp = rotate ? ssin.data_ptr<float>() : nullptr;
+    float* wp = ws.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t group = num_heads / num_kv_heads, width = qkv.size(1);
+    const int64_t head_stride = cap * d, row_stride = num_kv_heads * head_stride;
+    const int64_t kv_stride = num_rows * row_stride;  // keys -> values
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    // The new keys and values first (every query head of the group reads them), then one task
+    // per (sequence, query head): nine for one SmolLM2 token, which two threads share evenly.
+    for (int64_t i = 0; i < n; ++i) {
+        const float* x = qp + i * width;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            float* key = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride + pp[i] * d;
+            const float* k = x + (num_heads + h) * d;
+            if (rotate) rope(key, k, cp + i * d, sp + i * d, d);
+            else std::copy(k, k + d, key);
+            const float* v = x + (num_heads + num_kv_heads + h) * d;
+            std::copy(v, v + d, key + kv_stride);
+        }
+    }
+    at::parallel_for(0, n * num_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qr(d), scores;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t i = task / num_heads, qh = task % num_heads, h = qh / group;
+            const float* x = qp + i * width;
+            const int64_t len = pp[i] + 1;
+            const float* keys = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride;
+            const float* vals = keys + kv_stride;
+            if (rotate) rope(qr.data(), x + qh * d, cp + i * d, sp + i * d, d);
+            else std::copy(x + qh * d, x + (qh + 1) * d, qr.begin());
+            scores.resize(len);
+            float mx = -INFINITY;
+            for (int64_t t = 0; t < len; ++t) {
+                scores[t] = dot(qr.data(), keys + t * d, d) * scale;
+                mx = std::max(mx, scores[t]);
+            }
+            const float sum = exp_shifted(scores.data(), mx, len);
+            float* o = op + i * num_heads * d + qh * d;
+            std::fill(o, o + d, 0.0f);
+            const float inv = 1.0f / sum;
+            for (int64_t t = 0; t < len; ++t) axpy(o, scores[t] * inv, vals + t * d, d);
+        }
+    });
+    return out;
+}
+
+}  // namespace baton_decode
+
+TORCH_LIBRARY(baton_decode, m) {
+    m.def("decode_attention(Tensor qkv, Tensor? cos, Tensor? ssin, Tensor(a!) ws, int layer, Tensor rows, Tensor pos, int num_heads, int num_kv_heads) -> Tensor",
+          &baton_decode::decode_attention);
+}
+
+PYBIND11_MODULE(_decode_ops, m) { m.doc() = "registers torch.ops.baton_decode"; }
