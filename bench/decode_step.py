@@ -1,9 +1,10 @@
 """Decode step time per mode (--quantization) at each batch, one process, modes interleaved so a
-shared machine's load falls on all alike. A step: (prefill + 65 tokens) minus (prefill + 1
-token), over 64 steps, for `batch` distinct 64-token prompts, greedy, 2 threads. Prints a table
+shared machine's load falls on all alike. A step: (prefill + steps + 1 tokens) minus (prefill + 1
+token), over `steps` steps (64), for `batch` distinct 64-token prompts, greedy, 2 threads. Prints a table
 (median ms per step, min-max over the repeats, ratio to the first mode) and writes JSON.
 
     .venv/bin/python bench/decode_step.py [--modes none,int4] [--batches 1,8] [--repeats 5]
+        [--steps 64]
         [--profile int4:1]   # also print torch.profiler's top ops for that mode and batch
 """
 
@@ -18,10 +19,9 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "decode_step.json"
-STEPS = 64
 
 
-def step_ms(engine, prompts: list[list[int]]) -> float:
+def step_ms(engine, prompts: list[list[int]], steps: int) -> float:
     from baton.sampler import SamplingParams
 
     def run(n: int) -> float:
@@ -29,7 +29,7 @@ def step_ms(engine, prompts: list[list[int]]) -> float:
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         return time.perf_counter() - start
 
-    return (run(STEPS + 1) - run(1)) / STEPS * 1000
+    return (run(steps + 1) - run(1)) / steps * 1000
 
 
 def profile(engine, prompts: list[list[int]]) -> None:
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--modes", default="none,int4")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", default="", help="MODE:BATCH to profile after the runs")
     ap.add_argument("--out", default=str(RESULTS))
@@ -65,10 +66,10 @@ def main() -> None:
     for b in batches:
         prompts = [base[i:i + 64] for i in range(b)]
         for m in modes:
-            step_ms(engines[m], prompts)  # warm-up
+            step_ms(engines[m], prompts, args.steps)  # warm-up
         for _ in range(args.repeats):
             for m in modes:
-                times[m, b].append(step_ms(engines[m], prompts))
+                times[m, b].append(step_ms(engines[m], prompts, args.steps))
     rows = []
     print(f"{'mode':>6} {'batch':>5} {'ms/step':>8} {'min-max':>15} {'vs ' + modes[0]:>8}")
     for b in batches:
@@ -85,7 +86,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "machine": platform.processor() or platform.machine(), "threads": args.threads,
-        "load_avg": os.getloadavg(), "steps": STEPS, "rows": rows}, indent=2) + "\n")
+        "load_avg": os.getloadavg(), "steps": args.steps, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
