@@ -10,8 +10,9 @@ the pool at its slot, then attention runs:
     from the blocks once, when its sequence starts decoding, and then each layer appends the new
     token's K/V to it as well as to the pool, and runs one masked attention call over views of
     it (no per-step gather, no GQA repeat);
-  * longer chunks (prefill) run one sequence at a time with a causal mask shifted by the number
-    of tokens already cached, so a chunk sees the earlier chunks of its prompt.
+  * longer chunks (prefill) run with a causal mask shifted by the number of tokens already
+    cached, so a chunk sees the earlier chunks of its prompt; chunks of similar size share one
+    padded attention call (`cpu_prefill.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from baton.model.backends import cpu_fused
 from baton.model.backends.base import StepBatch
 from baton.model.backends.cpu_decode_rows import DecodeRows, RowGroup
+from baton.model.backends.cpu_prefill import PrefillBatch, build_prefill, prefill_attention
 from baton.model.quant import QUANT_MAX_ROWS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -92,18 +94,6 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class PrefillSlice:
-    """One sequence with more than one new token."""
-
-    start: int  # first token in the flat batch
-    num_q: int
-    num_k: int  # context length after this step
-    num_blocks: int  # blocks holding num_k tokens
-    block_row: torch.Tensor  # int64 [num_blocks]
-    mask: torch.Tensor | None  # bool [num_q, num_k]; None when nothing was cached (plain causal)
-
-
-@dataclass
 class DecodeGroup:
     """The batch entries whose rows live in one `RowGroup`, viewed as `kv [num_layers, 2, n,
     num_kv_heads, max_len, head_dim]`; each layer writes its new K/V there too and runs one masked
@@ -138,7 +128,7 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # int64 [T] block id of each new token
     slot_offsets: torch.Tensor  # int64 [T] offset inside that block
     decode: DecodeBatch | None
-    prefills: list[PrefillSlice]
+    prefills: PrefillBatch
     last_token: torch.Tensor | None  # int64 [n] flat index of each sequence's last token; None = all
     # An all-decode step leaves the pool alone layer by layer (attention reads the dense rows)
     # and copies every layer's new K/V into it at once in `finish_step`: one index op a step
@@ -187,16 +177,7 @@ def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor
     decode_rows.forget(seq_ids[seqlens_q > 1])  # their K/V is being (re)written by a prefill
     decode = build_decode(seqlens_q, seqlens_k, starts, seq_ids, block_tables, kv_cache,
                           decode_rows, dtype)
-    prefills = []
-    for i in np.flatnonzero(seqlens_q > 1):
-        q, k = int(seqlens_q[i]), int(seqlens_k[i])
-        cached = k - q
-        mask = None
-        if cached:
-            rows = torch.arange(q, device=device)[:, None] + cached
-            mask = torch.arange(k, device=device)[None, :] <= rows
-        nb = -(-k // block_size)
-        prefills.append(PrefillSlice(int(starts[i]), q, k, nb, block_tables[i, :nb], mask))
+    prefills = build_prefill(seqlens_q, seqlens_k, starts, block_tables, block_size)
     last = None  # an all-decode batch: every token is its sequence's last
     if decode is None or decode.tokens is not None:
         last = torch.as_tensor(starts + seqlens_q - 1, device=device)
@@ -273,21 +254,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv:
     out = torch.empty_like(q)
     if d is not None:
         out[d.tokens] = decode_attention(q, k, v, d, layer)
-    _, _, block_size, num_kv_heads, head_dim = layer_kv.shape
-    gqa = q.shape[1] > num_kv_heads
-    for p in meta.prefills:
-        qs = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, Hq, q, D]
-        if p.mask is None:
-            ks = k[p.start:p.start + p.num_q].transpose(0, 1)[None]
-            vs = v[p.start:p.start + p.num_q].transpose(0, 1)[None]
-        else:
-            kv = layer_kv[p.block_row].transpose(0, 1)  # [2, nb, B, Hkv, D]
-            kv = kv.reshape(2, p.num_blocks * block_size, num_kv_heads, head_dim)
-            ks = kv[0, :p.num_k].transpose(0, 1)[None]
-            vs = kv[1, :p.num_k].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask,
-                                           is_causal=p.mask is None, enable_gqa=gqa)
-        out[p.start:p.start + p.num_q] = o[0].transpose(0, 1)
+    prefill_attention(q, k, v, layer_kv, meta.prefills, out)
     return out
 
 

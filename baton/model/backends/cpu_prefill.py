@@ -1,0 +1,177 @@
+"""Prefill attention of the CPU backend: the chunks of one step with more than one new token.
+
+Chunks of similar size run as one padded attention call, the others one call each:
+
+    packed chunks  q    [S, Hq,  max_q, D]  gathered from the step's new tokens
+                   k, v [S, Hkv, max_k, D]  gathered from the pool, which already holds every
+                                            new token's K/V (the layer wrote it first)
+                   mask [S, 1, max_q, max_k]  key j visible to row r iff j <= cached + r and
+                                              j < num_k; padding rows see their chunk's keys
+                                              (finite) and are dropped afterwards
+    lone chunks    one SDPA each: plain causal over the new K/V when nothing is cached, else
+                   over the chunk's blocks with the causal mask shifted by the cached length
+
+The padded call computes S * max_q * max_k query-key pairs, the loop sum(num_q * num_k) (torch's
+CPU kernel gains little from `is_causal`: 256 x 256 on one thread, 7.1 ms causal vs 7.4 ms
+masked) plus one call's overhead per chunk (~20 us on one idle thread, far more when the cores
+are shared and each call waits for its threads). A chunk leaves the pack (largest first) while
+that ratio is over `_PACK_MAX_WASTE`: one long prompt among short ones runs alone, and the short
+ones still go together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Padded work over useful work at which a chunk runs alone instead (see the module docstring);
+# measured with bench/prefill_attention_bench.py.
+_PACK_MAX_WASTE = 1.5
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence with more than one new token."""
+
+    start: int  # first token in the flat batch
+    num_q: int
+    num_k: int  # context length after this step
+    num_blocks: int  # blocks holding num_k tokens
+    block_row: torch.Tensor  # int64 [num_blocks]
+    mask: torch.Tensor | None  # bool [num_q, num_k]; None when nothing was cached (plain causal)
+
+
+@dataclass
+class PackedPrefill:
+    """Chunks served by one padded attention call (the module docstring's picture)."""
+
+    q_index: torch.Tensor  # int64 [S * max_q] flat token of each padded query row
+    rows: torch.Tensor  # int64 [sum num_q] padded rows that are real tokens, in token order
+    tokens: torch.Tensor | None  # int64 [sum num_q] their flat tokens; None = the whole batch
+    key_blocks: torch.Tensor  # int64 [S, max_k] block of each padded key
+    key_offsets: torch.Tensor  # int64 [S, max_k] offset inside that block
+    mask: torch.Tensor  # bool [S, 1, max_q, max_k]
+    num_seqs: int
+    max_q: int
+
+
+@dataclass
+class PrefillBatch:
+    lone: list[PrefillSlice]  # one attention call each
+    packed: PackedPrefill | None
+
+
+def build_slices(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
+                 block_tables: torch.Tensor, block_size: int) -> list[PrefillSlice]:
+    device = block_tables.device
+    slices = []
+    for i in np.flatnonzero(seqlens_q > 1):
+        q, k = int(seqlens_q[i]), int(seqlens_k[i])
+        cached = k - q
+        mask = None
+        if cached:
+            rows = torch.arange(q, device=device)[:, None] + cached
+            mask = torch.arange(k, device=device)[None, :] <= rows
+        nb = -(-k // block_size)
+        slices.append(PrefillSlice(int(starts[i]), q, k, nb, block_tables[i, :nb], mask))
+    return slices
+
+
+def _pairs(p: PrefillSlice) -> int:
+    return p.num_q * p.num_k
+
+
+def _waste(group: list[PrefillSlice]) -> float:
+    """Query-key pairs the padded call computes over those of the chunks' own calls."""
+    padded = len(group) * max(p.num_q for p in group) * max(p.num_k for p in group)
+    return padded / sum(_pairs(p) for p in group)
+
+
+def split_pack(slices: list[PrefillSlice]) -> tuple[list[PrefillSlice], list[PrefillSlice]]:
+    """(lone, packed): the largest chunks leave the pack until its padding is within bounds."""
+    group = sorted(slices, key=_pairs)
+    lone = []
+    while len(group) > 1 and _waste(group) > _PACK_MAX_WASTE:
+        lone.append(group.pop())
+    if len(group) < 2:
+        return slices, []
+    group.sort(key=lambda p: p.start)  # token order: the real rows come out in flat order
+    return lone, group
+
+
+def build_packed(group: list[PrefillSlice], block_size: int, num_tokens: int) -> PackedPrefill:
+    device = group[0].block_row.device
+    num_seqs = len(group)
+    max_q, max_k = max(p.num_q for p in group), max(p.num_k for p in group)
+    r = torch.arange(max_q, device=device)
+    j = torch.arange(max_k, device=device)
+    q_index = torch.empty((num_seqs, max_q), dtype=torch.int64, device=device)
+    key_blocks = torch.empty((num_seqs, max_k), dtype=torch.int64, device=device)
+    key_offsets = torch.empty((num_seqs, max_k), dtype=torch.int64, device=device)
+    mask = torch.empty((num_seqs, 1, max_q, max_k), dtype=torch.bool, device=device)
+    for s, p in enumerate(group):
+        q_index[s] = p.start + r.clamp(max=p.num_q - 1)  # padding rows repeat the last token
+        pos = j.clamp(max=p.num_k - 1)  # padding keys repeat the last key (masked out)
+        key_blocks[s] = p.block_row[pos // block_size]
+        key_offsets[s] = pos % block_size
+        mask[s, 0] = (j[None, :] <= r[:, None] + (p.num_k - p.num_q)) & (j[None, :] < p.num_k)
+    rows = torch.cat([s * max_q + torch.arange(p.num_q, device=device)
+                      for s, p in enumerate(group)])
+    tokens = torch.cat([p.start + torch.arange(p.num_q, device=device) for p in group])
+    is_all = len(tokens) == num_tokens  # the whole batch: rows come out in flat order
+    return PackedPrefill(q_index.view(-1), rows, None if is_all else tokens, key_blocks,
+                         key_offsets, mask, num_seqs, max_q)
+
+
+def build_prefill(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
+                  block_tables: torch.Tensor, block_size: int) -> PrefillBatch:
+    lone, group = split_pack(build_slices(seqlens_q, seqlens_k, starts, block_tables,
+                                          block_size))
+    packed = build_packed(group, block_size, int(seqlens_q.sum())) if group else None
+    return PrefillBatch(lone, packed)
+
+
+def packed_attention(q: torch.Tensor, layer_kv: torch.Tensor, p: PackedPrefill) -> torch.Tensor:
+    """The packed chunks' attention; returns [sum num_q, Hq, D] in token order."""
+    _, num_heads, head_dim = q.shape
+    qs = q[p.q_index].view(p.num_seqs, p.max_q, num_heads, head_dim).transpose(1, 2)
+    # Advanced indices on dims 0 and 2 around a slice: the view is [S, max_k, 2, Hkv, D].
+    kv = layer_kv[p.key_blocks, :, p.key_offsets]
+    ks, vs = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask,
+                                       enable_gqa=num_heads > ks.shape[1])
+    return o.transpose(1, 2).reshape(-1, num_heads, head_dim)[p.rows]
+
+
+def lone_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
+                   p: PrefillSlice) -> torch.Tensor:
+    """One chunk's attention; returns [num_q, Hq, D]."""
+    _, _, block_size, num_kv_heads, head_dim = layer_kv.shape
+    qs = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, Hq, q, D]
+    if p.mask is None:
+        ks = k[p.start:p.start + p.num_q].transpose(0, 1)[None]
+        vs = v[p.start:p.start + p.num_q].transpose(0, 1)[None]
+    else:
+        kv = layer_kv[p.block_row].transpose(0, 1)  # [2, nb, B, Hkv, D]
+        kv = kv.reshape(2, p.num_blocks * block_size, num_kv_heads, head_dim)
+        ks = kv[0, :p.num_k].transpose(0, 1)[None]
+        vs = kv[1, :p.num_k].transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None,
+                                       enable_gqa=q.shape[1] > num_kv_heads)
+    return o[0].transpose(0, 1)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
+                      batch: PrefillBatch, out: torch.Tensor) -> None:
+    """Writes every prefill token's attention output into `out` [T, Hq, D]."""
+    if batch.packed is not None:
+        o = packed_attention(q, layer_kv, batch.packed)
+        if batch.packed.tokens is None:
+            out.copy_(o)
+        else:
+            out[batch.packed.tokens] = o
+    for p in batch.lone:
+        out[p.start:p.start + p.num_q] = lone_attention(q, k, v, layer_kv, p)
