@@ -133,15 +133,25 @@ def test_disconnect_mid_stream_frees_every_block(deployments, deployment):
                else [*deployments["prompts"], deployments["completion"]])
     body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=deployments[deployment], timeout=60) as http, \
+
+    def still_decoding() -> None:
+        assert any(e.stats().num_running for e in engines)
+
+    _read_then_disconnect(deployments[deployment], body, 4, before_hanging_up=still_decoding)
+    wait_whole(engines)
+
+
+def _read_then_disconnect(base_url: str, body: dict, num_chunks: int,
+                          before_hanging_up=lambda: None) -> None:
+    """Stream a completion, read `num_chunks` data chunks, call `before_hanging_up`, hang up."""
+    with httpx.Client(base_url=base_url, timeout=60) as http, \
             http.stream("POST", "/v1/completions", json=body) as response:
         seen = 0
         for line in response.iter_lines():
             seen += line.startswith("data: {")
-            if seen == 4:
-                assert any(e.stats().num_running for e in engines)
+            if seen == num_chunks:
+                before_hanging_up()
                 break
-    wait_whole(engines)
 
 
 def test_64_concurrent_streams_match_their_whole_text(deployments):
@@ -331,13 +341,7 @@ def test_n_choices_fork_one_prompt(deployments, model_info):
     long = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
             "temperature": 1.0, "ignore_eos": True, "stream": True, "n": 3}
     for deployment in ("normal", "pd"):
-        with httpx.Client(base_url=deployments[deployment], timeout=60) as http, \
-                http.stream("POST", "/v1/completions", json=long) as response:
-            seen = 0
-            for line in response.iter_lines():
-                seen += line.startswith("data: {")
-                if seen == 8:
-                    break
+        _read_then_disconnect(deployments[deployment], long, 8)
     wait_whole([engine, *deployments["prompts"], deployments["completion"]])
 
 
