@@ -134,4 +134,4 @@ class LlamaModel(nn.Module):
             x = x[last]
         x = rms_norm(x, self.norm, c.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return backend.lm_head(x, head).float()
+        return backend.lm_head(x, head, last).float()

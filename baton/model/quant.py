@@ -12,9 +12,10 @@ values by gguf-py's reference quantizers, the ones that wrote the file. The few-
 quantize the activations per 32 values to int16 codes and a float scale (ggml's q8_1 with 16-bit
 codes: its 8-bit ones gave 97.2% teacher-forced top-1 agreement with the exact mode, under the
 98% gate) and accumulate exact integer dot products; they run on any x86-64 CPU, AVX2 where it
-is there. A decode step of at most `QUANT_MAX_ROWS` rows runs through them, a larger one (a
-prefill chunk) through `dense`, the same weights dequantized to the model's dtype, so prefill
-keeps the float GEMMs' speed. Activations, norms, attention and KV stay in the model's dtype.
+is there. Decode rows run through them, prefill rows through `dense`, the same weights
+dequantized to the model's dtype, so prefill keeps the float GEMMs' speed; the backend chooses
+by the kind of row, never by the step's size (`CPUBackend.linear`), so that a decode token's
+numbers do not depend on what else its step holds. Activations, norms, attention and KV stay in the model's dtype.
 
 int8 refuses a file whose layer weights are 4-bit: Q8_0 from those values re-rounds every
 weight, at twice int4's bytes. A fused projection (q|k|v, gate|up) takes one block kind: a part
@@ -32,7 +33,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8", "int4")
-QUANT_MAX_ROWS = 16  # rows up to which the block kernels beat the dense GEMM (a decode batch)
 BLOCK_SIZE = 32  # values per GGUF block
 BLOCK_KINDS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # kind -> (kernel id, bytes)
 _LAYER_KIND = {"int4": ("Q4_1", "Q4_0"), "int8": ("Q8_0",)}  # mode -> block kinds kept as stored

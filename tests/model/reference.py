@@ -157,7 +157,7 @@ def held_out_tokens(num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def teacher_forced_top1(loaded, tokens: list[int], chunk: int = 512) -> torch.Tensor:
+def teacher_forced_top1(loaded, tokens: list[int], chunk: int = 512, backend=None) -> torch.Tensor:
     """The model's top-1 prediction after every prefix of `tokens` (teacher forcing: the text,
     not the model's own output, is fed back), as one sequence prefilled in chunks over a paged
     pool: int64 [len(tokens) - 1]."""
@@ -165,7 +165,7 @@ def teacher_forced_top1(loaded, tokens: list[int], chunk: int = 512) -> torch.Te
     from baton.model_runner import ModelRunner
 
     num_blocks = -(-len(tokens) // BLOCK_SIZE)
-    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=num_blocks + 1)
+    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=num_blocks + 1, backend=backend)
     table = torch.arange(1, num_blocks + 1)[None]
     out = []
     for start in range(0, len(tokens), chunk):

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from baton.engine import EngineConfig
-from baton.model.quant import QUANT_MAX_ROWS
+from baton.model.backends import CPUBackend
 
 from .reference import baton_model, held_out_tokens, teacher_forced_top1
 
 NUM_TOKENS = 2048
-CHUNK = QUANT_MAX_ROWS  # teacher-forced chunks this small run through the int kernels
+CHUNK = 16  # teacher-forced chunks of a decode batch's size
 
 
 def test_config_refuses_unknown_modes() -> None:
@@ -54,22 +54,31 @@ def test_gguf_blocks_are_the_stored_values() -> None:
 
 
 def test_int4_model_runs_the_block_kernels_on_decode_rows() -> None:
-    """Few rows go through the kernels (Q4_1 layers, Q8_0 head), many through the dense copy,
-    which holds the blocks' values."""
-    from baton.model.backends.cpu import linear, lm_head
+    """Decode rows go through the kernels (Q4_1 layers, Q8_0 head), prefill rows through the
+    dense copy, which holds the blocks' values: chosen by the kind of row, so a decode row's
+    numbers do not depend on what else its step holds."""
     from baton.model.quant import QuantizedWeight
 
     model = _loaded("int4").model
     qkv, head = model.layers[0].qkv_proj, model.lm_head
     assert isinstance(head, QuantizedWeight) and (qkv.kind, head.kind) == ("Q4_1", "Q8_0")
     assert head.dense.data_ptr() == model.embed_tokens.data_ptr()  # no second copy
-    x = torch.randn(QUANT_MAX_ROWS + 1, model.config.hidden_size,
-                    generator=torch.Generator().manual_seed(0))
-    for w, f in ((qkv, linear), (head, lm_head)):
-        few, many = f(x[:QUANT_MAX_ROWS], w), f(x, w)
-        assert torch.equal(few, w.matmul(x[:QUANT_MAX_ROWS]))
-        assert torch.allclose(many, x @ w.dense.T, rtol=1e-4, atol=1e-4)
-        assert torch.allclose(few, many[:QUANT_MAX_ROWS], rtol=0.05, atol=0.05 * many.abs().max())
+    x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    backend = CPUBackend()
+
+    def step(seqlens_q: list[int]) -> None:  # what prepare learns of a step's rows
+        q = np.asarray(seqlens_q)
+        backend._decode_token = np.repeat(q == 1, q)
+    for w, f in ((qkv, backend.linear), (head, backend.lm_head)):
+        step([1] * 40)  # 40 decode rows, more than a batch of 16
+        all_decode = f(x, w)
+        assert torch.equal(all_decode, w.matmul(x))
+        step([1] * 3 + [37])  # three decode rows beside a prefill chunk
+        mixed = f(x, w)
+        assert torch.equal(mixed[:3], all_decode[:3])  # the same numbers whatever the step
+        assert torch.allclose(mixed[3:], x[3:] @ w.dense.T, rtol=1e-4, atol=1e-4)
+        step([40])
+        assert torch.allclose(f(x, w), x @ w.dense.T, rtol=1e-4, atol=1e-4)
 
 
 @functools.cache
@@ -89,7 +98,10 @@ def _exact_top1() -> torch.Tensor:
 def test_teacher_forced_agreement_with_exact_mode(quantization: str) -> None:
     exact = _exact_top1()
     loaded = _loaded(quantization)
-    got = teacher_forced_top1(loaded, held_out_tokens(NUM_TOKENS), chunk=CHUNK)
+    # Every row through the block kernels, as decode rows go (prefill chunks take the dense copy,
+    # which holds the exact mode's weights: it would measure nothing).
+    got = teacher_forced_top1(loaded, held_out_tokens(NUM_TOKENS), chunk=CHUNK,
+                              backend=CPUBackend(kernel_rows="all"))
     agreement = float((got == exact).float().mean())
     print(f"{quantization}: top-1 agreement {agreement:.4f} over {len(exact)} tokens")
     assert len(exact) >= 2000

@@ -46,7 +46,9 @@ class Backend(Protocol):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
-    def lm_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The vocabulary projection of x, the step's flat tokens `rows` (None = all of them)."""
 
     def prepare(self, batch: StepBatch, kv_cache: torch.Tensor, dtype: torch.dtype) -> Any:
         """Attention metadata for this step; passed back to `attention` and `finish_step`."""

@@ -28,7 +28,7 @@ from baton.model.backends import cpu_fused
 from baton.model.backends.base import StepBatch
 from baton.model.backends.cpu_decode_rows import DecodeRows, RowGroup
 from baton.model.backends.cpu_prefill import PrefillBatch, build_prefill, prefill_attention
-from baton.model.quant import QUANT_MAX_ROWS, QuantizedWeight
+from baton.model.quant import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias) that keeps every intra-op thread busy for a decode batch:
     the weight's output rows are cut into one part per thread, viewed as a batch (no copy), and
     one `bmm` runs the parts in parallel. 1.3-1.5x faster for 1-32 rows on 2 threads; large
-    batches (prefill) keep MKL's own threading. A quantized weight runs its block kernel (which
-    threads itself) for a few rows, its dense copy for more (`baton/model/quant.py`)."""
+    batches (prefill) keep MKL's own threading. A quantized weight is multiplied as its dense
+    copy here; `CPUBackend.linear` sends decode rows through its block kernel."""
     if isinstance(weight, QuantizedWeight):
-        if x.shape[0] <= QUANT_MAX_ROWS:
-            return weight.matmul(x)
         weight = weight.dense
     parts = torch.get_num_threads()
     rows, (n, k) = x.shape[0], weight.shape
@@ -82,11 +80,9 @@ def portable_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The vocabulary projection, the largest GEMM of a decode step (49152 x 576 for SmolLM2):
-    oneDNN's matmul, which threads it, beats MKL's 1.3-1.8x on this CPU at 8-256 rows. In the
-    quantized modes a few rows run the Q8_0 block kernel over the file's blocks."""
+    oneDNN's matmul, which threads it, beats MKL's 1.3-1.8x on this CPU at 8-256 rows. A
+    quantized head is multiplied as its dense copy here (`CPUBackend.lm_head`: the kernel)."""
     if isinstance(weight, QuantizedWeight):
-        if x.shape[0] <= QUANT_MAX_ROWS:
-            return weight.matmul(x)
         weight = weight.dense
     if _ONEDNN and x.dtype in _ONEDNN_DTYPES:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
@@ -265,17 +261,47 @@ class CPUBackend:
     # Each decoding sequence's K/V is mirrored in its dense row: up to the pool's size again.
     kv_memory_factor = 1.0
 
-    def __init__(self, fused_decode: bool = False) -> None:
+    def __init__(self, fused_decode: bool = False, kernel_rows: str = "decode") -> None:
         """`fused_decode`: decode attention as one compiled op a layer (`cpu_fused`; not the
-        eager path's float operations, so only for modes that are not the exact one)."""
+        eager path's float operations, so only for modes that are not the exact one).
+        `kernel_rows`: which rows a quantized weight multiplies with its block kernel: "decode"
+        (decode tokens; prefill chunks take the dense copy) or "all" (the quality gate's
+        teacher forcing measures the kernels' numbers through prefill chunks)."""
+        if kernel_rows not in ("decode", "all"):
+            raise ValueError(f"kernel_rows must be 'decode' or 'all', got {kernel_rows!r}")
         self.decode_rows = DecodeRows()  # decode K/V, kept across steps
         self.fused_decode = fused_decode and cpu_fused.AVAILABLE
+        self.kernel_rows = kernel_rows
+        self._decode_token = np.zeros(0, dtype=bool)  # this step's flat tokens: a decode row?
 
-    linear = staticmethod(linear)
-    lm_head = staticmethod(lm_head)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return self._quantized(x, weight, self._decode_token, linear)
+        return linear(x, weight)
+
+    def lm_head(self, x: torch.Tensor, weight: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            flags = self._decode_token if rows is None else self._decode_token[rows.cpu().numpy()]
+            return self._quantized(x, weight, flags, lm_head)
+        return lm_head(x, weight)
+
+    def _quantized(self, x: torch.Tensor, weight: QuantizedWeight, decode: np.ndarray,
+                   dense) -> torch.Tensor:
+        """Decode rows through the block kernel, prefill rows through the dense copy, chosen by
+        the kind of row, never by the batch's size: a decode token's numbers are the same
+        whatever else its step holds (disaggregated == co-located under any load)."""
+        if self.kernel_rows == "all" or len(decode) != x.shape[0] or decode.all():
+            return weight.matmul(x)
+        out = dense(x, weight)
+        if decode.any():
+            index = torch.as_tensor(np.flatnonzero(decode), device=x.device)
+            out[index] = weight.matmul(x[index])
+        return out
 
     def prepare(self, batch: StepBatch, kv_cache: torch.Tensor,
                 dtype: torch.dtype) -> AttentionMetadata:
+        self._decode_token = np.repeat(batch.seqlens_q == 1, batch.seqlens_q)
         seq_ids = batch.seq_ids
         if seq_ids is None:
             self.decode_rows.reset()  # no identities: nothing may be matched across steps
@@ -329,5 +355,12 @@ class PortableBackend(CPUBackend):
     replaces it; these machines have no GPU to build and measure one on."""
 
     name = "portable"
-    linear = staticmethod(portable_linear)
-    lm_head = staticmethod(portable_linear)
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return portable_linear(x, weight)
+
+    @staticmethod
+    def lm_head(x: torch.Tensor, weight: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        return portable_linear(x, weight)
