@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 # mode -> (engine flags after `baton up --`, EngineConfig fields for the in-process prefill row).
 # int8 is left out: the engine refuses it on this Q4_1 file (it would round every weight twice).
-# bf16 needs oneDNN bf16 matmuls; on a CPU without them (this AVX2 machine) it fails at start.
+# bf16 on a CPU without AVX512-BF16 (this AVX2 machine) runs MKL's emulated bf16 GEMMs (oneDNN refuses
+# them): it works (an in-process engine generates) but is no fast mode there.
 MODES: dict[str, tuple[list[str], dict]] = {
     "exact": ([], {}),
     "int4": (["--quantization", "int4"], {"quantization": "int4"}),
