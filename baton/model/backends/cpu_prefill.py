@@ -22,6 +22,7 @@ ones still go together.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -41,7 +42,17 @@ class PrefillSlice:
     num_k: int  # context length after this step
     num_blocks: int  # blocks holding num_k tokens
     block_row: torch.Tensor  # int64 [num_blocks]
-    mask: torch.Tensor | None  # bool [num_q, num_k]; None when nothing was cached (plain causal)
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """bool [num_q, num_k], the causal mask shifted by the cached length; None when nothing
+        was cached (plain causal). Built at a lone chunk's first layer only: a packed chunk
+        shares the pack's mask."""
+        cached = self.num_k - self.num_q
+        if not cached:
+            return None
+        rows = torch.arange(self.num_q, device=self.block_row.device)[:, None] + cached
+        return torch.arange(self.num_k, device=self.block_row.device)[None, :] <= rows
 
 
 @dataclass
@@ -66,17 +77,11 @@ class PrefillBatch:
 
 def build_slices(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
                  block_tables: torch.Tensor, block_size: int) -> list[PrefillSlice]:
-    device = block_tables.device
     slices = []
     for i in np.flatnonzero(seqlens_q > 1):
         q, k = int(seqlens_q[i]), int(seqlens_k[i])
-        cached = k - q
-        mask = None
-        if cached:
-            rows = torch.arange(q, device=device)[:, None] + cached
-            mask = torch.arange(k, device=device)[None, :] <= rows
         nb = -(-k // block_size)
-        slices.append(PrefillSlice(int(starts[i]), q, k, nb, block_tables[i, :nb], mask))
+        slices.append(PrefillSlice(int(starts[i]), q, k, nb, block_tables[i, :nb]))
     return slices
 
 
