@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace baton_decode {
@@ -121,7 +120,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const c10::optional<at::Tenso
     TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv");
     TORCH_CHECK(ws.dim() == 6 && ws.scalar_type() == at::kFloat && ws.is_contiguous(), "ws");
     const int64_t n = qkv.size(0), d = ws.size(5), cap = ws.size(4), num_rows = ws.size(2);
-    TORCH_CHECK(ws.size(3) == num_kv_heads && num_heads % num_kv_heads == 0, "heads");
+    TORCH_CHECK(num_kv_heads > 0 && ws.size(3) == num_kv_heads && num_heads % num_kv_heads == 0,
+                "heads");
     TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv width");
     TORCH_CHECK(layer >= 0 && layer < ws.size(0), "layer");
     const bool rotate = cos_opt.has_value();
