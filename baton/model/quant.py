@@ -142,8 +142,9 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T` by the block kernel (activations quantized per 32 values), x [M, K]: a row's
         values do not depend on the other rows nor on the threads."""
-        y = _OPS.qgemm(x.float().contiguous(), self.blocks, BLOCK_KINDS[self.kind][0])
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        if x.dtype == torch.float32 and x.is_contiguous():  # a decode step's usual x: no dispatches
+            return _OPS.qgemm(x, self.blocks, BLOCK_KINDS[self.kind][0])
+        return _OPS.qgemm(x.float().contiguous(), self.blocks, BLOCK_KINDS[self.kind][0]).to(x.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,7 @@
 """The block kernels (`csrc/qkernels.cpp`): the AVX2 path equals the portable scalar path bit for
-bit, both compute exact integer dot products of the stored codes with the activations' int8
-codes, and a row's value depends neither on the other rows of the batch nor on the threads."""
+bit, both compute exact integer dot products of the stored codes with the activations' int16
+codes, and a row's value depends neither on the other rows of the batch (which tile shape, 8x1,
+4x2, 2x4 or 1x8, computed it) nor on the threads."""
 
 from __future__ import annotations
 
@@ -55,6 +56,25 @@ def test_rows_do_not_depend_on_the_batch_or_the_threads(kind: str) -> None:
         assert torch.equal(kernels().qgemm(x, w, kind_id), full)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_tile_shape_gives_the_same_rows(kind: str) -> None:
+    """m = 8 g + 4 a + 2 b + c rows go through 8x1, 4x2, 2x4 and 1x8 tiles (leftover columns
+    through the scalar path): each row equals the scalar path and the row computed alone."""
+    kind_id = BLOCK_KINDS[kind][0]
+    b, x = _case(kind, 203, 96, 32, seed=11)
+    w_all = torch.from_numpy(b.data)
+    alone = torch.cat([kernels().qgemm_scalar(x[i:i + 1].contiguous(), w_all, kind_id)
+                       for i in range(32)])
+    for n in (8, 13, 16, 40, 200):
+        w = w_all[:n]
+        for m in (1, 3, 7, 8, 9, 17, 32):
+            for lo in {0, 32 - m}:  # the same rows at other places in other tiles
+                xs = x[lo:lo + m].contiguous()
+                got = kernels().qgemm(xs, w, kind_id)
+                assert torch.equal(got, kernels().qgemm_scalar(xs, w, kind_id)), (n, m, lo)
+                assert torch.equal(got, alone[lo:lo + m, :n]), (n, m, lo)
 
 
 def test_stored_extremes_are_exact() -> None:
