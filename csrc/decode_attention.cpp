@@ -17,14 +17,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace baton_decode {
 
-// Inner loops, compiled once for AVX2+FMA and once for plain x86-64; the loader picks one by
-// the CPU it runs on (GCC's target_clones).
-__attribute__((target_clones("avx2,fma", "default")))
-float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// Inner loops: plain functions inlined into the per-head body below, which is compiled once for
+// AVX2+FMA and once for plain x86-64 (GCC's target_clones: the loader picks one by the CPU). An
+// out-of-line clone per dot product would cost an indirect call per key.
+__attribute__((always_inline)) inline float dot(const float* __restrict a,
+                                                const float* __restrict b, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t j = 0;
     for (; j + 8 <= n; j += 8)
@@ -33,6 +35,8 @@ float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
     for (; j < n; ++j) s += a[j] * b[j];
     return s;
 }
+
+__attribute__((always_inline)) inline float sum_sq(const float* x, int64_t n) { return dot(x, x, n); }
 
 __attribute__((target_clones("avx2,fma", "default")))
 float sum(const float* x, int64_t n) {
@@ -45,15 +49,15 @@ float sum(const float* x, int64_t n) {
     return s;
 }
 
-__attribute__((target_clones("avx2,fma", "default")))
-void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+__attribute__((always_inline)) inline void axpy(float* __restrict y, float a,
+                                                const float* __restrict x, int64_t n) {
     for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
 }
 
-// exp(v) for v in [-87, 0] (softmax's arguments after the max is taken off): Cephes'
-// single-precision polynomial, about 1 ulp.
+// exp(v), v clamped to [-87, 88] (softmax's arguments, after the max is taken off, are <= 0; SiLU's
+// any): Cephes' single-precision polynomial, about 1 ulp.
 inline float exp_poly(float v) {
-    v = v < -87.0f ? -87.0f : v;
+    v = v < -87.0f ? -87.0f : v > 88.0f ? 88.0f : v;
     const float k = std::floor(v * 1.44269504088896341f + 0.5f);
     v = v - k * 0.693359375f;
     v = v - k * -2.12194440e-4f;
@@ -69,27 +73,45 @@ inline float exp_poly(float v) {
 }
 
 // The same operations eight lanes at a time (no FMA: the scalar tail stays identical).
-__attribute__((target("avx2")))
-int64_t exp_shifted_avx2(float* x, float shift, int64_t n) {
-    const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f),
-                 half = _mm256_set1_ps(0.5f), c1 = _mm256_set1_ps(0.693359375f),
-                 c2 = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f),
-                 sh = _mm256_set1_ps(shift);
+__attribute__((target("avx2"))) inline __m256 exp8(__m256 v) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f),
+                 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f),
+                 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f),
+                 one = _mm256_set1_ps(1.0f);
     const float coef[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    v = _mm256_blendv_ps(v, lo, _mm256_cmp_ps(v, lo, _CMP_LT_OQ));
+    v = _mm256_blendv_ps(v, hi, _mm256_cmp_ps(v, hi, _CMP_GT_OQ));
+    const __m256 k = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, log2e), half));
+    v = _mm256_sub_ps(v, _mm256_mul_ps(k, c1));
+    v = _mm256_sub_ps(v, _mm256_mul_ps(k, c2));
+    __m256 p = _mm256_set1_ps(coef[0]);
+    for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, v), _mm256_set1_ps(coef[c]));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, v), v), v), one);
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+__attribute__((target("avx2")))
+int64_t exp_shifted_avx2(float* x, float shift, int64_t n) {
+    const __m256 sh = _mm256_set1_ps(shift);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(x + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), sh)));
+    return j;
+}
+
+// y[j] = silu(g[j]) * u[j] = g[j] / (1 + exp(-g[j])) * u[j]; returns how many it did.
+__attribute__((target("avx2")))
+int64_t silu_mul_avx2(const float* g, const float* u, float* y, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), sh);
-        v = _mm256_blendv_ps(v, lo, _mm256_cmp_ps(v, lo, _CMP_LT_OQ));
-        const __m256 k = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, log2e), half));
-        v = _mm256_sub_ps(v, _mm256_mul_ps(k, c1));
-        v = _mm256_sub_ps(v, _mm256_mul_ps(k, c2));
-        __m256 p = _mm256_set1_ps(coef[0]);
-        for (int c = 1; c < 6; ++c) p = _mm256_add_ps(_mm256_mul_ps(p, v), _mm256_set1_ps(coef[c]));
-        p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, v), v), v), one);
-        const __m256i bits = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-        _mm256_storeu_ps(x + j, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_sub_ps(zero, gv));
+        _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(u + j)));
     }
     return j;
 }
@@ -103,11 +125,44 @@ float exp_shifted(float* x, float shift, int64_t n) {
     return sum(x, n);
 }
 
+void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
+    int64_t j = kAvx2 ? silu_mul_avx2(g, u, y, n) : 0;
+    for (; j < n; ++j) y[j] = g[j] / (1.0f + exp_poly(0.0f - g[j])) * u[j];
+}
+
+// RMSNorm of one row as transformers computes it, (x * (1 / sqrt(mean(x^2) + eps))) * w, with
+// one fixed summation order.
+__attribute__((target_clones("avx2,fma", "default")))
+void rms_row(const float* x, const float* w, float eps, int64_t n, float* y) {
+    const float r = 1.0f / std::sqrt(sum_sq(x, n) / static_cast<float>(n) + eps);
+    for (int64_t j = 0; j < n; ++j) y[j] = x[j] * r * w[j];
+}
+
+__attribute__((target_clones("avx2,fma", "default")))
+void add_row(const float* a, const float* b, int64_t n, float* y) {
+    for (int64_t j = 0; j < n; ++j) y[j] = a[j] + b[j];
+}
+
 // out = x * cos + rotate_half(x) * sin, with rotate_half's sign folded into `signed_sin`.
 void rope(float* out, const float* x, const float* cos, const float* ssin, int64_t d) {
     const int64_t half = d / 2;
     for (int64_t j = 0; j < half; ++j) out[j] = x[j] * cos[j] + x[j + half] * ssin[j];
     for (int64_t j = half; j < d; ++j) out[j] = x[j] * cos[j] + x[j - half] * ssin[j];
+}
+
+// One query head over its row's keys and values 0..len-1: out = softmax(q . k * scale) v.
+__attribute__((target_clones("avx2,fma", "default")))
+void head_attention(const float* q, const float* keys, const float* vals, int64_t len, int64_t d,
+                    float scale, float* scores, float* out) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) {
+        scores[t] = dot(q, keys + t * d, d) * scale;
+        mx = std::max(mx, scores[t]);
+    }
+    const float total = exp_shifted(scores, mx, len);
+    std::fill(out, out + d, 0.0f);
+    const float inv = 1.0f / total;
+    for (int64_t t = 0; t < len; ++t) axpy(out, scores[t] * inv, vals + t * d, d);
 }
 
 // One decode step of one layer's attention for n sequences with one new token each:
@@ -175,19 +230,69 @@ at::Tensor decode_attention(const at::Tensor& qkv, const c10::optional<at::Tenso
             if (rotate) rope(qr.data(), x + qh * d, cp + i * d, sp + i * d, d);
             else std::copy(x + qh * d, x + (qh + 1) * d, qr.begin());
             scores.resize(len);
-            float mx = -INFINITY;
-            for (int64_t t = 0; t < len; ++t) {
-                scores[t] = dot(qr.data(), keys + t * d, d) * scale;
-                mx = std::max(mx, scores[t]);
-            }
-            const float sum = exp_shifted(scores.data(), mx, len);
-            float* o = op + i * num_heads * d + qh * d;
-            std::fill(o, o + d, 0.0f);
-            const float inv = 1.0f / sum;
-            for (int64_t t = 0; t < len; ++t) axpy(o, scores[t] * inv, vals + t * d, d);
+            head_attention(qr.data(), keys, vals, len, d, scale, scores.data(),
+                           op + i * num_heads * d + qh * d);
         }
     });
     return out;
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
+                name, " must be a contiguous 2-D float32 CPU tensor, got ", x.sizes(), " ",
+                x.scalar_type());
+}
+
+// Rows are independent: any split over threads gives the same values.
+constexpr int64_t kRowGrain = 8;
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+    check_rows(x, "x");
+    const int64_t m = x.size(0), n = x.size(1);
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
+                w.is_contiguous(), "weight must be float32 [", n, "], got ", w.sizes());
+    auto y = at::empty_like(x);
+    const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, m, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) rms_row(xp + r * n, wp, static_cast<float>(eps), n, yp + r * n);
+    });
+    return y;
+}
+
+// (x + r, rms_norm(x + r)): the residual add and the next norm in one call.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps) {
+    check_rows(x, "x");
+    check_rows(r, "residual");
+    TORCH_CHECK(r.sizes() == x.sizes(), "residual ", r.sizes(), " must match x ", x.sizes());
+    const int64_t m = x.size(0), n = x.size(1);
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
+                w.is_contiguous(), "weight must be float32 [", n, "], got ", w.sizes());
+    auto s = at::empty_like(x), y = at::empty_like(x);
+    const float *xp = x.data_ptr<float>(), *rp = r.data_ptr<float>(), *wp = w.data_ptr<float>();
+    float *sp = s.data_ptr<float>(), *yp = y.data_ptr<float>();
+    at::parallel_for(0, m, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            add_row(xp + i * n, rp + i * n, n, sp + i * n);
+            rms_row(sp + i * n, wp, static_cast<float>(eps), n, yp + i * n);
+        }
+    });
+    return {s, y};
+}
+
+// silu(gate) * up of a fused gate|up projection [M, 2I]: [M, I].
+at::Tensor silu_mul(const at::Tensor& gu) {
+    check_rows(gu, "gate_up");
+    TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up width must be even, got ", gu.size(1));
+    const int64_t m = gu.size(0), n = gu.size(1) / 2;
+    auto y = at::empty({m, n}, gu.options());
+    const float* gp = gu.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, m, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * 2 * n, gp + r * 2 * n + n, yp + r * n, n);
+    });
+    return y;
 }
 
 }  // namespace baton_decode
@@ -195,6 +300,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const c10::optional<at::Tenso
 TORCH_LIBRARY(baton_decode, m) {
     m.def("decode_attention(Tensor qkv, Tensor? cos, Tensor? ssin, Tensor(a!) ws, int layer, Tensor rows, Tensor pos, int num_heads, int num_kv_heads) -> Tensor",
           &baton_decode::decode_attention);
+    m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &baton_decode::rms_norm);
+    m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)",
+          &baton_decode::add_rms_norm);
+    m.def("silu_mul(Tensor gate_up) -> Tensor", &baton_decode::silu_mul);
 }
 
 PYBIND11_MODULE(_decode_ops, m) { m.doc() = "registers torch.ops.baton_decode"; }

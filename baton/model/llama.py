@@ -34,6 +34,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: Backend,
+         residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)); residual None: (x, rms_norm(x)). Through the
+    backend's fused kernel where it has one (`Backend.fused_norm`), else the eager ops."""
+    fused = backend.fused_norm(x, weight, eps, residual)
+    if fused is not None:
+        return fused
+    if residual is not None:
+        x = x + residual
+    return x, rms_norm(x, weight, eps)
+
+
 def rope_table(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[max_position, head_dim]` in fp32 (HF's non-interleaved "rotate_half" layout)."""
     dim = config.head_dim
@@ -70,7 +82,7 @@ class LlamaLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 layer_kv: torch.Tensor, meta: Any, backend: Backend) -> torch.Tensor:
         c = self.config
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        h = norm(x, self.input_norm, c.rms_norm_eps, backend)[1]
         qkv = backend.linear(h, self.qkv_proj)
         # A backend may run RoPE, the K/V write and attention as one kernel (a decode step).
         attn = backend.fused_attention(qkv, cos, signed_sin, meta, self.index)
@@ -82,10 +94,14 @@ class LlamaLayer(nn.Module):
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, num_qk_heads * c.head_dim:].view(-1, c.num_kv_heads, c.head_dim)
             attn = backend.attention(q, k, v, layer_kv, meta, self.index)
-        x = x + backend.linear(attn.reshape(x.shape[0], -1), self.o_proj)
-        h = rms_norm(x, self.post_norm, c.rms_norm_eps)
-        gate, up = backend.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + backend.linear(F.silu(gate) * up, self.down_proj)
+        x, h = norm(x, self.post_norm, c.rms_norm_eps, backend,
+                    residual=backend.linear(attn.reshape(x.shape[0], -1), self.o_proj))
+        gate_up = backend.linear(h, self.gate_up_proj)
+        act = backend.fused_silu_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x + backend.linear(act, self.down_proj)
 
 
 class LlamaModel(nn.Module):
@@ -132,6 +148,6 @@ class LlamaModel(nn.Module):
         last = backend.last_tokens(meta) if logit_rows is None else logit_rows
         if last is not None:
             x = x[last]
-        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        x = norm(x, self.norm, c.rms_norm_eps, backend)[1]
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return backend.lm_head(x, head, last).float()

@@ -73,6 +73,38 @@ def test_op_checks_what_it_is_given() -> None:
                                    torch.tensor([0]), HQ, HKV)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norm_and_silu_ops_match_the_eager_formulas(threads: int) -> None:
+    from baton.model.llama import rms_norm
+
+    g = torch.Generator().manual_seed(7)
+    x, r = torch.randn(19, 576, generator=g) * 3, torch.randn(19, 576, generator=g)
+    w = torch.randn(576, generator=g)
+    gate_up = torch.randn(19, 2 * 1536, generator=g) * 4
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -90.0, 90.0, -1e-30])  # exp's clamps
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        s, h = cpu_fused.rms_norm(x, w, 1e-5, residual=r)
+        same, alone = cpu_fused.rms_norm(s[3:4].contiguous(), w, 1e-5)
+        act = cpu_fused.silu_mul(gate_up)
+        act_alone = cpu_fused.silu_mul(gate_up[5:6].contiguous())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(s, x + r)
+    torch.testing.assert_close(h, rms_norm(x + r, w, 1e-5), rtol=1e-6, atol=1e-6)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-5)
+    # A row's values do not depend on the other rows.
+    assert torch.equal(alone, h[3:4]) and same is not None and torch.equal(act_alone, act[5:6])
+    with pytest.raises(RuntimeError, match="residual"):
+        cpu_fused.rms_norm(x, w, 1e-5, residual=r[:3].contiguous())
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_fused.rms_norm(x, w[:100].contiguous(), 1e-5)
+    with pytest.raises(RuntimeError, match="even"):
+        cpu_fused.silu_mul(gate_up[:, :7].contiguous())
+
+
 def _decode_logits(runner, prompts: list[list[int]], steps: int, late: list[int]) -> torch.Tensor:
     """Teacher-forced decode: prefill each prompt, then feed the held-out text one token a step
     as an engine does (seq ids kept, so the dense rows persist); `late` joins with its whole

@@ -9,6 +9,8 @@ the device or on a kernel library goes through a `Backend`:
 * `attention`: write one layer's new K/V into the paged pool and attend over it;
 * `fused_attention`: the same with RoPE included, as one kernel, where the backend has one for
   the step (the CPU backend's decode steps of the quantized modes);
+* `fused_norm` / `fused_silu_mul`: a layer's glue (residual add + RMSNorm, SiLU * up) as one
+  kernel each, where the backend has them (the CPU backend's quantized modes);
 * `finish_step`: whatever state the backend keeps across steps learns that the step ran;
 * `kv_memory_factor`: bytes the backend keeps beside the pool per pool byte, so the engine's
   memory budget covers both (the CPU backend mirrors decoding sequences' K/V in dense rows).
@@ -66,5 +68,15 @@ class Backend(Protocol):
         """RoPE, the K/V write and attention of a whole step in one kernel, from the fused QKV
         projection [T, (Hq + 2 Hkv) D] and the rotation [T, 1, D]: [T, Hq D]; None = this step
         takes `attention` (the model applies RoPE itself)."""
+
+    def fused_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + residual, RMSNorm of it) as one kernel (residual None: (x, RMSNorm(x))); None
+        = the model runs its own ops."""
+
+    def fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of the fused projection [T, 2I] as one kernel: [T, I]; None = the
+        model runs its own ops."""
 
     def finish_step(self, meta: Any) -> None: ...

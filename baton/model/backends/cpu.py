@@ -273,6 +273,7 @@ class CPUBackend:
         self.fused_decode = fused_decode and cpu_fused.AVAILABLE
         self.kernel_rows = kernel_rows
         self._decode_token = np.zeros(0, dtype=bool)  # this step's flat tokens: a decode row?
+        self._all_decode = False  # every token of this step is a decode row
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
@@ -291,7 +292,8 @@ class CPUBackend:
         """Decode rows through the block kernel, prefill rows through the dense copy, chosen by
         the kind of row, never by the batch's size: a decode token's numbers are the same
         whatever else its step holds (disaggregated == co-located under any load)."""
-        if self.kernel_rows == "all" or len(decode) != x.shape[0] or decode.all():
+        if self.kernel_rows == "all" or len(decode) != x.shape[0] or \
+                (self._all_decode if decode is self._decode_token else decode.all()):
             return weight.matmul(x)
         out = dense(x, weight)
         if decode.any():
@@ -302,6 +304,7 @@ class CPUBackend:
     def prepare(self, batch: StepBatch, kv_cache: torch.Tensor,
                 dtype: torch.dtype) -> AttentionMetadata:
         self._decode_token = np.repeat(batch.seqlens_q == 1, batch.seqlens_q)
+        self._all_decode = bool(self._decode_token.all())
         seq_ids = batch.seq_ids
         if seq_ids is None:
             self.decode_rows.reset()  # no identities: nothing may be matched across steps
@@ -321,6 +324,19 @@ class CPUBackend:
         num_kv_heads, head_dim = ws.shape[3], ws.shape[5]
         num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
         return fused_groups(qkv, cos[:, 0], signed_sin[:, 0], d, layer, num_heads, num_kv_heads)
+
+    def fused_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.fused_decode or x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return None
+        return cpu_fused.rms_norm(x.contiguous(), weight, eps,
+                                  None if residual is None else residual.contiguous())
+
+    def fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        if not self.fused_decode or gate_up.dtype != torch.float32:
+            return None
+        return cpu_fused.silu_mul(gate_up.contiguous())
 
     @staticmethod
     def last_tokens(meta: AttentionMetadata) -> torch.Tensor | None:
