@@ -77,6 +77,10 @@ class EngineConfig:
     # engine); freed keyed blocks stay cached until the pool needs them.
     enable_prefix_caching: bool = True
     num_threads: int = 2  # torch intra-op threads; 0 = leave torch's default (all cores)
+    # Threads for a step with no prompt in it; 0 = num_threads. A decode step's GEMVs are small:
+    # on a small host each parallel region's barrier waits for a thread that the router, a
+    # client or the other engine may hold, which costs more than the split saves.
+    decode_threads: int = 0
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
     engine_type: str = "normal"
@@ -91,7 +95,8 @@ class EngineConfig:
                      "prefill_attempt_interval", "prefill_any_attempt_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads"):
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads",
+                     "decode_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.engine_type not in _ENGINE_TYPES:
@@ -172,6 +177,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        # Threads a prompt step and a decode-only step run on (set per step when they differ).
+        self._threads = torch.get_num_threads()
+        self._step_threads = {True: self._threads,
+                              False: config.decode_threads or self._threads}
         loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device,
                                       quantization=config.quantization)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
@@ -415,6 +424,9 @@ class LLMEngine:
         complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
         spans = (self._prompt_spans(reqs, seqlens_q, seqlens_k) if sched_out.prompt_run
                  else None)
+        threads = self._step_threads[bool(sched_out.prompt_run)]
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # ~10 us; once a step at most
         samples = self.runner.execute(
             sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
             [r.prompt_token_ids for r in reqs],

@@ -37,7 +37,8 @@ def engine_config(args: argparse.Namespace, role: str):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         # Standalone, assume one other engine shares the host (the launcher passes the share).
-        num_threads=args.num_threads or engine_threads(2), engine_type=role)
+        num_threads=args.num_threads or engine_threads(2), decode_threads=args.decode_threads,
+        engine_type=role)
 
 
 def transfer_config(args: argparse.Namespace, role: str):

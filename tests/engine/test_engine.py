@@ -192,3 +192,25 @@ def test_n_choices_whose_first_token_stops_need_no_fork(engine) -> None:
                                                        sample_index=i,
                                                        stop_token_ids=(firsts[0],)))[0]
         assert got[i] == (alone.token_ids, alone.finish_reason)
+
+
+def test_decode_steps_run_on_their_own_thread_count(greedy_outputs, prompts) -> None:
+    """decode_threads: a step without a prompt runs on its own torch thread count, a prompt
+    step on num_threads; the greedy outputs are the same either way."""
+    seen = []
+    before = torch.get_num_threads()
+    try:
+        eng = make_engine(num_threads=2, decode_threads=1)
+        execute = eng.runner.execute
+
+        def spy(sched_out, *args):
+            seen.append((bool(sched_out.prompt_run), torch.get_num_threads()))
+            return execute(sched_out, *args)
+
+        eng.runner.execute = spy
+        assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == greedy_outputs
+    finally:
+        torch.set_num_threads(before)
+    assert {(True, 2), (False, 1)} == set(seen)
+    with pytest.raises(ValueError, match="decode_threads"):
+        EngineConfig(decode_threads=-1)
