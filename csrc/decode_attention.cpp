@@ -22,9 +22,8 @@
 
 namespace baton_decode {
 
-// Inner loops: plain functions inlined into the per-head body below, which is compiled once for
-// AVX2+FMA and once for plain x86-64 (GCC's target_clones: the loader picks one by the CPU). An
-// out-of-line clone per dot product would cost an indirect call per key.
+// Inner loops of the portable paths, inlined into their callers (RMSNorm's row is compiled for
+// AVX2+FMA and for plain x86-64 by GCC's target_clones; the attention has an AVX2 twin below).
 __attribute__((always_inline)) inline float dot(const float* __restrict a,
                                                 const float* __restrict b, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -151,9 +150,9 @@ void rope(float* out, const float* x, const float* cos, const float* ssin, int64
 }
 
 // One query head over its row's keys and values 0..len-1: out = softmax(q . k * scale) v.
-__attribute__((target_clones("avx2,fma", "default")))
-void head_attention(const float* q, const float* keys, const float* vals, int64_t len, int64_t d,
-                    float scale, float* scores, float* out) {
+// Portable path (any CPU, any head size).
+void head_attention_scalar(const float* q, const float* keys, const float* vals, int64_t len,
+                           int64_t d, float scale, float* scores, float* out) {
     float mx = -INFINITY;
     for (int64_t t = 0; t < len; ++t) {
         scores[t] = dot(q, keys + t * d, d) * scale;
@@ -163,6 +162,70 @@ void head_attention(const float* q, const float* keys, const float* vals, int64_
     std::fill(out, out + d, 0.0f);
     const float inv = 1.0f / total;
     for (int64_t t = 0; t < len; ++t) axpy(out, scores[t] * inv, vals + t * d, d);
+}
+
+// dot's lane reduction, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), of one vector.
+__attribute__((target("avx2"))) inline float reduce8(__m256 v) {
+    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1));
+}
+
+// The same operations as the portable path, lane for lane, for head sizes of 8 * kMaxVec or
+// less in steps of 8: four keys' dot products at a time (four independent add chains), and the
+// output row held in registers while the values stream by.
+constexpr int64_t kMaxVec = 16;  // head_dim <= 128
+__attribute__((target("avx2"))) void head_attention_avx2(const float* q, const float* keys,
+                                                         const float* vals, int64_t len,
+                                                         int64_t d, float scale, float* scores,
+                                                         float* out) {
+    const int64_t nv = d / 8;
+    float mx = -INFINITY;
+    int64_t t = 0;
+    for (; t + 4 <= len; t += 4) {
+        const float* k = keys + t * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < d; j += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + j);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_loadu_ps(k + j)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k + d + j)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k + 2 * d + j)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k + 3 * d + j)));
+        }
+        scores[t] = reduce8(a0) * scale;
+        scores[t + 1] = reduce8(a1) * scale;
+        scores[t + 2] = reduce8(a2) * scale;
+        scores[t + 3] = reduce8(a3) * scale;
+        mx = std::max(std::max(std::max(mx, scores[t]), scores[t + 1]),
+                      std::max(scores[t + 2], scores[t + 3]));
+    }
+    for (; t < len; ++t) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 8)
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + j),
+                                               _mm256_loadu_ps(keys + t * d + j)));
+        scores[t] = reduce8(a) * scale;
+        mx = std::max(mx, scores[t]);
+    }
+    const float total = exp_shifted(scores, mx, len);
+    const float inv = 1.0f / total;
+    __m256 o[kMaxVec];
+    for (int64_t i = 0; i < nv; ++i) o[i] = _mm256_setzero_ps();
+    for (t = 0; t < len; ++t) {
+        const __m256 w = _mm256_set1_ps(scores[t] * inv);
+        const float* v = vals + t * d;
+        for (int64_t i = 0; i < nv; ++i)
+            o[i] = _mm256_add_ps(o[i], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * i)));
+    }
+    for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
+}
+
+void head_attention(const float* q, const float* keys, const float* vals, int64_t len, int64_t d,
+                    float scale, float* scores, float* out) {
+    if (kAvx2 && d % 8 == 0 && d <= 8 * kMaxVec)
+        head_attention_avx2(q, keys, vals, len, d, scale, scores, out);
+    else
+        head_attention_scalar(q, keys, vals, len, d, scale, scores, out);
 }
 
 // One decode step of one layer's attention for n sequences with one new token each:
