@@ -171,15 +171,14 @@ __attribute__((target("avx2"))) inline float reduce8(__m256 v) {
     return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1));
 }
 
-// The same operations as the portable path, lane for lane, for head sizes of 8 * kMaxVec or
-// less in steps of 8: four keys' dot products at a time (four independent add chains), and the
-// output row held in registers while the values stream by.
-constexpr int64_t kMaxVec = 16;  // head_dim <= 128
+// The same operations as the portable path, lane for lane, for head sizes 8 * NV (a template
+// argument, so that the output row stays in NV registers while the values stream by): four
+// keys' dot products at a time (four independent add chains).
+template <int NV>
 __attribute__((target("avx2"))) void head_attention_avx2(const float* q, const float* keys,
                                                          const float* vals, int64_t len,
-                                                         int64_t d, float scale, float* scores,
-                                                         float* out) {
-    const int64_t nv = d / 8;
+                                                         float scale, float* scores, float* out) {
+    constexpr int64_t d = 8 * NV, nv = NV;
     float mx = -INFINITY;
     int64_t t = 0;
     for (; t + 4 <= len; t += 4) {
@@ -209,7 +208,7 @@ __attribute__((target("avx2"))) void head_attention_avx2(const float* q, const f
     }
     const float total = exp_shifted(scores, mx, len);
     const float inv = 1.0f / total;
-    __m256 o[kMaxVec];
+    __m256 o[NV];
     for (int64_t i = 0; i < nv; ++i) o[i] = _mm256_setzero_ps();
     for (t = 0; t < len; ++t) {
         const __m256 w = _mm256_set1_ps(scores[t] * inv);
@@ -222,10 +221,10 @@ __attribute__((target("avx2"))) void head_attention_avx2(const float* q, const f
 
 void head_attention(const float* q, const float* keys, const float* vals, int64_t len, int64_t d,
                     float scale, float* scores, float* out) {
-    if (kAvx2 && d % 8 == 0 && d <= 8 * kMaxVec)
-        head_attention_avx2(q, keys, vals, len, d, scale, scores, out);
-    else
-        head_attention_scalar(q, keys, vals, len, d, scale, scores, out);
+    if (kAvx2 && d == 64) return head_attention_avx2<8>(q, keys, vals, len, scale, scores, out);
+    if (kAvx2 && d == 128) return head_attention_avx2<16>(q, keys, vals, len, scale, scores, out);
+    if (kAvx2 && d == 32) return head_attention_avx2<4>(q, keys, vals, len, scale, scores, out);
+    head_attention_scalar(q, keys, vals, len, d, scale, scores, out);
 }
 
 // One decode step of one layer's attention for n sequences with one new token each:
