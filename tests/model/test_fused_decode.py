@@ -59,6 +59,22 @@ def test_op_matches_the_eager_formulas(threads: int) -> None:
     assert torch.equal(alone, got[1:2])
 
 
+@pytest.mark.parametrize("d", [32, 48, 128])  # 32 and 128: the AVX2 loop's other sizes; 48: portable
+def test_op_at_other_head_sizes(d: int) -> None:
+    g = torch.Generator().manual_seed(d)
+    ws = torch.randn(1, 2, 2, 2, 40, d, generator=g)
+    qkv = torch.randn(2, (4 + 2 * 2) * d, generator=g)
+    rows, positions = torch.tensor([1, 0]), torch.tensor([37, 2])
+    got = cpu_fused.decode_attention(qkv, None, None, ws, 0, rows, positions, 4, 2)
+    for i in range(2):
+        r, p = int(rows[i]), int(positions[i])
+        q = qkv[i, :4 * d].view(2, 2, d)  # [kv head, group, d]
+        assert torch.equal(ws[0, 0, r, :, p], qkv[i, 4 * d:6 * d].view(2, d))
+        keys, vals = ws[0, 0, r, :, :p + 1], ws[0, 1, r, :, :p + 1]
+        want = ((q @ keys.transpose(-1, -2)) * d ** -0.5).softmax(-1) @ vals
+        torch.testing.assert_close(got[i], want.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
 def test_op_checks_what_it_is_given() -> None:
     ws = torch.zeros(LAYERS, 2, 2, HKV, 16, D)
     qkv = torch.zeros(1, (HQ + 2 * HKV) * D)
