@@ -1,0 +1,85 @@
+// Shared by the block kernels' scalar path (qkernels.cpp, where the header comment describes
+// the arithmetic) and their AVX2 path (qkernels_avx2.cpp).
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define BATON_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace baton_q {
+
+constexpr int QK = 32;  // values per block
+constexpr int kLanes = 8;  // (row, column) pairs per AVX2 tile
+// Columns a thread walks before it moves to the next 8 activation rows: their weight rows (at
+// most 64 x 960 bytes) stay in L2 while each 8-row group's codes (<= 24 KiB) stay in L1.
+constexpr int64_t kColumnBlock = 64;
+enum Kind : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+inline int64_t block_bytes(int64_t kind) {
+    switch (kind) {
+        case kQ4_0: return 18;
+        case kQ4_1: return 20;
+        case kQ8_0: return 34;
+        default: TORCH_CHECK(false, "unknown block kind ", kind, " (0 Q4_0, 1 Q4_1, 2 Q8_0)");
+    }
+}
+
+// Activations quantized per 32-block: codes [m, nb * 32]; the scales dx and sx transposed to
+// [nb, m], so that 8 consecutive rows' scales of one block are one load. `interleaved`: each
+// block's codes stored as values 0, 2, .., 14, then 1, 3, .., 15, then 16, 18, .., 30, then
+// 17, 19, .., 31, the order in which the AVX2 path unpacks a Q4 block's nibbles.
+struct QAct {
+    const int16_t* q;
+    const float* d;
+    const float* s;
+    int64_t m, nb;
+    bool interleaved;
+};
+
+// Weight blocks [n, nb * block bytes].
+struct QW {
+    const uint8_t* p;
+    int64_t row_bytes, n;
+};
+
+inline float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in fp32
+        const float f = std::ldexp(static_cast<float>(mant), -24);
+        return sign ? -f : f;
+    }
+    const uint32_t bits = exp == 31 ? (sign | 0x7f800000u | (mant << 13))
+                                    : (sign | ((exp + 112) << 23) | (mant << 13));
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// always_inline: the AVX2 functions (another target) would otherwise call them out of line.
+__attribute__((always_inline)) inline uint16_t load_u16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+__attribute__((always_inline)) inline int32_t load_i32(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// The scalar path: y[row, col] alone; rows r0..r1 x columns c0..c1 into out [m, n].
+float pair_scalar(const QW& w, int64_t kind, const QAct& a, int64_t row, int64_t col);
+void pairs_scalar(const QW& w, int64_t kind, const QAct& a, int64_t r0, int64_t r1, int64_t c0,
+                  int64_t c1, float* out);
+
+// The AVX2 path (call only where the CPU has AVX2, FMA and F16C).
+void interleave_codes_avx2(int16_t* q, int64_t blocks);
+void columns_avx2(const QW& w, int64_t kind, const QAct& a, int64_t c0, int64_t c1, float* out);
+
+}  // namespace baton_q
