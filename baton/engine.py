@@ -77,15 +77,20 @@ class EngineConfig:
     # engine); freed keyed blocks stay cached until the pool needs them.
     enable_prefix_caching: bool = True
     num_threads: int = 2  # torch intra-op threads; 0 = leave torch's default (all cores)
-    # Threads for a step with no prompt in it; 0 = num_threads. A decode step's GEMVs are small:
-    # on a small host each parallel region's barrier waits for a thread that the router, a
-    # client or the other engine may hold, which costs more than the split saves.
+    # Threads for a step with no prompt in it; 0 = auto: one in the quantized modes, num_threads
+    # in the others. On a small host each parallel region's barrier waits for a thread that the
+    # router, a client or the other engine may hold; the block kernels' decode steps gained
+    # nothing from a second thread even on an idle machine (co-located int4, 2 cores: c1 TPOT
+    # 18.4 ms on one, 20.3 on two; c32 70.1 vs 72.7 tok/s; 51-61 ms vs 31-34 at c1 beside a
+    # compile), while the exact mode's MKL GEMMs do (c32 66.8 vs 51.8 tok/s).
     decode_threads: int = 0
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
     engine_type: str = "normal"
     # Weight-only quantization: none | int8 | int4 (CPU kernels for decode steps,
-    # `baton/model/quant.py`). The exact mode: dtype float32, quantization none.
+    # `baton/model/quant.py`), or auto: int4 for a file whose layers are Q4 blocks, else none
+    # (the servers' default). The exact mode: dtype float32, quantization none, which the
+    # library keeps as its default (what its tests compare with transformers).
     quantization: str = "none"
 
     def __post_init__(self) -> None:
@@ -177,14 +182,18 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        # Threads a prompt step and a decode-only step run on (set per step when they differ).
-        self._threads = torch.get_num_threads()
-        self._step_threads = {True: self._threads,
-                              False: config.decode_threads or self._threads}
         loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device,
                                       quantization=config.quantization)
+        # Threads a prompt step and a decode-only step run on (set per step when they differ).
+        self._threads = torch.get_num_threads()
+        decode_threads = config.decode_threads or \
+            (1 if loaded.quantization != "none" else self._threads)
+        self._step_threads = {True: self._threads, False: decode_threads}
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.model_path = loaded.path
+        self.quantization = loaded.quantization  # the mode it runs (auto resolved)
+        logger.info("quantization %s (asked: %s), dtype %s", self.quantization,
+                    config.quantization, config.dtype)
         self.runner = ModelRunner(loaded, config.block_size, config.num_blocks,
                                   config.kv_cache_memory_bytes)
         num_blocks = self.runner.num_blocks
@@ -233,7 +242,7 @@ class LLMEngine:
         prefix-cache key chain, so two engines agree on a block's key only when they would
         agree on its bytes."""
         # Quantized weights compute other K/V than the float ones (same layout, other bytes).
-        quant = "" if self.config.quantization == "none" else f"/{self.config.quantization}"
+        quant = "" if self.quantization == "none" else f"/{self.quantization}"
         return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}{quant}"
 
     @property

@@ -37,15 +37,17 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--num-threads", type=int, default=0,
                    help="torch threads (0 = this engine's share of the cores)")
     g.add_argument("--decode-threads", type=int, default=0,
-                   help="torch threads for a step with no prompt in it (0 = --num-threads)")
+                   help="torch threads for a step with no prompt in it (0 = auto: 1 in the "
+                        "quantized modes, --num-threads in the exact one)")
     g.add_argument("--cpus", default="",
                    help="pin the process to these CPUs, e.g. 0 or 2-3 or 0,2 (default: no pinning)")
     m = p.add_argument_group("model and cache")
     m.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    m.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization (CPU kernels for decode steps); the exact "
-                        "mode is --dtype float32 --quantization none")
+    m.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization (CPU kernels for decode steps); auto: int4 "
+                        "when the file's layers are Q4 blocks (the default model's are), else "
+                        "none; the exact mode is --dtype float32 --quantization none")
     m.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     m.add_argument("--num-blocks", type=int, default=0,

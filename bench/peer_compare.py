@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # bf16 on a CPU without AVX512-BF16 (this AVX2 machine) runs MKL's emulated bf16 GEMMs (oneDNN refuses
 # them): it works (an in-process engine generates) but is no fast mode there.
 MODES: dict[str, tuple[list[str], dict]] = {
-    "exact": ([], {}),
+    "exact": (["--quantization", "none"], {}),
     "int4": (["--quantization", "int4"], {"quantization": "int4"}),
     "bf16": (["--dtype", "bfloat16"], {"dtype": "bfloat16"}),
 }

@@ -12,8 +12,11 @@ from baton.engine_client import EngineClient, probe_engine
 from baton.protocol import EngineStats
 from baton.redis_server import free_port
 
-# Small pools and one thread each: several engines share this machine's two cores.
-BASE_ARGS = ["--num-threads", "1", "--block-size", "16"]
+# Small pools and one thread each: several engines share this machine's two cores. The exact
+# mode (the servers' default is auto, int4 on the default model): these tests compare with
+# transformers and with in-process exact engines; tests/router/test_quantized_deployments.py
+# runs int4 (a later --quantization wins).
+BASE_ARGS = ["--num-threads", "1", "--block-size", "16", "--quantization", "none"]
 
 
 class EngineProcess:

@@ -18,7 +18,14 @@ import torch
 
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.llama import LlamaModel
-from baton.model.quant import BLOCK_KINDS, HEAD_NAMES, Blocks, check_quantization, quantize_model
+from baton.model.quant import (
+    BLOCK_KINDS,
+    HEAD_NAMES,
+    Blocks,
+    check_quantization,
+    quantize_model,
+    resolve_auto,
+)
 from baton.model.weights import MissingWeightError, assign_hf_weights
 from baton.model_files import (
     ModelLoadError,
@@ -68,18 +75,23 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
                device: str | torch.device | None = None,
                quantization: str = "none") -> LoadedModel:
     """Model + config + tokenizer from a GGUF file, a folder holding one, or an HF folder;
-    `quantization` none | int8 | int4 (weight-only, CPU kernels: `baton/model/quant.py`)."""
+    `quantization` none | int8 | int4 (weight-only, CPU kernels: `baton/model/quant.py`) or
+    auto (the file's own 4-bit blocks when it has them, `quant.resolve_auto`); the result's
+    `quantization` is the mode it runs."""
     path = Path(path) if path is not None else Path(default_model_path())
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device) if device is not None else default_device()
     check_quantization(quantization)
-    if quantization != "none" and dev.type != "cpu":
+    if quantization == "auto" and dev.type != "cpu":
+        quantization = "none"
+    if quantization != "none" and quantization != "auto" and dev.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU kernels only, device is {dev}")
     if not path.exists():
         raise ModelNotFoundError(path, "no such file or directory")
     if path.is_dir():
         if (path / "config.json").is_file():
-            return _load_hf_folder(path, torch_dtype, dev, quantization)
+            return _load_hf_folder(path, torch_dtype, dev,
+                                   "none" if quantization == "auto" else quantization)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
             raise ModelLoadError(path, f"folder has no config.json and {len(ggufs)} .gguf files")
@@ -190,6 +202,11 @@ def _gguf_weights(path: Path, reader, config: ModelConfig, stored: dict[str, Blo
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
                quantization: str) -> LoadedModel:
     reader = read_gguf(path)
+    if quantization == "auto":
+        quantization = resolve_auto({t.tensor_type.name for t in reader.tensors
+                                     if t.name.startswith("blk.") and len(t.shape) == 2},
+                                    device.type == "cpu")
+        logger.info("--quantization auto: %s (%s)", quantization, path.name)
     config = _gguf_config(path, reader, dtype)
     try:
         tokenizer = Tokenizer.from_gguf(reader)

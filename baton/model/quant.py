@@ -33,6 +33,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("none", "int8", "int4")
+# What a caller may ask for: a mode, or "auto": the file's own layer format where the kernels
+# read it as stored (Q4_0 / Q4_1 layers: int4), else none (`resolve_auto`).
+REQUESTS = (*QUANTIZATIONS, "auto")
 BLOCK_SIZE = 32  # values per GGUF block
 BLOCK_KINDS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # kind -> (kernel id, bytes)
 _LAYER_KIND = {"int4": ("Q4_1", "Q4_0"), "int8": ("Q8_0",)}  # mode -> block kinds kept as stored
@@ -40,9 +43,17 @@ HEAD_KIND = "Q8_0"
 
 
 def check_quantization(quantization: str) -> None:
-    """ValueError unless `quantization` is one of QUANTIZATIONS."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    """ValueError unless `quantization` is one of REQUESTS (a mode or auto)."""
+    if quantization not in REQUESTS:
+        raise ValueError(f"quantization must be one of {list(REQUESTS)}, got {quantization!r}")
+
+
+def resolve_auto(layer_kinds: set[str], on_cpu: bool) -> str:
+    """auto's mode for a checkpoint whose layer weights are stored as `layer_kinds` (GGUF tensor
+    type names): int4 when every one is Q4_0 / Q4_1 and the kernels can run (CPU), since those
+    modes multiply exactly the blocks the file holds; none for float checkpoints and devices
+    without the kernels."""
+    return "int4" if on_cpu and layer_kinds and layer_kinds <= set(_LAYER_KIND["int4"]) else "none"
 
 
 _OPS = None

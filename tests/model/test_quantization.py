@@ -106,3 +106,20 @@ def test_teacher_forced_agreement_with_exact_mode(quantization: str) -> None:
     print(f"{quantization}: top-1 agreement {agreement:.4f} over {len(exact)} tokens")
     assert len(exact) >= 2000
     assert agreement >= 0.98, agreement
+
+
+def test_auto_runs_the_files_own_4bit_blocks() -> None:
+    """--quantization auto (the servers' default): int4 for the default model's Q4_1 layers,
+    none for float layers or where the kernels cannot run."""
+    from baton.model.loader import load_model
+    from baton.model.quant import resolve_auto
+
+    assert resolve_auto({"Q4_1"}, on_cpu=True) == "int4"
+    assert resolve_auto({"Q4_0", "Q4_1"}, on_cpu=True) == "int4"
+    assert resolve_auto({"Q4_1", "F32"}, on_cpu=True) == "none"
+    assert resolve_auto({"F16"}, on_cpu=True) == "none"
+    assert resolve_auto({"Q4_1"}, on_cpu=False) == "none"
+    assert resolve_auto(set(), on_cpu=True) == "none"
+    assert load_model(quantization="auto", device="cpu").quantization == "int4"
+    with pytest.raises(ValueError, match="auto"):
+        load_model(quantization="int3")
