@@ -82,7 +82,9 @@ class EngineConfig:
     # router, a client or the other engine may hold; the block kernels' decode steps gained
     # nothing from a second thread even on an idle machine (co-located int4, 2 cores: c1 TPOT
     # 18.4 ms on one, 20.3 on two; c32 70.1 vs 72.7 tok/s; 51-61 ms vs 31-34 at c1 beside a
-    # compile), while the exact mode's MKL GEMMs do (c32 66.8 vs 51.8 tok/s).
+    # compile), while the exact mode's MKL GEMMs do (c32 66.8 vs 51.8 tok/s). In the exact mode
+    # a value other than num_threads lets MKL round a decode row differently in a decode-only
+    # step (a completion engine) than beside a prompt (a normal engine).
     decode_threads: int = 0
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
@@ -433,14 +435,22 @@ class LLMEngine:
         complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
         spans = (self._prompt_spans(reqs, seqlens_q, seqlens_k) if sched_out.prompt_run
                  else None)
+        # The step's thread count for this step only (torch's is process-wide: nothing else in
+        # the process, another engine or a test's reference model, may inherit it); ~10 us each.
         threads = self._step_threads[bool(sched_out.prompt_run)]
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)  # ~10 us; once a step at most
-        samples = self.runner.execute(
-            sched_out, seq_ids, [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
-            [r.prompt_token_ids for r in reqs],
-            [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
-            choice_params(reqs, complete))
+        before = torch.get_num_threads()
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            samples = self.runner.execute(
+                sched_out, seq_ids,
+                [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
+                [r.prompt_token_ids for r in reqs],
+                [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
+                choice_params(reqs, complete))
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)
         splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:

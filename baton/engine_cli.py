@@ -46,8 +46,9 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     m.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization (CPU kernels for decode steps); auto: int4 "
-                        "when the file's layers are Q4 blocks (the default model's are), else "
-                        "none; the exact mode is --dtype float32 --quantization none")
+                        "when the file's layers are Q4 blocks (the default model's are) and the "
+                        "dtype is float32 on CPU, else none; the exact mode is --dtype float32 "
+                        "--quantization none")
     m.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     m.add_argument("--num-blocks", type=int, default=0,

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 MODES: dict[str, tuple[list[str], dict]] = {
     "exact": (["--quantization", "none"], {}),
     "int4": (["--quantization", "int4"], {"quantization": "int4"}),
-    "bf16": (["--dtype", "bfloat16"], {"dtype": "bfloat16"}),
+    "bf16": (["--dtype", "bfloat16", "--quantization", "none"], {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp"
 

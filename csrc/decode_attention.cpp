@@ -311,7 +311,7 @@ constexpr int64_t kRowGrain = 8;
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     check_rows(x, "x");
     const int64_t m = x.size(0), n = x.size(1);
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat && w.is_cpu() &&
                 w.is_contiguous(), "weight must be float32 [", n, "], got ", w.sizes());
     auto y = at::empty_like(x);
     const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
@@ -329,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     check_rows(r, "residual");
     TORCH_CHECK(r.sizes() == x.sizes(), "residual ", r.sizes(), " must match x ", x.sizes());
     const int64_t m = x.size(0), n = x.size(1);
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat &&
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat && w.is_cpu() &&
                 w.is_contiguous(), "weight must be float32 [", n, "], got ", w.sizes());
     auto s = at::empty_like(x), y = at::empty_like(x);
     const float *xp = x.data_ptr<float>(), *rp = r.data_ptr<float>(), *wp = w.data_ptr<float>();

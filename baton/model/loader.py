@@ -82,8 +82,8 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device) if device is not None else default_device()
     check_quantization(quantization)
-    if quantization == "auto" and dev.type != "cpu":
-        quantization = "none"
+    if quantization == "auto" and (dev.type != "cpu" or torch_dtype != torch.float32):
+        quantization = "none"  # the quantized modes' fused ops are fp32 CPU kernels
     if quantization != "none" and quantization != "auto" and dev.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU kernels only, device is {dev}")
     if not path.exists():

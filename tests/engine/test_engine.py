@@ -209,6 +209,7 @@ def test_decode_steps_run_on_their_own_thread_count(greedy_outputs, prompts) -> 
 
         eng.runner.execute = spy
         assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == greedy_outputs
+        assert torch.get_num_threads() == 2  # a step's count does not outlive the step
     finally:
         torch.set_num_threads(before)
     assert {(True, 2), (False, 1)} == set(seen)

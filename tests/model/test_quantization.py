@@ -121,5 +121,7 @@ def test_auto_runs_the_files_own_4bit_blocks() -> None:
     assert resolve_auto({"Q4_1"}, on_cpu=False) == "none"
     assert resolve_auto(set(), on_cpu=True) == "none"
     assert load_model(quantization="auto", device="cpu").quantization == "int4"
+    # The quantized modes' fused ops are fp32 kernels: auto keeps bf16 in the plain mode.
+    assert load_model(quantization="auto", dtype="bfloat16").quantization == "none"
     with pytest.raises(ValueError, match="auto"):
         load_model(quantization="int3")

@@ -30,6 +30,10 @@ def _load() -> bool:
     except ImportError as e:  # a source checkout that was never built
         logger.warning("fused decode attention unavailable (%s): the eager path runs", e)
         return False
+    if not all(hasattr(torch.ops.baton_decode, op) for op in ("rms_norm", "silu_mul")):
+        logger.warning("baton._decode_ops is an older build (no rms_norm / silu_mul): the eager "
+                       "path runs; `make install` rebuilds it")
+        return False
     return True
 
 
