@@ -1,0 +1,104 @@
+"""One layer's decode attention for n single-token sequences, two ways, interleaved in one process:
+  eager  the eager formulas one sequence at a time (RoPE, the K/V write into the dense row,
+         softmax(q k^T / sqrt(d)) v per KV-head group as torch matmuls); the exact mode's
+         backend batches a uniform group with one bmm, so at batch > 1 this baseline is slower
+         than that path
+  fused  torch.ops.baton_decode.decode_attention (csrc/decode_attention.cpp), the quantized
+         modes' op
+SmolLM2's shapes (9 query heads, 3 KV heads, head size 64, 30 layers of dense rows). Prints
+microseconds per call (median, min-max over the repeats, ratio to eager) and writes JSON.
+
+    .venv/bin/python bench/decode_attention_bench.py [--batches 1,32] [--positions 64,300]
+        [--threads 1] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "decode_attention.json"
+LAYERS, HQ, HKV, D = 30, 9, 3, 64
+
+
+def eager(qkv, cos, sin, ws, layer, rows, positions):
+    """The eager path's operations, one sequence at a time (it has no batched variant)."""
+    from baton.model.llama import apply_rope
+
+    n = qkv.shape[0]
+    qk = apply_rope(qkv[:, :(HQ + HKV) * D].view(n, HQ + HKV, D), cos[:, None], sin[:, None])
+    q, k, v = qk[:, :HQ], qk[:, HQ:], qkv[:, (HQ + HKV) * D:].view(n, HKV, D)
+    out = []
+    for i in range(n):
+        r, p = int(rows[i]), int(positions[i])
+        ws[layer, 0, r, :, p], ws[layer, 1, r, :, p] = k[i], v[i]
+        keys, vals = ws[layer, 0, r, :, :p + 1], ws[layer, 1, r, :, :p + 1]
+        scores = q[i].view(HKV, HQ // HKV, D) @ keys.transpose(-1, -2) * D ** -0.5
+        out.append((scores.softmax(-1) @ vals).reshape(-1))
+    return torch.stack(out)
+
+
+def time_us(fn, repeats: int, calls: int) -> list[float]:
+    for _ in range(3):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--positions", default="64,300")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from baton.model.backends import cpu_fused
+
+    if not cpu_fused.AVAILABLE:
+        raise SystemExit("baton._decode_ops is not built: run `make install`")
+    g = torch.Generator().manual_seed(0)
+    rows_out = []
+    print(f"{'batch':>5} {'pos':>5} {'path':>6} {'us/call':>9} {'min-max':>17} {'vs eager':>8}")
+    for n in (int(b) for b in args.batches.split(",")):
+        for pos in (int(p) for p in args.positions.split(",")):
+            ws = torch.randn(LAYERS, 2, n, HKV, pos + 1, D, generator=g)
+            qkv = torch.randn(n, (HQ + 2 * HKV) * D, generator=g)
+            cos, sin = torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
+            rows, positions = torch.arange(n), torch.full((n,), pos)
+            calls = max(1, 2000 // (n * max(1, pos // 64)))
+            call = (qkv, cos, sin, ws, 3, rows, positions)
+            paths = {"eager": partial(eager, *call),
+                     "fused": partial(cpu_fused.decode_attention, *call, HQ, HKV)}
+            times = {name: [] for name in paths}
+            for _ in range(args.repeats):  # interleaved: load falls on both alike
+                for name, fn in paths.items():
+                    times[name] += time_us(fn, 1, calls)
+            ref = statistics.median(times["eager"])
+            for name, t in times.items():
+                med = statistics.median(t)
+                rows_out.append({"batch": n, "position": pos, "path": name, "us_per_call": med,
+                                 "min": min(t), "max": max(t), "ratio_to_eager": med / ref})
+                print(f"{n:>5} {pos:>5} {name:>6} {med:9.1f} {min(t):8.1f}-{max(t):8.1f} "
+                      f"{med / ref:8.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(),
+                                          "rows": rows_out}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
