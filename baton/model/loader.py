@@ -82,9 +82,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
     torch_dtype = resolve_dtype(dtype)
     dev = torch.device(device) if device is not None else default_device()
     check_quantization(quantization)
-    if quantization == "auto" and (dev.type != "cpu" or torch_dtype != torch.float32):
-        quantization = "none"  # the quantized modes' fused ops are fp32 CPU kernels
-    if quantization != "none" and quantization != "auto" and dev.type != "cpu":
+    if quantization not in ("none", "auto") and dev.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU kernels only, device is {dev}")
     if not path.exists():
         raise ModelNotFoundError(path, "no such file or directory")
@@ -205,7 +203,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
     if quantization == "auto":
         quantization = resolve_auto({t.tensor_type.name for t in reader.tensors
                                      if t.name.startswith("blk.") and len(t.shape) == 2},
-                                    device.type == "cpu")
+                                    device.type == "cpu" and dtype == torch.float32)
         logger.info("--quantization auto: %s (%s)", quantization, path.name)
     config = _gguf_config(path, reader, dtype)
     try:

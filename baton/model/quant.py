@@ -48,12 +48,13 @@ def check_quantization(quantization: str) -> None:
         raise ValueError(f"quantization must be one of {list(REQUESTS)}, got {quantization!r}")
 
 
-def resolve_auto(layer_kinds: set[str], on_cpu: bool) -> str:
+def resolve_auto(layer_kinds: set[str], kernels_run: bool) -> str:
     """auto's mode for a checkpoint whose layer weights are stored as `layer_kinds` (GGUF tensor
-    type names): int4 when every one is Q4_0 / Q4_1 and the kernels can run (CPU), since those
-    modes multiply exactly the blocks the file holds; none for float checkpoints and devices
-    without the kernels."""
-    return "int4" if on_cpu and layer_kinds and layer_kinds <= set(_LAYER_KIND["int4"]) else "none"
+    type names): int4 when every one is Q4_0 / Q4_1 and the kernels can run (`kernels_run`: a
+    CPU and fp32, the dtype of the quantized modes' fused ops), since that mode multiplies
+    exactly the blocks the file holds; none for float checkpoints and everywhere else."""
+    return "int4" if kernels_run and layer_kinds and layer_kinds <= set(_LAYER_KIND["int4"]) \
+        else "none"
 
 
 _OPS = None

@@ -114,12 +114,12 @@ def test_auto_runs_the_files_own_4bit_blocks() -> None:
     from baton.model.loader import load_model
     from baton.model.quant import resolve_auto
 
-    assert resolve_auto({"Q4_1"}, on_cpu=True) == "int4"
-    assert resolve_auto({"Q4_0", "Q4_1"}, on_cpu=True) == "int4"
-    assert resolve_auto({"Q4_1", "F32"}, on_cpu=True) == "none"
-    assert resolve_auto({"F16"}, on_cpu=True) == "none"
-    assert resolve_auto({"Q4_1"}, on_cpu=False) == "none"
-    assert resolve_auto(set(), on_cpu=True) == "none"
+    assert resolve_auto({"Q4_1"}, kernels_run=True) == "int4"
+    assert resolve_auto({"Q4_0", "Q4_1"}, kernels_run=True) == "int4"
+    assert resolve_auto({"Q4_1", "F32"}, kernels_run=True) == "none"
+    assert resolve_auto({"F16"}, kernels_run=True) == "none"
+    assert resolve_auto({"Q4_1"}, kernels_run=False) == "none"
+    assert resolve_auto(set(), kernels_run=True) == "none"
     assert load_model(quantization="auto", device="cpu").quantization == "int4"
     # The quantized modes' fused ops are fp32 kernels: auto keeps bf16 in the plain mode.
     assert load_model(quantization="auto", dtype="bfloat16").quantization == "none"
