@@ -29,7 +29,9 @@ LAYERS, HQ, HKV, D = 30, 9, 3, 64
 
 
 def eager(qkv, cos, sin, ws, layer, rows, positions):
-    """The eager path's operations, one sequence at a time (it has no batched variant)."""
+    """The eager formulas of one layer's decode attention, one sequence at a time: this
+    benchmark's baseline and the reference tests/model/test_fused_decode.py checks the op
+    against. Writes each new K/V into `ws` as the op does; returns [n, Hq D]."""
     from baton.model.llama import apply_rope
 
     n = qkv.shape[0]

@@ -4,6 +4,9 @@ the op against the same steps without it (same weights, same batches)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,23 +16,20 @@ from baton.model.llama import apply_rope
 
 from .reference import BLOCK_SIZE, held_out_tokens
 
+# The eager formulas the op replaces, one sequence at a time: its benchmark's baseline.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from decode_attention_bench import HKV, HQ, D, eager  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not cpu_fused.AVAILABLE, reason="baton._decode_ops not built")
-HQ, HKV, D, LAYERS = 9, 3, 64, 4
+LAYERS = 4
 
 
-def eager(qkv, cos, sin, ws, layer, rows, positions):
-    """What the eager path computes: rotate, write the new K/V, attend over 0..position."""
+def rotated(qkv, cos, sin):
+    """The projection with its query and key heads rotated: what a step with prefills hands
+    the op (RoPE done by the eager path)."""
     n = qkv.shape[0]
     qk = apply_rope(qkv[:, :(HQ + HKV) * D].view(n, HQ + HKV, D), cos[:, None], sin[:, None])
-    q, k, v = qk[:, :HQ], qk[:, HQ:], qkv[:, (HQ + HKV) * D:].view(n, HKV, D)
-    out = []
-    for i in range(n):
-        r, p = int(rows[i]), int(positions[i])
-        ws[layer, 0, r, :, p], ws[layer, 1, r, :, p] = k[i], v[i]
-        keys, vals = ws[layer, 0, r, :, :p + 1], ws[layer, 1, r, :, :p + 1]
-        scores = q[i].view(HKV, HQ // HKV, D) @ keys.transpose(-1, -2) * D ** -0.5
-        out.append((scores.softmax(-1) @ vals).reshape(-1))
-    return torch.stack(out), torch.cat((qk.flatten(1), v.flatten(1)), dim=1)
+    return torch.cat((qk.flatten(1), qkv[:, (HQ + HKV) * D:]), dim=1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -40,13 +40,13 @@ def test_op_matches_the_eager_formulas(threads: int) -> None:
     cos, sin = torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)
     rows, positions = torch.tensor([3, 0, 4, 1]), torch.tensor([10, 299, 0, 64])
     want_ws = ws.clone()
-    want, rotated = eager(qkv, cos, sin, want_ws, 2, rows, positions)
+    want = eager(qkv, cos, sin, want_ws, 2, rows, positions)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = cpu_fused.decode_attention(qkv, cos, sin, ws, 2, rows, positions, HQ, HKV)
         # Already rotated (a step with prefills): the same values, bit for bit.
-        again = cpu_fused.decode_attention(rotated.contiguous(), None, None, ws.clone(), 2, rows,
+        again = cpu_fused.decode_attention(rotated(qkv, cos, sin), None, None, ws.clone(), 2, rows,
                                            positions, HQ, HKV)
         alone = cpu_fused.decode_attention(qkv[1:2], cos[1:2], sin[1:2], ws.clone(), 2,
                                            rows[1:2], positions[1:2], HQ, HKV)
