@@ -36,9 +36,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="SIGTERM: seconds in-flight work may still run")
     g.add_argument("--num-threads", type=int, default=0,
                    help="torch threads (0 = this engine's share of the cores)")
-    g.add_argument("--decode-threads", type=int, default=0,
-                   help="torch threads for a step with no prompt in it (0 = auto: 1 in the "
-                        "quantized modes, --num-threads in the exact one)")
+    if role != "prompt":  # a prompt engine runs no step without a prompt in it
+        g.add_argument("--decode-threads", type=int, default=0,
+                       help="torch threads for a step with no prompt in it (0 = auto: 1 in the "
+                            "quantized modes, --num-threads in the exact one)")
     g.add_argument("--cpus", default="",
                    help="pin the process to these CPUs, e.g. 0 or 2-3 or 0,2 (default: no pinning)")
     m = p.add_argument_group("model and cache")

@@ -37,7 +37,7 @@ def engine_config(args: argparse.Namespace, role: str):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         # Standalone, assume one other engine shares the host (the launcher passes the share).
-        num_threads=args.num_threads or engine_threads(2), decode_threads=args.decode_threads,
+        num_threads=args.num_threads or engine_threads(2), decode_threads=getattr(args, "decode_threads", 0),
         engine_type=role)
 
 

@@ -182,6 +182,10 @@ def test_engine_flags_reach_the_roles_that_have_them():
     assert role_engine_args(args, "completion") == ["--num-blocks", "8", "--kv-timeout=5",
                                                     "--max-model-len", "512"]
     assert role_engine_args(common, "completion") == common
+    # A prompt engine runs no decode-only step: --decode-threads is not one of its flags.
+    decode = ["--decode-threads", "1"]
+    assert role_engine_args(decode, "prompt") == []
+    assert role_engine_args(decode, "normal") == role_engine_args(decode, "completion") == decode
 
 
 def test_an_engine_flag_no_role_takes_is_refused_before_anything_starts():
