@@ -258,8 +258,9 @@ class Dispatcher:
         leg.is_finished = True
         leg.client.close_request(req_id)
         try:
-            await asyncio.wait_for(leg.client.abort(req_id), _ABORT_SEND_S)
-        except (asyncio.TimeoutError, OSError) as exc:
+            async with asyncio.timeout(_ABORT_SEND_S):  # not wait_for: see _wait
+                await leg.client.abort(req_id)
+        except (TimeoutError, OSError) as exc:
             logger.warning("request %s: abort to %s not sent: %s", req_id, leg.record.address, exc)
 
     async def _send(self, role: str, request: GenerateRequest, keys: RequestKeys,
@@ -335,8 +336,12 @@ class Dispatcher:
                 return TokenDelta(req_id="", finish_reason="timeout",
                                   error=f"no answer within {timeout_s:g}s")
             try:
-                return await asyncio.wait_for(leg.queue.get(), min(remaining, _WATCH_SLICE_S))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the item and
+                # drops a cancellation that lands as the item arrives (cpython #86296), so a
+                # client who left just as a token came kept its request running to the end.
+                async with asyncio.timeout(min(remaining, _WATCH_SLICE_S)):
+                    return await leg.queue.get()
+            except TimeoutError:
                 if not self.pool.is_live(leg.record.address):
                     return TokenDelta(req_id="", finish_reason=_GONE,
                                       error="engine left the registry or disconnected")

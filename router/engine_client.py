@@ -96,7 +96,8 @@ class EngineClient:
         reply = self._replies[nonce] = asyncio.get_running_loop().create_future()
         try:
             await self._sock.send(protocol.encode(ResetPrefixCache(nonce)))
-            return await asyncio.wait_for(reply, timeout_s)
+            async with asyncio.timeout(timeout_s):  # wait_for may drop a cancellation (3.11)
+                return await reply
         finally:
             self._replies.pop(nonce, None)
 

@@ -58,7 +58,8 @@ class RequestLimits:
             return await _respond(scope, receive, send, self._too_large(f"{declared} bytes"),
                                   _CLOSE)
         try:
-            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+            async with asyncio.timeout(self.body_timeout_s):  # wait_for may drop a cancellation
+                body = await self._read_body(receive)
         except _TooLarge:
             return await _respond(scope, receive, send, self._too_large("more than that"),
                                   _CLOSE)
