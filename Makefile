@@ -32,7 +32,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 serve: install
-	$(PY) -m baton.cli up $(SERVE_ARGS)
+	$(PY) -m baton_cli.main up $(SERVE_ARGS)
 
 bench: install
 	$(PY) bench/scheduler_bench.py

@@ -8,7 +8,7 @@ def test_extension_imports() -> None:
 
 
 def test_cli_lists_every_role() -> None:
-    from baton.cli import build_parser
+    from baton_cli.main import build_parser
 
     help_text = build_parser().format_help()
     for command in ("up", "engine", "prompt-engine", "completion-engine", "router", "probe",

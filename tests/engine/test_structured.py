@@ -12,7 +12,7 @@ import pytest
 from model.reference import baton_model, prompt_of_length
 
 from baton.engine import EngineConfig, LLMEngine
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from baton.supervisor import Child, RestartPolicy, Supervisor
+from baton.ops.supervisor import Child, RestartPolicy, Supervisor
 
 CRASH = [sys.executable, "-c", "import sys; sys.exit(3)"]
 SLEEP = ["sleep", "60"]
@@ -41,7 +41,7 @@ def test_backoff_doubles_from_one_second_and_is_capped():
 
 
 def test_killed_child_is_restarted_with_the_same_command_and_comes_back(children, caplog):
-    caplog.set_level(logging.INFO, logger="baton.supervisor")
+    caplog.set_level(logging.INFO, logger="baton.ops.supervisor")
     ready = {"ok": False}
     child = Child("completion-0", SLEEP, is_ready=lambda: ready["ok"])
     other = Child("prompt-0", SLEEP)
@@ -60,7 +60,7 @@ def test_killed_child_is_restarted_with_the_same_command_and_comes_back(children
 
 
 def test_crash_loop_is_given_up_and_the_others_keep_running(children, caplog):
-    caplog.set_level(logging.INFO, logger="baton.supervisor")
+    caplog.set_level(logging.INFO, logger="baton.ops.supervisor")
     crashing, other = Child("prompt-1", CRASH), Child("router", SLEEP)
     children += [crashing, other]
     supervisor = Supervisor(children, RestartPolicy(max_restarts=2, first_delay_s=0.05,
