@@ -34,7 +34,7 @@ class EngineConfig:
     prefill_attempt_interval: int = 1
     prefill_any_attempt_interval: int = 1
     watermark: float = 0.9  # prefill only at or below this cache usage
-    # Automatic prefix caching (SCHEDULER_SPEC P1-P8): full blocks keyed by a hash chain over
+    # Automatic prefix caching (docs/scheduler.md, P1-P8): full blocks keyed by a hash chain over
     # their tokens; a prompt's cached run is not computed again (nor pulled, on a completion
     # engine); freed keyed blocks stay cached until the pool needs them.
     enable_prefix_caching: bool = True
