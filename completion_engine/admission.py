@@ -131,8 +131,8 @@ class Admission:
         """Queue a request; ValueError (nothing queued) when its prompt or handle does not
         check out."""
         engine = self.engine
-        ids = engine.check_prompt(req.req_id, req.prompt_token_ids)
-        outputs = engine.check_outputs(req.req_id, req.output_token_ids, params)
+        ids = engine.inputs.check_prompt(req.req_id, req.prompt_token_ids)
+        outputs = engine.inputs.check_outputs(req.req_id, req.output_token_ids, params)
         seed = engine.prefix_cache_seed if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
                               seed)
@@ -140,7 +140,7 @@ class Admission:
                                 engine.model_config.eos_token_ids, len(outputs))
         for _, token, _ in choices:
             # The prompt engine sampled the first token under the same grammar: it must fit.
-            engine.check_grammar(params, [*outputs, token])
+            engine.inputs.check_grammar(params, [*outputs, token])
         self.queue.append(_Admission(req, ids, outputs, handle, params, choices))
 
     def abort(self, req_id: str) -> list[TokenDelta] | None:

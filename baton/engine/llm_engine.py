@@ -31,7 +31,7 @@ import numpy as np
 from baton.engine.block_keys import key_seed
 from baton.engine.choices import choice_id, choice_params, for_choice, plan_splits
 from baton.engine.config import ROLE_TYPES, EngineConfig
-from baton.engine.grammar import GrammarCache
+from baton.engine.input_processor import InputProcessor
 from baton.engine.kv_events import KvEventSource
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
@@ -61,6 +61,7 @@ class LLMEngine:
             runner = build_runner(config, loaded)
         self.runner = runner
         self.model_config, self.tokenizer = runner.config, runner.tokenizer
+        self.inputs = InputProcessor(self.tokenizer, self.model_config)
         self.model_path = runner.model_path
         self.quantization = runner.quantization  # the mode it runs (auto resolved)
         logger.info("quantization %s (asked: %s), dtype %s", self.quantization,
@@ -84,7 +85,6 @@ class LLMEngine:
             all_reduce_min=all_reduce_min)
         self.max_model_len = max_len
         self._requests: dict[str, Request] = {}
-        self._grammars: GrammarCache | None = None  # built at the first structured request
         self._by_seq: dict[int, Request] = {}
         self._families: dict[str, set[str]] = {}  # n > 1: request id -> its choices' ids
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests
@@ -174,7 +174,7 @@ class LLMEngine:
         scheduler's allocation (status OK / LATER / NEVER, block ids, cached blocks)."""
         alloc = self.scheduler.allocate_prompted(
             request_id, prompt_token_ids + output_token_ids, first_token,
-            params.max_tokens - len(output_token_ids), **self.stop_options(params),
+            params.max_tokens - len(output_token_ids), **self.inputs.stop_options(params),
             block_keys=block_keys if self.config.enable_prefix_caching else ())
         if alloc.status == AllocStatus.OK:
             self.track(request_id, prompt_token_ids, for_choice(params, params.sample_index, index),
@@ -216,65 +216,19 @@ class LLMEngine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        ids = self.check_prompt(request_id, prompt)
-        outputs = self.check_outputs(request_id, output_token_ids, params)
+        ids = self.inputs.check_prompt(request_id, prompt)
+        outputs = self.inputs.check_outputs(request_id, output_token_ids, params)
         if params.n > 1 and outputs:
             raise ValueError(f"request {request_id!r}: n={params.n} with earlier outputs (a "
                              "migrated request) is not supported")
-        self.check_grammar(params, outputs)
+        self.inputs.check_grammar(params, outputs)
         # Prompt logprobs need the logits of every prompt position: a cached prefix has none.
         seq_id = self.scheduler.add_sequence(
             request_id, np.asarray(ids + outputs, dtype=np.int32),
-            params.max_tokens - len(outputs), **self.stop_options(params),
+            params.max_tokens - len(outputs), **self.inputs.stop_options(params),
             skip_prefix_cache=params.prompt_logprobs >= 0)
         self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
         return request_id
-
-    def check_prompt(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids; ValueError when it is empty or holds an id out of range."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: empty prompt")
-        if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
-            raise ValueError(f"request {request_id!r}: token id out of range "
-                             f"[0, {self.model_config.vocab_size})")
-        return ids
-
-    def check_outputs(self, request_id: str, output_token_ids: Sequence[int],
-                      params: SamplingParams) -> list[int]:
-        """A migrated request's earlier outputs; ValueError when an id is out of range or
-        nothing is left to generate (the router finishes such a request itself)."""
-        outputs = [int(t) for t in output_token_ids]
-        if outputs and (max(outputs) >= self.model_config.vocab_size or min(outputs) < 0):
-            raise ValueError(f"request {request_id!r}: output token id out of range "
-                             f"[0, {self.model_config.vocab_size})")
-        if len(outputs) >= params.max_tokens:
-            raise ValueError(f"request {request_id!r}: {len(outputs)} earlier outputs leave "
-                             f"nothing of max_tokens={params.max_tokens}")
-        return outputs
-
-    def stop_options(self, params: SamplingParams) -> dict:
-        """The scheduler's stop settings (S31) for a request; a structured one is never
-        recomputed (its matcher cannot be replayed): preempted, it finishes."""
-        return {"eos_token_ids": self.model_config.eos_token_ids,
-                "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos,
-                "structured_output": bool(params.grammar)}
-
-    @property
-    def grammars(self) -> GrammarCache:
-        if self._grammars is None:
-            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size,
-                                          self.model_config.eos_token_ids)
-        return self._grammars
-
-    def check_grammar(self, params: SamplingParams, token_ids: Sequence[int] = ()) -> None:
-        """ValueError unless the request's grammar compiles and accepts `token_ids` (sampled
-        elsewhere: a prompt engine's first token)."""
-        if params.grammar:
-            matcher = self.grammars.matcher(params.grammar)
-            if token_ids and not matcher.consume_tokens([int(t) for t in token_ids]):
-                raise ValueError(f"tokens {list(token_ids)} break the request's grammar: "
-                                 f"{matcher.get_error()}")
 
     def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
               seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = (),
@@ -297,7 +251,7 @@ class LLMEngine:
         if params.prompt_logprobs >= 0:
             req.prompt_logprobs = PromptLogprobs()
         if params.grammar:  # checked by check_grammar: compiled, and takes token_ids
-            req.matcher = self.grammars.matcher(params.grammar)
+            req.matcher = self.inputs.grammars.matcher(params.grammar)
             req.matcher.consume_tokens([int(t) for t in token_ids])
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
@@ -386,7 +340,7 @@ class LLMEngine:
         """Each sampled structured row's grammar mask (bool [vocab]); None when none."""
         if all(r.matcher is None for r in reqs):
             return None
-        return [self.grammars.allowed_tokens(r.matcher) if r.matcher is not None and c else None
+        return [self.inputs.grammars.allowed_tokens(r.matcher) if r.matcher is not None and c else None
                 for r, c in zip(reqs, complete, strict=True)]
 
     def _advance_matcher(self, req: Request, out: RequestOutput) -> None:
