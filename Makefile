@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.baton-installed
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*.hpp csrc/*.cpp)
+SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*/*.hpp csrc/*/*.cpp)
 
 .PHONY: install build test test-fast serve bench lint clean
 
