@@ -1,4 +1,4 @@
-"""Typed facade over the compiled scheduler (csrc/, module ``baton._scheduler``).
+"""Typed facade over the compiled scheduler (csrc/scheduler/, module ``baton._scheduler``).
 
 A request's life in one scheduler (rules S1-S39 and P1-P8: docs/scheduler.md):
 

@@ -1,5 +1,5 @@
 """Weight-only quantization in GGUF's own block formats, multiplied by baton's kernels
-(`csrc/qkernels.cpp`, torch ops `torch.ops.baton_q.*`), as llama.cpp's CPU backend does:
+(`csrc/kernels/qkernels.cpp`, torch ops `torch.ops.baton_q.*`), as llama.cpp's CPU backend does:
 
     int4: every layer weight in Q4_1 (or Q4_0) blocks: 32 4-bit codes, fp16 scale (and offset)
     int8: every layer weight in Q8_0 blocks: 32 int8 codes, fp16 scale
