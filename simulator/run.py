@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from baton.perf.profile import Profile
 from baton.workload.args import build_specs, unit_arrivals, workload_record
-from baton.workload.results import summarize
+from baton.workload.results import RequestResult, summarize
 from baton.workload.synthetic import RequestSpec, WorkloadConfig
 from baton.workload.trace import TraceConfig
 from baton.workload.words import WordTokenizer
@@ -71,5 +71,10 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig,
     return {"label": cfg.label, "model": f"mock/{profile.model.name}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench": bench,
             "workload": workload_record(workload, trace), "summary": summary,
-            "requests": [asdict(r) for r in ordered], "fleet": sim.fleet_record(),
+            "requests": [_result_dict(r) for r in ordered], "fleet": sim.fleet_record(),
             "sim_wall_s": time.perf_counter() - wall0}
+
+
+def _result_dict(r: RequestResult) -> dict:
+    """`asdict` without its deep copy of every ITL float (seconds of a 10,000-request run)."""
+    return {**vars(r), "itl_s": list(r.itl_s)}
