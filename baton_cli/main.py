@@ -21,6 +21,8 @@ _SUBCOMMANDS: dict[str, str] = {
     "completion-engine": "baton_cli.engine_args:add_completion_parser",
     "probe": "baton_cli.engine_args:add_probe_parser",
     "bench": "baton_cli.bench:add_parser",
+    "sim": "simulator.cli:add_parser",
+    "profile": "baton_cli.profile:add_parser",
     "router": "router.cli:add_parser",
 }
 

@@ -21,13 +21,15 @@ FLOORS: list[tuple[str, ...]] = [
     ("baton.sampling",),
     ("baton.model",),
     ("baton.engine",),
+    ("baton.workload", "baton.perf"),
     ("baton.ops",),
     ("baton.service",),
     ("normal_engine", "prompt_engine", "completion_engine", "router"),
+    ("simulator",),
     ("baton_cli",),
 ]
 PACKAGES = ("kv_transfer", "baton", "normal_engine", "prompt_engine", "completion_engine",
-            "router", "baton_cli")
+            "router", "simulator", "baton_cli")
 # Siblings on one floor that must not import each other (roles plug into the engine, the router
 # talks to them over the wire).
 SIBLINGS = ("normal_engine", "prompt_engine", "completion_engine", "router")
@@ -147,6 +149,10 @@ def _loads(statement: str) -> list[str]:
 
 def test_router_loads_no_torch():
     assert _loads("import router.app, router.cli") == []
+
+
+def test_simulator_loads_no_torch():
+    assert _loads("import simulator.fleet, baton.perf.mock_runner, baton.workload.args") == []
 
 
 def test_engine_core_imports_without_torch():

@@ -1,0 +1,188 @@
+"""`baton profile`: measure this machine's engine on a grid and fit the profile (docs/profile.md).
+
+The real engine runs real steps (the model loaded through the real loader, one torch thread by
+default so another process keeps the other core). Each step's forward is timed inside the
+runner's `execute` and the whole `LLMEngine.step()` around it; the difference is the engine's
+own work (`sampling.step_ms`, `sampling.row_ms`). Prefill: a prompt of `tokens` new tokens
+behind `cached` tokens already in the prefix cache (put there by an earlier request). Decode:
+`batch` requests of `context` tokens each, several decode steps. KV transfer: a copy of `n`
+scattered blocks between two pools in this process (NIXL between processes is not measured
+here yet; the profile's `machine.transfer_method` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from baton.perf.profile import (
+    DECODE_FEATURES,
+    PREFILL_FEATURES,
+    ModelInfo,
+    Profile,
+    decode_features,
+    fit_linear,
+    prefill_features,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Grid:
+    prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024)
+    prefill_cached: tuple[int, ...] = (0, 512, 1536)
+    decode_batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    decode_context: tuple[int, ...] = (64, 512, 1536)
+    decode_steps: int = 4  # decode steps timed per point (after one untimed)
+    transfer_blocks: tuple[int, ...] = (1, 4, 16, 64, 128)
+    repeats: int = 2  # each prefill point and transfer point, median kept
+
+
+QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
+             decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,
+             transfer_blocks=(1, 16, 64), repeats=1)
+
+
+class _Bar:
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        width = 30
+        filled = width * self.done // self.total
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{what:<40}")
+        sys.stderr.flush()
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+class _Timed:
+    """Wraps a runner's `execute`: the forward time and the step's shape, per call."""
+
+    def __init__(self, runner) -> None:
+        self.inner = runner.execute
+        self.calls: list[tuple[bool, np.ndarray, np.ndarray, int, float]] = []
+        runner.execute = self
+
+    def __call__(self, sched_out, seq_ids, params, *args, **kw):
+        q = np.array(sched_out.seqlens_q, copy=True)
+        k = np.array(sched_out.seqlens_k, copy=True)
+        t0 = time.perf_counter()
+        out = self.inner(sched_out, seq_ids, params, *args, **kw)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.calls.append((bool(sched_out.prompt_run), q, k, sum(p is not None for p in params),
+                           ms))
+        return out
+
+
+def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(100, vocab - 1, size=n).tolist()
+
+
+def measure(model: str | None = None, quantization: str = "auto", num_threads: int = 1,
+            grid: Grid | None = None) -> Profile:
+    from baton.engine import EngineConfig, LLMEngine
+    from baton.sampling.params import SamplingParams
+
+    grid = grid or Grid()
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=model, quantization=quantization,
+                                    num_threads=num_threads, decode_threads=num_threads))
+    start_s = time.perf_counter() - t0
+    timed = _Timed(engine.runner)
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
+               + len(grid.decode_batch) * len(grid.decode_context) + len(grid.transfer_blocks))
+    rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
+    pre_x, pre_y, dec_x, dec_y = [], [], [], []
+    greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for tokens in grid.prefill_tokens:
+        for cached in grid.prefill_cached:
+            for _ in range(grid.repeats):
+                prefix = _prompt(rng, cached, vocab)
+                if cached:
+                    engine.generate([prefix], greedy1)
+                timed.calls.clear()
+                ts = time.perf_counter()
+                engine.generate([prefix + _prompt(rng, tokens, vocab)], greedy1)
+                step_ms = (time.perf_counter() - ts) * 1e3
+                for prompt_run, q, k, _n, ms in timed.calls:
+                    if prompt_run:
+                        pre_x.append(prefill_features(q, k))
+                        pre_y.append(ms)
+                if len(timed.calls) == 1:
+                    rows.append((timed.calls[0][3], timed.calls[0][4], step_ms))
+                bar.step(f"prefill {tokens} behind {cached}")
+    for batch in grid.decode_batch:
+        for context in grid.decode_context:
+            params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0.0,
+                                    ignore_eos=True)
+            # One shared prefix (prefilled once, then a prefix-cache hit) and a unique last
+            # block each: the decode steps read `context` tokens per row at a prefill cost of
+            # about one prompt, not `batch`.
+            shared = _prompt(rng, max(0, context - 16), vocab)
+            for _ in range(batch):
+                engine.add_request(None, shared + _prompt(rng, min(16, context), vocab), params)
+            while engine.has_unfinished():
+                timed.calls.clear()
+                ts = time.perf_counter()
+                engine.step()
+                step_ms = (time.perf_counter() - ts) * 1e3
+                if len(timed.calls) == 1 and not timed.calls[0][0]:
+                    _, q, k, n, ms = timed.calls[0]
+                    if len(k) == batch:
+                        dec_x.append(decode_features(k))
+                        dec_y.append(ms)
+                        rows.append((n, ms, step_ms))
+            bar.step(f"decode batch {batch} x {context}")
+    latency_ms, bytes_per_ms, method = _transfer(engine, grid, bar)
+    x = np.array([(1.0, n) for n, _, _ in rows])
+    y = np.array([s - f for _, f, s in rows])
+    step_ms, row_ms = np.maximum(np.linalg.lstsq(x, y, rcond=None)[0], 0.0)
+    spec = engine.kv_spec
+    m = ModelInfo(name=engine.model_path.rstrip("/").rsplit("/", 1)[-1],
+                  fingerprint=engine.model_fingerprint, quantization=engine.quantization,
+                  dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
+                  num_blocks=engine.num_total_blocks(),
+                  kv_bytes_per_block=int(engine.kv_cache[0].numel()
+                                         * engine.kv_cache.element_size()),
+                  vocab_size=vocab, max_position=engine.model_config.max_position)
+    return Profile(
+        model=m, prefill=fit_linear(PREFILL_FEATURES, pre_x, pre_y),
+        decode=fit_linear(DECODE_FEATURES, dec_x, dec_y), sample_row_ms=float(row_ms),
+        step_overhead_ms=float(step_ms), transfer_latency_ms=latency_ms,
+        transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s,
+        machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                 "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "transfer_method": method})
+
+
+def _transfer(engine, grid: Grid, bar: _Bar) -> tuple[float, float, str]:
+    import torch
+
+    pool = engine.kv_cache
+    dst = torch.empty_like(pool[: max(grid.transfer_blocks) + 1])
+    rng = np.random.default_rng(1)
+    ns, ms = [], []
+    for n in grid.transfer_blocks:
+        times = []
+        for _ in range(max(3, grid.repeats)):
+            src_ids = torch.as_tensor(rng.choice(np.arange(1, pool.shape[0]), n, replace=False))
+            t0 = time.perf_counter()
+            dst[1:n + 1].copy_(pool.index_select(0, src_ids))
+            times.append((time.perf_counter() - t0) * 1e3)
+        ns.append(n)
+        ms.append(float(np.median(times)))
+        bar.step(f"transfer {n} blocks")
+    bpb = pool[0].numel() * pool.element_size()
+    slope, icpt = np.polyfit(np.asarray(ns, dtype=float) * bpb, ms, 1)
+    return max(float(icpt), 0.0), 1.0 / max(float(slope), 1e-12), "in-process copy"

@@ -1,0 +1,253 @@
+"""A machine's engine costs as a versioned JSON profile (schema: docs/profile.md), torch-free.
+
+`baton profile` measures a real engine on a grid and fits each cost with least squares
+(`fit_linear`); the simulator and the mock runner predict with `Profile.step_ms` and
+`Profile.transfer_ms`. A profile is checked on load: every field is named in the error when it
+is missing or of the wrong kind, and a version this code does not know is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROFILE_VERSION = 1
+
+# The features of each fitted cost, in the order of its coefficients (docs/profile.md).
+PREFILL_FEATURES = ("const", "tokens", "attention_kpairs")  # kpairs: sum q_i * k_i / 1000
+DECODE_FEATURES = ("const", "batch", "context_ktokens")  # ktokens: sum k_i / 1000
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the field."""
+
+
+@dataclass
+class FitError:
+    """How well a fit predicts the grid points it was not fitted on."""
+
+    num_fit: int = 0
+    num_held_out: int = 0
+    mean_rel_err: float = 0.0  # |predicted - measured| / measured, mean over held-out points
+    max_rel_err: float = 0.0
+
+
+@dataclass
+class LinearCost:
+    """milliseconds = sum(coef[i] * feature[i]), features as named in `features`."""
+
+    features: tuple[str, ...]
+    coef: tuple[float, ...]
+    fit: FitError = field(default_factory=FitError)
+
+    def predict(self, values: Sequence[float]) -> float:
+        return max(0.0, sum(c * v for c, v in zip(self.coef, values, strict=True)))
+
+
+@dataclass
+class ModelInfo:
+    """What was measured: the simulated engines take their pool and block size from here."""
+
+    name: str  # the model file or folder's name
+    fingerprint: str  # the engine's model fingerprint (model, KV layout, quantization)
+    quantization: str
+    dtype: str
+    block_size: int
+    num_blocks: int  # the measured engine's pool, null block included
+    kv_bytes_per_block: int
+    vocab_size: int
+    max_position: int
+
+
+@dataclass
+class Profile:
+    """One machine's costs for one model (all times in milliseconds unless named _s)."""
+
+    model: ModelInfo
+    prefill: LinearCost  # a prompt step's forward (PREFILL_FEATURES)
+    decode: LinearCost  # a decode step's forward (DECODE_FEATURES)
+    sample_row_ms: float  # the engine's work per sampled row beyond the forward
+    step_overhead_ms: float  # the engine's work per step beyond the forward
+    transfer_latency_ms: float  # one KV pull: fixed part
+    transfer_bytes_per_ms: float  # one KV pull: bytes moved per millisecond
+    engine_start_s: float  # process start to ready (weights loaded, pool allocated)
+    machine: dict = field(default_factory=dict)  # host, cpu, threads, when
+    version: int = PROFILE_VERSION
+
+    # ------------------------------------------------------------------ predictions
+    def step_ms(self, prompt_run: bool, seqlens_q: np.ndarray, seqlens_k: np.ndarray,
+                num_sampled: int) -> float:
+        """Predicted time of one engine step (forward + the engine's own work)."""
+        if prompt_run:
+            fwd = self.prefill.predict(prefill_features(seqlens_q, seqlens_k))
+        else:
+            fwd = self.decode.predict(decode_features(seqlens_k))
+        return fwd + self.step_overhead_ms + self.sample_row_ms * num_sampled
+
+    def transfer_ms(self, num_blocks: int) -> float:
+        """Predicted time of pulling `num_blocks` KV blocks (0 blocks: nothing to pull)."""
+        if num_blocks <= 0:
+            return 0.0
+        return (self.transfer_latency_ms
+                + num_blocks * self.model.kv_bytes_per_block / self.transfer_bytes_per_ms)
+
+    def with_link(self, bandwidth_gbit_s: float, latency_ms: float) -> Profile:
+        """The same profile over another link: `bandwidth_gbit_s` Gbit/s, `latency_ms` per pull."""
+        if bandwidth_gbit_s <= 0 or latency_ms < 0:
+            raise ProfileError(f"link bandwidth must be > 0 and latency >= 0, got "
+                               f"{bandwidth_gbit_s} Gbit/s, {latency_ms} ms")
+        d = to_dict(self)
+        d["transfer"] = {"latency_ms": latency_ms, "bytes_per_ms": bandwidth_gbit_s * 1e9 / 8e3}
+        return from_dict(d)
+
+
+def prefill_features(seqlens_q: np.ndarray, seqlens_k: np.ndarray) -> tuple[float, float, float]:
+    q = np.asarray(seqlens_q, dtype=np.float64)
+    k = np.asarray(seqlens_k, dtype=np.float64)
+    return 1.0, float(q.sum()), float((q * k).sum()) / 1e3
+
+
+def decode_features(seqlens_k: np.ndarray) -> tuple[float, float, float]:
+    k = np.asarray(seqlens_k, dtype=np.float64)
+    return 1.0, float(k.size), float(k.sum()) / 1e3
+
+
+# ------------------------------------------------------------------ fitting
+def fit_linear(features: tuple[str, ...], rows: Sequence[Sequence[float]],
+               measured_ms: Sequence[float], hold_every: int = 4) -> LinearCost:
+    """Least squares over the grid, every `hold_every`-th point held back to measure the error
+    (then refitted on all points). Coefficients are clipped at zero: no cost runs backwards."""
+    x = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(measured_ms, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] != len(features) or len(y) != len(x):
+        raise ValueError(f"{len(features)} features per row and one time per row wanted, got "
+                         f"{x.shape} rows and {len(y)} times")
+    held = np.zeros(len(y), dtype=bool)
+    if len(y) >= 2 * len(features) and hold_every > 1:
+        held[hold_every - 1::hold_every] = True
+    coef = _lstsq(x[~held], y[~held])
+    err = FitError(num_fit=int((~held).sum()), num_held_out=int(held.sum()))
+    if held.any():
+        rel = np.abs(x[held] @ coef - y[held]) / np.maximum(y[held], 1e-9)
+        err.mean_rel_err, err.max_rel_err = float(rel.mean()), float(rel.max())
+    return LinearCost(tuple(features), tuple(float(c) for c in _lstsq(x, y)), err)
+
+
+def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    return np.maximum(coef, 0.0)
+
+
+# ------------------------------------------------------------------ JSON
+def to_dict(p: Profile) -> dict:
+    return {
+        "version": p.version, "machine": p.machine, "model": asdict(p.model),
+        "prefill": _cost_dict(p.prefill), "decode": _cost_dict(p.decode),
+        "sampling": {"row_ms": p.sample_row_ms, "step_ms": p.step_overhead_ms},
+        "transfer": {"latency_ms": p.transfer_latency_ms, "bytes_per_ms": p.transfer_bytes_per_ms},
+        "engine_start_s": p.engine_start_s,
+    }
+
+
+def _cost_dict(c: LinearCost) -> dict:
+    return {"features": list(c.features), "coef": list(c.coef), "fit": asdict(c.fit)}
+
+
+def save(p: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(p), indent=1) + "\n")
+
+
+def load(path: str | Path) -> Profile:
+    """Read and check a profile file; ProfileError naming the file and the bad field."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"{path}: not a readable JSON profile: {exc}") from None
+    try:
+        return from_dict(data)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+
+
+def from_dict(data: object) -> Profile:
+    d = _obj(data, "profile")
+    version = _get(d, "version", int, "profile")
+    if version != PROFILE_VERSION:
+        raise ProfileError(f"profile version {version} is not supported (this Baton reads "
+                           f"version {PROFILE_VERSION}); measure again with `baton profile`")
+    m = _obj(_get(d, "model", dict, "profile"), "model")
+    model = ModelInfo(
+        **{k: _get(m, k, str, "model") for k in ("name", "fingerprint", "quantization", "dtype")},
+        **{k: _get(m, k, int, "model", minimum=1) for k in (
+            "block_size", "num_blocks", "kv_bytes_per_block", "vocab_size", "max_position")})
+    if model.num_blocks < 2:
+        raise ProfileError(f"model.num_blocks must be >= 2, got {model.num_blocks}")
+    sampling = _get(d, "sampling", dict, "profile")
+    transfer = _get(d, "transfer", dict, "profile")
+    machine = d.get("machine", {})
+    if not isinstance(machine, dict):
+        raise ProfileError(f"machine must be an object, got {type(machine).__name__}")
+    return Profile(
+        model=model,
+        prefill=_cost(d, "prefill", PREFILL_FEATURES), decode=_cost(d, "decode", DECODE_FEATURES),
+        sample_row_ms=_get(sampling, "row_ms", float, "sampling", minimum=0),
+        step_overhead_ms=_get(sampling, "step_ms", float, "sampling", minimum=0),
+        transfer_latency_ms=_get(transfer, "latency_ms", float, "transfer", minimum=0),
+        transfer_bytes_per_ms=_get(transfer, "bytes_per_ms", float, "transfer", positive=True),
+        engine_start_s=_get(d, "engine_start_s", float, "profile", minimum=0),
+        machine=machine, version=version)
+
+
+def _cost(d: dict, name: str, features: tuple[str, ...]) -> LinearCost:
+    c = _obj(_get(d, name, dict, "profile"), name)
+    got = _get(c, "features", list, name)
+    if tuple(got) != features:
+        raise ProfileError(f"{name}.features must be {list(features)}, got {got}")
+    coef = _get(c, "coef", list, name)
+    if len(coef) != len(features) or not all(_is_num(v) and v >= 0 for v in coef):
+        raise ProfileError(f"{name}.coef must be {len(features)} finite numbers >= 0, got {coef}")
+    fit = c.get("fit", {})
+    if not isinstance(fit, dict):
+        raise ProfileError(f"{name}.fit must be an object, got {type(fit).__name__}")
+    try:
+        err = FitError(**fit)
+    except TypeError as exc:
+        raise ProfileError(f"{name}.fit: {exc}") from None
+    return LinearCost(features, tuple(float(v) for v in coef), err)
+
+
+def _obj(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ProfileError(f"{where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _get(d: dict, key: str, kind: type, where: str, minimum: float | None = None,
+         positive: bool = False):
+    name = key if where == "profile" else f"{where}.{key}"
+    if key not in d:
+        raise ProfileError(f"missing field {name}")
+    value = d[key]
+    if kind is float:
+        ok = _is_num(value)
+        value = float(value) if ok else value
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ProfileError(f"field {name} must be {kind.__name__}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ProfileError(f"field {name} must be >= {minimum}, got {value!r}")
+    if positive and value <= 0:
+        raise ProfileError(f"field {name} must be > 0, got {value!r}")
+    return value

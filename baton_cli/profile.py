@@ -1,0 +1,37 @@
+"""`baton profile --out P.json [--quick]`: measure this machine's engine (baton/perf/measure.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure this machine's engine costs into a profile JSON")
+    p.add_argument("--out", required=True, help="where the profile goes")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (about a minute)")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2)")
+    p.add_argument("--quantization", default="auto", help="none | int8 | int4 | auto")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: leaves the other cores to others)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from baton.perf.measure import QUICK, Grid, measure
+    from baton.perf.profile import save
+
+    if args.threads < 1:
+        print(f"baton profile: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
+    prof = measure(args.model, args.quantization, args.threads, QUICK if args.quick else Grid())
+    save(prof, args.out)
+    for name, cost in (("prefill", prof.prefill), ("decode", prof.decode)):
+        print(f"{name}: {dict(zip(cost.features, (round(c, 4) for c in cost.coef), strict=True))}"
+              f" held-out error mean {100 * cost.fit.mean_rel_err:.1f}% "
+              f"max {100 * cost.fit.max_rel_err:.1f}% ({cost.fit.num_held_out} points)")
+    print(f"sampling: {prof.sample_row_ms:.3f} ms/row + {prof.step_overhead_ms:.3f} ms/step; "
+          f"transfer {prof.transfer_latency_ms:.3f} ms + {prof.transfer_bytes_per_ms / 1e6:.2f} "
+          f"GB/s; engine start {prof.engine_start_s:.1f} s")
+    print(f"wrote {args.out}")
+    return 0

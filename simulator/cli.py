@@ -1,0 +1,112 @@
+"""`baton sim`: size a fleet on this machine's profile, in virtual time.
+
+    baton sim --profile P.json --trace T.jsonl --time-scale 4 --length-scale 0.25 \
+        --prompt-engines 2 --completion-engines 2 --goodput ttft:2000 tpot:100 \
+        --label pd2x2 --results-dir bench/results
+
+Writes the same record and table as `baton bench` (serve_<label>_<time>.json) with a `fleet`
+section (per engine: busy time, pulled KV bytes, prefix-cache hit rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from pathlib import Path
+
+from baton.perf.profile import ProfileError
+from baton.perf.profile import load as load_profile
+from baton.workload.args import add_workload_arguments, workload_from_args
+from baton.workload.results import format_table, parse_slos, write_result
+from baton.workload.trace import TraceError
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="simulate a fleet in virtual time on a measured profile")
+    p.add_argument("--profile", required=True, help="profile JSON (`baton profile --out`)")
+    g = p.add_argument_group("fleet")
+    g.add_argument("--normal-engines", type=int, default=None,
+                   help="co-located engines (default 1 unless prompt/completion engines given)")
+    g.add_argument("--prompt-engines", type=int, default=0)
+    g.add_argument("--completion-engines", type=int, default=0)
+    g.add_argument("--num-blocks", type=int, default=0,
+                   help="KV blocks per engine (default: the profiled engine's)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-overlap-weight", type=float, default=1.0,
+                   help="routing cost of a prompt block an engine lacks (router's default 1)")
+    g.add_argument("--link-gbit", type=float, default=0.0,
+                   help="KV pulls over a link of this many Gbit/s (default: the profile's)")
+    g.add_argument("--link-latency-ms", type=float, default=0.0,
+                   help="with --link-gbit: the fixed time of one pull")
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s with Poisson arrivals (default inf: all at once)")
+    g.add_argument("--num-requests", type=int, default=40,
+                   help="synthetic: requests (multi-turn: conversations); --trace: the first N")
+    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS")
+    add_workload_arguments(p)
+    g = p.add_argument_group("output")
+    g.add_argument("--label", default="sim")
+    g.add_argument("--results-dir", default="bench/results")
+    p.set_defaults(func=run)
+
+
+def configs_from_args(args: argparse.Namespace):
+    from simulator.fleet import FleetConfig
+    from simulator.run import SimConfig
+
+    disagg = args.prompt_engines or args.completion_engines
+    normal = args.normal_engines if args.normal_engines is not None else (0 if disagg else 1)
+    fleet = FleetConfig(num_normal=normal, num_prompt=args.prompt_engines,
+                        num_completion=args.completion_engines, num_blocks=args.num_blocks,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching)
+    if args.link_latency_ms and not args.link_gbit:
+        raise ValueError("--link-latency-ms needs --link-gbit")
+    cfg = SimConfig(fleet=fleet, request_rate=args.request_rate,
+                    num_requests=args.num_requests, slos_ms=parse_slos(args.goodput),
+                    kv_overlap_weight=args.kv_overlap_weight, label=args.label)
+    workload, trace = workload_from_args(args)
+    return cfg, workload, trace
+
+
+def run(args: argparse.Namespace) -> int:
+    from simulator.run import simulate
+
+    try:
+        profile = load_profile(args.profile)
+        if args.link_gbit:
+            profile = profile.with_link(args.link_gbit, args.link_latency_ms)
+        cfg, workload, trace = configs_from_args(args)
+        record = simulate(profile, cfg, workload, trace)
+    except (ProfileError, TraceError, ValueError) as exc:
+        print(f"baton sim: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(record))
+    busy = ", ".join(f"{e['name']} {100 * e['busy_fraction']:.0f}%"
+                     for e in record["fleet"]["engines"][:16])
+    print(f"busy: {busy}; simulated {record['fleet']['virtual_s']:.1f} s in "
+          f"{record['sim_wall_s']:.1f} s")
+    path = write_result(record, Path(args.results_dir))
+    print(f"wrote {path}")
+    return 0 if record["summary"]["num_completed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="baton-sim")
+    add_parser(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(["sim", *(argv or sys.argv[1:])])
+    logging.basicConfig(level=logging.WARNING)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

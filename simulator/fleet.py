@@ -1,0 +1,343 @@
+"""A fleet in virtual time: real `LLMEngine`s over the model-free runner, one event queue.
+
+A request's life in the simulator:
+1. It arrives at its workload time (a trace's timestamp, a Poisson draw, or, for a later turn of
+   a conversation, the end of the turn before). The policy picks an engine of the first role
+   (normal, or prompt) by cost over the engines' KV-event keys; `add_request` queues it.
+2. An engine with work steps: `LLMEngine.step()` runs the real scheduler and the mock runner,
+   which reports the profile's predicted step time; the step's outputs land that much later,
+   when the engine may step again. Arrivals in between wait in `waiting`, as on a real engine.
+3. NORMAL: the first output is the first token (TTFT), the last one ends the request.
+   PROMPT: the prompt's output carries the first token and the handed-off blocks; the policy
+   picks a completion engine, which allocates through `add_prompted_request` (the pinned run of
+   its own cache by the prompt engine's `block_keys`), LATER retrying whenever one of its steps
+   ends. The pull takes the profile's transfer time for the blocks not cached; then
+   `commit_prompted` there and `release_handed_off` on the prompt engine (the lease ends).
+4. At the end every engine must be drained: free blocks == total blocks (checked).
+Nothing here reaches into an engine's parts: only the engine's verbs, counters and KV events.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from baton.engine import AllocStatus, EngineConfig, LLMEngine
+from baton.engine.block_keys import compute_block_keys
+from baton.perf.mock_runner import MockRunner
+from baton.perf.profile import Profile
+from baton.sampling.params import SamplingParams
+from baton.workload.results import RequestResult
+from baton.workload.synthetic import RequestSpec
+from simulator.policy import Candidate, SelectionPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FleetConfig:
+    num_normal: int = 1  # co-located engines
+    num_prompt: int = 0  # prompt engines (with completion engines: disaggregated)
+    num_completion: int = 0
+    num_blocks: int = 0  # KV blocks per engine, null block included; 0 = the profiled engine's
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_normal", "num_prompt", "num_completion", "num_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.num_prompt > 0) != (self.num_completion > 0):
+            raise ValueError(f"a disaggregated fleet needs prompt and completion engines, got "
+                             f"{self.num_prompt} prompt and {self.num_completion} completion")
+        if self.num_normal and self.num_prompt:
+            raise ValueError("a fleet of both normal and prompt/completion engines is not "
+                             "simulated yet (the router routes one way per deployment)")
+        if not self.num_normal and not self.num_prompt:
+            raise ValueError("the fleet has no engine")
+        if self.num_blocks == 1:
+            raise ValueError("num_blocks must be 0 (the profile's) or >= 2, got 1")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.num_prompt > 0
+
+
+class SimEngine:
+    """One engine: the real engine core, its predicted step times and its published keys."""
+
+    def __init__(self, sim: Simulation, name: str, role: str) -> None:
+        self.sim, self.name, self.role = sim, name, role
+        cfg = sim.config
+        self.runner = MockRunner(sim.profile, cfg.num_blocks, on_step=self._on_step)
+        self.engine = LLMEngine(EngineConfig(
+            engine_type=role, block_size=sim.profile.model.block_size,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching, num_threads=1),
+            runner=self.runner)
+        self.events = self.engine.kv_event_source()
+        self.events.scheduler.set_kv_event_capacity(4 * self.events.num_total_blocks)
+        self.keys: set[int] = set()  # what its KV events said it holds
+        self.busy = False
+        self._step_s = 0.0
+        self.num_inflight = 0  # the router's view (Candidate)
+        self.active_blocks = 0
+        self.admissions: deque[Handoff] = deque()  # COMPLETION: waiting for blocks (LATER)
+        self.num_pulled_blocks = 0
+
+    def _on_step(self, seconds: float) -> None:
+        self._step_s += seconds
+
+    def kick(self) -> None:
+        """Something may have given it work: step now unless a step is running."""
+        if not self.busy and self.engine.has_unfinished():
+            self.busy = True
+            self.sim.at(self.sim.now, self._step)
+
+    def _step(self) -> None:
+        self._step_s = 0.0
+        outputs = self.engine.step()
+        self._drain_keys()
+        if self._step_s == 0.0 and not outputs:
+            self.busy = False  # nothing could run: idle until an event kicks it
+            return
+        self.sim.at(self.sim.now + self._step_s, self._deliver, outputs)
+
+    def _deliver(self, outputs) -> None:
+        self.busy = False
+        for out in outputs:
+            self.sim.on_output(self, out)
+        if self.admissions:
+            self.sim.retry_admissions(self)
+        self.kick()
+
+    def _drain_keys(self) -> None:
+        ok, stored, removed = self.events.scheduler.drain_kv_events()
+        if not ok:  # the log overflowed: a snapshot, as a subscriber would get
+            self.keys = {int(k) for k in self.events.scheduler.prefix_cache_keys()}
+            return
+        self.keys.difference_update(int(k) for k in removed)
+        self.keys.update(int(k) for k in stored)
+
+    def overlap(self, keys: list[int]) -> int:
+        num = 0
+        for key in keys:
+            if key not in self.keys:
+                break
+            num += 1
+        return num
+
+
+@dataclass
+class Flight:
+    """One request on its way through the fleet."""
+
+    spec: RequestSpec
+    token_ids: list[int]
+    result: RequestResult
+    arrival_s: float
+    keys: list[int] = field(default_factory=list)  # block keys of its prompt's full blocks
+    num_blocks: int = 0  # blocks the whole prompt takes
+    engine: SimEngine | None = None  # where it is now (the router's books)
+    charged: int = 0  # active blocks charged to `engine`
+    last_token_s: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Handoff:
+    flight: Flight
+    prompt: SimEngine
+    first_token: int
+    block_keys: list[int]
+
+
+class Simulation:
+    def __init__(self, profile: Profile, config: FleetConfig, policy: SelectionPolicy,
+                 on_done: Callable[[Flight], None] | None = None) -> None:
+        self.profile, self.config, self.policy = profile, config, policy
+        self.now = 0.0
+        self._queue: list = []
+        self._seq = itertools.count()
+        self.on_done = on_done
+        roles = ([("normal", config.num_normal)] if config.num_normal else
+                 [("prompt", config.num_prompt), ("completion", config.num_completion)])
+        self.engines = {role: [SimEngine(self, f"{role}-{i}", role) for i in range(n)]
+                        for role, n in roles}
+        first = self.engines.get("normal") or self.engines["prompt"]
+        self.block_size = profile.model.block_size
+        self.key_seed = first[0].engine.prefix_cache_seed
+        self.flights: dict[str, Flight] = {}
+        self.num_handoffs_failed = 0
+
+    # ------------------------------------------------------------------ the event queue
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self._queue, (t, next(self._seq), fn, args))
+
+    def run(self) -> None:
+        while self._queue:
+            t, _, fn, args = heapq.heappop(self._queue)
+            self.now = t
+            fn(*args)
+
+    # ------------------------------------------------------------------ routing
+    def _choose(self, role: str, flight: Flight) -> SimEngine:
+        engines = self.engines[role]
+        cands = [Candidate(e.name, e.num_inflight, e.active_blocks, e.overlap(flight.keys))
+                 for e in engines]
+        i = self.policy.choose(role, flight.num_blocks, cands)
+        engine = engines[i]
+        active = flight.num_blocks - cands[i].overlap_blocks if role == "prompt" \
+            else flight.num_blocks
+        self._charge(flight, engine, active)
+        return engine
+
+    def _charge(self, flight: Flight, engine: SimEngine, blocks: int) -> None:
+        self._uncharge(flight)
+        flight.engine, flight.charged = engine, blocks
+        engine.num_inflight += 1
+        engine.active_blocks += blocks
+
+    def _uncharge(self, flight: Flight) -> None:
+        if flight.engine is not None:
+            flight.engine.num_inflight -= 1
+            flight.engine.active_blocks -= flight.charged
+            flight.engine, flight.charged = None, 0
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, spec: RequestSpec, token_ids: list[int], t: float) -> None:
+        """`spec` arrives at virtual time `t` with these prompt tokens."""
+        self.at(t, self._arrive, spec, token_ids)
+
+    def _arrive(self, spec: RequestSpec, token_ids: list[int]) -> None:
+        res = RequestResult(spec.idx, spec.kind, prompt_tokens=len(token_ids),
+                            expected_output_tokens=spec.max_tokens, start_s=self.now)
+        flight = Flight(spec, token_ids, res, self.now)
+        flight.keys = compute_block_keys(token_ids, self.block_size, self.key_seed).tolist()
+        flight.num_blocks = -(-len(token_ids) // self.block_size)
+        rid = f"r{spec.idx}"
+        self.flights[rid] = flight
+        role = "prompt" if self.config.is_disaggregated else "normal"
+        engine = self._choose(role, flight)
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+        try:
+            engine.engine.add_request(rid, token_ids, params)
+        except ValueError as exc:
+            self._fail(rid, str(exc))
+            return
+        engine.kick()
+
+    def on_output(self, engine: SimEngine, out) -> None:
+        flight = self.flights.get(out.request_id)
+        if flight is None:
+            return
+        res = flight.result
+        if out.new_token_ids:
+            if not flight.output_ids:
+                res.ttft_s = self.now - flight.arrival_s
+                res.cached_tokens = out.num_cached_tokens
+            else:
+                res.itl_s.append(self.now - flight.last_token_s)
+            flight.last_token_s = self.now
+            flight.output_ids.extend(out.new_token_ids)
+        if out.handed_off_block_ids is not None:
+            self._hand_off(engine, flight, out)
+        elif out.finished:
+            if out.finish_reason in ("length", "stop"):
+                self._done(out.request_id)
+            else:
+                self._fail(out.request_id, f"finished: {out.finish_reason}")
+
+    # ------------------------------------------------------------------ the PD hand-off
+    def _hand_off(self, prompt: SimEngine, flight: Flight, out) -> None:
+        keys = prompt.engine.block_keys(out.request_id)
+        comp = self._choose("completion", flight)
+        comp.admissions.append(Handoff(flight, prompt, out.new_token_ids[0], keys))
+        self.retry_admissions(comp)
+
+    def retry_admissions(self, comp: SimEngine) -> None:
+        """Admit waiting hand-offs in order, until one must wait for blocks (LATER)."""
+        while comp.admissions:
+            h = comp.admissions[0]
+            rid = f"r{h.flight.spec.idx}"
+            spec = h.flight.spec
+            params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+            alloc = comp.engine.add_prompted_request(rid, h.flight.token_ids, [], params,
+                                                     h.first_token, 0.0, block_keys=h.block_keys)
+            if alloc.status == AllocStatus.LATER:
+                return
+            comp.admissions.popleft()
+            if alloc.status == AllocStatus.NEVER:
+                h.prompt.engine.release_handed_off(rid)
+                h.prompt.kick()
+                self._fail(rid, "the completion engine can never hold this prompt")
+                continue
+            num_pull = len(alloc.block_ids) - alloc.num_cached_blocks
+            comp.num_pulled_blocks += num_pull
+            self.at(self.now + self.profile.transfer_ms(num_pull) / 1e3, self._landed, h, comp)
+
+    def _landed(self, h: Handoff, comp: SimEngine) -> None:
+        rid = f"r{h.flight.spec.idx}"
+        comp.engine.commit_prompted(rid)
+        h.prompt.engine.release_handed_off(rid)
+        comp._drain_keys()
+        h.prompt._drain_keys()
+        comp.kick()
+        h.prompt.kick()
+
+    # ------------------------------------------------------------------ endings
+    def _done(self, rid: str) -> None:
+        flight = self.flights.pop(rid)
+        self._uncharge(flight)
+        res = flight.result
+        res.ok, res.e2e_s = True, self.now - flight.arrival_s
+        res.output_tokens = len(flight.output_ids)
+        if self.on_done is not None:
+            self.on_done(flight)
+
+    def _fail(self, rid: str, error: str) -> None:
+        flight = self.flights.pop(rid)
+        self._uncharge(flight)
+        flight.result.error = error[:300]
+        flight.result.e2e_s = self.now - flight.arrival_s
+        if self.on_done is not None:
+            self.on_done(flight)
+
+    # ------------------------------------------------------------------ after the run
+    def check_drained(self) -> None:
+        """Every engine idle with all its blocks free (leases released, nothing left)."""
+        for engines in self.engines.values():
+            for e in engines:
+                free, total = e.engine.num_free_blocks(), e.engine.num_total_blocks()
+                assert free == total and not e.engine.has_unfinished(), \
+                    f"{e.name}: {free} of {total} blocks free, unfinished " \
+                    f"{e.engine.has_unfinished()} after the run"
+                assert e.num_inflight == 0 and e.active_blocks == 0, (e.name, e.num_inflight)
+
+    def fleet_record(self) -> dict:
+        """Per engine: busy time, steps, pulled KV (blocks, bytes), prefix cache hit rate."""
+        bpb = self.profile.model.kv_bytes_per_block
+        engines = []
+        for role_engines in self.engines.values():
+            for e in role_engines:
+                stats = e.engine.stats()
+                query = stats["prefix_cache_query_tokens"]
+                engines.append({
+                    "name": e.name, "role": e.role, "busy_s": e.runner.busy_s,
+                    "busy_fraction": e.runner.busy_s / self.now if self.now else 0.0,
+                    "num_steps": e.runner.num_steps,
+                    "num_prompt_tokens": e.engine.num_prompt_tokens,
+                    "num_generated_tokens": e.engine.num_generated_tokens,
+                    "num_preemptions": stats["num_preemptions"],
+                    "pulled_kv_blocks": e.num_pulled_blocks,
+                    "pulled_kv_bytes": e.num_pulled_blocks * bpb,
+                    "cache_hit_rate": stats["prefix_cache_hit_tokens"] / query if query else 0.0,
+                    "num_free_blocks": stats["num_free_blocks"],
+                    "num_total_blocks": stats["num_total_blocks"]})
+        return {"engines": engines, "virtual_s": self.now,
+                "pulled_kv_bytes": sum(e["pulled_kv_bytes"] for e in engines)}

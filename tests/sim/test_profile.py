@@ -1,0 +1,70 @@
+"""The profile schema: fit on a grid, round trip, and load errors that name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from baton.perf import profile as P
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def _good() -> dict:
+    return json.loads((DATA / "profile_test.json").read_text())
+
+
+def test_fit_recovers_a_linear_cost_and_reports_held_out_error():
+    rows = [(1.0, t, t * (t + c) / 1e3) for t in (16, 64, 256, 512) for c in (0, 256, 1024)]
+    ms = [5.0 + 0.4 * r[1] + 0.02 * r[2] for r in rows]
+    cost = P.fit_linear(P.PREFILL_FEATURES, rows, ms)
+    assert np.allclose(cost.coef, (5.0, 0.4, 0.02))
+    assert cost.fit.num_held_out == 3 and cost.fit.num_fit == 9
+    assert cost.fit.max_rel_err < 1e-9
+
+
+def test_round_trip_and_prediction(tmp_path):
+    prof = P.from_dict(_good())
+    P.save(prof, tmp_path / "p.json")
+    again = P.load(tmp_path / "p.json")
+    assert again == prof
+    q, k = np.array([100, 20]), np.array([100, 50])
+    want = 8.0 + 0.5 * 120 + 0.01 * (100 * 100 + 20 * 50) / 1e3 + 0.2 + 0.05 * 2
+    assert again.step_ms(True, q, k, 2) == pytest.approx(want)
+    assert again.step_ms(False, np.ones(3), np.array([10, 20, 30]), 3) == \
+        pytest.approx(15.0 + 1.2 * 3 + 0.3 * 0.06 + 0.2 + 0.15)
+    assert again.transfer_ms(0) == 0.0
+    assert again.transfer_ms(10) == pytest.approx(2.0 + 10 * 737280 / 1e6)
+    link = again.with_link(100.0, 0.5)  # 100 Gbit/s = 12.5e6 bytes per ms
+    assert link.transfer_ms(10) == pytest.approx(0.5 + 10 * 737280 / 12.5e6)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.pop("decode"), "decode"),
+    (lambda d: d["model"].pop("block_size"), "model.block_size"),
+    (lambda d: d["model"].update(num_blocks="many"), "model.num_blocks"),
+    (lambda d: d["prefill"].update(coef=[1.0, -2.0, 0.0]), "prefill.coef"),
+    (lambda d: d["decode"].update(features=["const", "batch"]), "decode.features"),
+    (lambda d: d["transfer"].update(bytes_per_ms=0), "transfer.bytes_per_ms"),
+    (lambda d: d["sampling"].update(row_ms=None), "sampling.row_ms"),
+    (lambda d: d.update(engine_start_s=-1), "engine_start_s"),
+])
+def test_a_bad_field_is_named(edit, field):
+    d = _good()
+    edit(d)
+    with pytest.raises(P.ProfileError, match=field.replace(".", r"\.")):
+        P.from_dict(d)
+
+
+def test_an_unknown_version_is_refused(tmp_path):
+    d = _good()
+    d["version"] = 2
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    with pytest.raises(P.ProfileError, match="version 2 is not supported"):
+        P.load(tmp_path / "p.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(P.ProfileError, match="bad.json"):
+        P.load(tmp_path / "bad.json")
