@@ -49,6 +49,7 @@ class SchedulerConfig:
     watermark: float
     prefill_attempt_interval: int
     prefill_any_attempt_interval: int
+    prefill_min_decode_steps: int
     num_speculative_tokens: int
     image_token_id: int
     image_pad_token_id: int

@@ -12,6 +12,8 @@ import os
 import socket
 import sys
 
+from baton.engine.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engine": "completion"}
@@ -61,6 +63,19 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of cached prompt prefixes "
                    "(on by default; --no-enable-prefix-caching turns it off)")
+    if role == "normal":  # the only role that chooses between a prompt and a decode step
+        c = p.add_argument_group("prefill cadence (docs/scheduler.md S33, S40)")
+        c.add_argument("--prefill-attempt-interval", type=int,
+                       default=EngineConfig.prefill_attempt_interval,
+                       help="an ALL prefill vote every this many decode steps (S33)")
+        c.add_argument("--prefill-any-attempt-interval", type=int,
+                       default=EngineConfig.prefill_any_attempt_interval,
+                       help="an ANY prefill vote every this many decode steps (S33)")
+        c.add_argument("--prefill-min-decode-steps", type=int,
+                       default=EngineConfig.prefill_min_decode_steps,
+                       help="decode steps after a prompt step before the next prefill attempt "
+                            "(S40), so running streams advance during a burst of prompts; "
+                            "0 = prompt steps back to back while prompts wait")
     if role in ("normal", "prompt"):
         m.add_argument("--data-parallel-size", type=int, default=1,
                        help="ranks, one scheduler each, voting on the step type over gloo")

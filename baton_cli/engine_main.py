@@ -40,7 +40,12 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         # Standalone, assume one other engine shares the host (the launcher passes the share).
         num_threads=args.num_threads or engine_threads(2), decode_threads=getattr(args, "decode_threads", 0),
+        **{name: getattr(args, name) for name in CADENCE if hasattr(args, name)},
         engine_type=role)
+
+
+# The prefill cadence flags (NORMAL engines only): EngineConfig fields of the same names.
+CADENCE = ("prefill_attempt_interval", "prefill_any_attempt_interval", "prefill_min_decode_steps")
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:

@@ -33,6 +33,9 @@ class EngineConfig:
     # default of 70 is for data-parallel ranks voting to prefill together).
     prefill_attempt_interval: int = 1
     prefill_any_attempt_interval: int = 1
+    # S40: decode steps after a prompt step before the next attempt, so a burst of long prompts
+    # does not stall every running stream for the whole burst (bench/prefill_cadence.py).
+    prefill_min_decode_steps: int = 0
     watermark: float = 0.9  # prefill only at or below this cache usage
     # Automatic prefix caching (docs/scheduler.md, P1-P8): full blocks keyed by a hash chain over
     # their tokens; a prompt's cached run is not computed again (nor pulled, on a completion
@@ -65,7 +68,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads",
-                     "decode_threads"):
+                     "decode_threads", "prefill_min_decode_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.engine_type not in ROLE_TYPES:

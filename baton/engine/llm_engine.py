@@ -80,6 +80,7 @@ class LLMEngine:
             stop_preempted_request=config.engine_type == "completion", watermark=config.watermark,
             prefill_attempt_interval=config.prefill_attempt_interval,
             prefill_any_attempt_interval=config.prefill_any_attempt_interval,
+            prefill_min_decode_steps=config.prefill_min_decode_steps,
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_seed=self.prefix_cache_seed),
             all_reduce_min=all_reduce_min)

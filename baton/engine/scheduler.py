@@ -126,6 +126,9 @@ class SchedulerConfig:
     attn_flops_per_qk: float = 0.0
     enable_prefix_caching: bool = False  # P1-P8: reuse the KV of full blocks seen before
     prefix_cache_seed: int = 0  # uint64 key(-1) of the block-key chain: the model fingerprint
+    # S40: decode steps after a prompt step before the next prefill attempt; 0 = none (prompt
+    # steps back to back while prompts wait, the seed's rule)
+    prefill_min_decode_steps: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -138,7 +141,7 @@ class SchedulerConfig:
             self._check_int(name, minimum=1)
         self._check_int("num_blocks", minimum=2)
         for name in ("num_state_slots", "prefill_max_sum_seqlen_k", "lookahead_tokens",
-                     "num_speculative_tokens"):
+                     "num_speculative_tokens", "prefill_min_decode_steps"):
             self._check_int(name, minimum=0)
         for name in ("image_token_id", "image_pad_token_id"):
             self._check_int(name, minimum=-1)

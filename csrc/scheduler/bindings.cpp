@@ -151,6 +151,7 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_readwrite("watermark", &SchedulerConfig::watermark)
       .def_readwrite("prefill_attempt_interval", &SchedulerConfig::prefill_attempt_interval)
       .def_readwrite("prefill_any_attempt_interval", &SchedulerConfig::prefill_any_attempt_interval)
+      .def_readwrite("prefill_min_decode_steps", &SchedulerConfig::prefill_min_decode_steps)
       .def_readwrite("num_speculative_tokens", &SchedulerConfig::num_speculative_tokens)
       .def_readwrite("image_token_id", &SchedulerConfig::image_token_id)
       .def_readwrite("image_pad_token_id", &SchedulerConfig::image_pad_token_id)

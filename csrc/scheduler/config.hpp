@@ -37,6 +37,9 @@ struct SchedulerConfig {
   double attn_flops_per_qk{0.0};
   bool enable_prefix_caching{false};  // P1-P8; off: no key, no lookup, no cached-free block
   uint64_t prefix_cache_seed{0};      // key(-1) of the chain: the engine's model fingerprint (P1)
+  // S40: decode steps after a prompt step before the next attempt point (0: the seed's rule,
+  // prompt steps back to back while prompts wait).
+  int prefill_min_decode_steps{0};
 
   void validate() const {
     auto bad = [](const std::string &name, const std::string &value, const std::string &why) {
@@ -60,6 +63,8 @@ struct SchedulerConfig {
       bad("prefill_attempt_interval", std::to_string(prefill_attempt_interval), "must be >= 1");
     if (prefill_any_attempt_interval < 1)
       bad("prefill_any_attempt_interval", std::to_string(prefill_any_attempt_interval), "must be >= 1");
+    if (prefill_min_decode_steps < 0)
+      bad("prefill_min_decode_steps", std::to_string(prefill_min_decode_steps), "must be >= 0");
     if (num_speculative_tokens < 0)
       bad("num_speculative_tokens", std::to_string(num_speculative_tokens), "must be >= 0");
     if (enable_prefix_caching && num_state_slots > 0) {
