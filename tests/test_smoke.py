@@ -1,12 +1,6 @@
 from __future__ import annotations
 
 
-def test_extension_imports() -> None:
-    from baton import _scheduler
-
-    assert _scheduler.__doc__
-
-
 def test_cli_lists_every_role() -> None:
     from baton.cli import build_parser
 
