@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.baton-installed
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*.hpp csrc/*.cpp)
+SOURCES := pyproject.toml CMakeLists.txt $(wildcard csrc/*/*.hpp csrc/*/*.cpp)
 
 .PHONY: install build test test-fast serve bench lint clean
 
@@ -32,7 +32,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 serve: install
-	$(PY) -m baton.cli up $(SERVE_ARGS)
+	$(PY) -m baton_cli up $(SERVE_ARGS)
 
 bench: install
 	$(PY) bench/scheduler_bench.py

@@ -1,4 +1,4 @@
-"""Type stub for the compiled scheduler (csrc/bindings.cpp).
+"""Type stub for the compiled scheduler (csrc/scheduler/bindings.cpp).
 
 Arrays are views over C++ buffers: valid until the next schedule()/process_outputs().
 """

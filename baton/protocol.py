@@ -27,6 +27,9 @@ import msgspec
 # prompt of max_model_len token ids, far below it.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and vLLM's default on logprobs)
+# The engine roles, as engines publish them (registry records) and the router names them.
+NORMAL, PROMPT, COMPLETION = "normal", "prompt", "completion"
+ROLES = (NORMAL, PROMPT, COMPLETION)
 MAX_CHOICES = 128  # the most choices (n) one request may ask of an engine
 
 
@@ -52,7 +55,7 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     # Echo: the prompt's own token logprobs (and this many alternatives each), computed while
     # prefilling; -1 = not asked. The prompt then skips the prefix cache (no logits there).
     prompt_logprobs: int = -1
-    # Structured output: an llguidance grammar (serialized; baton/grammar.py) every sampled
+    # Structured output: an llguidance grammar (serialized; baton/engine/grammar.py) every sampled
     # token must follow; "" = none. Such a request is never recomputed after a preemption.
     grammar: str = ""
     # Choices of the prompt (OpenAI's n): one prefill, n first tokens (choice i draws with

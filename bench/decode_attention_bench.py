@@ -3,7 +3,7 @@
          softmax(q k^T / sqrt(d)) v per KV-head group as torch matmuls); the exact mode's
          backend batches a uniform group with one bmm, so at batch > 1 this baseline is slower
          than that path
-  fused  torch.ops.baton_decode.decode_attention (csrc/decode_attention.cpp), the quantized
+  fused  torch.ops.baton_decode.decode_attention (csrc/kernels/decode_attention.cpp), the quantized
          modes' op
 SmolLM2's shapes (9 query heads, 3 KV heads, head size 64, 30 layers of dense rows). Prints
 microseconds per call (median, min-max over the repeats, ratio to eager) and writes JSON.

@@ -22,7 +22,7 @@ RESULTS = Path(__file__).parent / "results" / "decode_step.json"
 
 
 def step_ms(engine, prompts: list[list[int]], steps: int) -> float:
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     def run(n: int) -> float:
         start = time.perf_counter()
@@ -36,7 +36,7 @@ def profile(engine, prompts: list[list[int]]) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as p:
         engine.generate(prompts, SamplingParams(temperature=0, max_tokens=33, ignore_eos=True))

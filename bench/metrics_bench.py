@@ -3,7 +3,7 @@
 Run: .venv/bin/python bench/metrics_bench.py
 Writes bench/results/metrics.json.
 
-Per step the loop calls `EngineMetrics.on_delta` once per token delta (baton/service.py); the
+Per step the loop calls `EngineMetrics.on_delta` once per token delta (baton/service/engine_service.py); the
 baseline, measured in the same run, is what the loop does for those deltas anyway: encode the
 step's `EngineOutputs`. Every 0.25 s it also publishes a stats snapshot, and a scrape renders
 the registry on the HTTP thread; both are reported in absolute terms. Each case runs ROUNDS
@@ -18,8 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
-from baton.metrics import EngineMetrics
 from baton.protocol import EngineOutputs, EngineStats, TokenDelta, encode
+from baton.service.metrics import EngineMetrics
 
 RESULTS = Path(__file__).parent / "results" / "metrics.json"
 ROUNDS, REPEATS = 7, 500

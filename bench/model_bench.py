@@ -49,7 +49,7 @@ def make_prompts(tokenizer, num: int, length: int) -> list[list[int]]:
 
 
 def baton_prefill(engine, prompt: list[int]) -> float:
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     start = time.perf_counter()
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
@@ -58,7 +58,7 @@ def baton_prefill(engine, prompt: list[int]) -> float:
 
 def baton_decode(engine, prompts: list[list[int]], new_tokens: int) -> float:
     """Decode tokens/s: time of (prefill + N tokens) minus (prefill + 1 token)."""
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     def run(n: int) -> float:
         start = time.perf_counter()
@@ -109,7 +109,7 @@ def make_mixed(tokenizer, batch: int, seed: int = 0) -> MixedWorkload:
 
 
 def baton_mixed(engine, work: MixedWorkload) -> float:
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
     start = time.perf_counter()

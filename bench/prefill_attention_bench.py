@@ -88,7 +88,7 @@ def time_step(engine, chunks, repeats: int, rng: np.random.Generator) -> dict:
     """One engine step prefilling the case's new tokens (`generate`, max_tokens 1; the cached
     parts computed by an untimed `generate` of the prefixes before), heuristic vs loop (every
     chunk alone), interleaved; fresh random prompts each time so nothing else is cached."""
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1)
     times: dict[str, list[float]] = {"loop": [], "heuristic": []}
@@ -119,7 +119,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from baton.engine import EngineConfig, LLMEngine
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     engine = LLMEngine(EngineConfig(num_threads=args.threads, kv_cache_memory_bytes=2**30))
     rng = np.random.default_rng(0)

@@ -57,7 +57,7 @@ def engine_addresses(log_path: Path) -> dict[str, str]:
 
 
 def engine_stats(address: str) -> dict[str, float]:
-    from baton.engine_client import probe_engine
+    from baton.service.client import probe_engine
 
     stats = probe_engine(address, timeout_s=5.0)
     return {} if stats is None else dict(stats.extra)

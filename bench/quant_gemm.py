@@ -4,7 +4,7 @@ load falls on all alike:
   fp32      the exact mode's F.linear over float weights (the head: oneDNN, as the backend runs it)
   int4pack  the previous int4 path: torch's _weight_int4pack_mm_for_cpu with bf16 activations
             (bf16 scales), the head in fp32 (oneDNN)
-  blocks    baton's block kernels (csrc/qkernels.cpp): Q4_1 layers, Q8_0 head
+  blocks    baton's block kernels (csrc/kernels/qkernels.cpp): Q4_1 layers, Q8_0 head
 Random weights of the real shapes (the kernels' time does not depend on the values). Prints ms
 per step (median, min-max over repeats, ratio to fp32) and writes JSON.
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from baton.sampler import Sampler, SamplingParams, _uniforms
+from baton.model.sampler import Sampler, _uniforms
+from baton.sampling.params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results" / "sampler.json"
 BATCH, VOCAB, ROUNDS, ITERS = 32, 49152, 5, 10

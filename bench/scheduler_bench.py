@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from baton.scheduler import EngineType, Scheduler, SchedulerConfig  # noqa: E402
+from baton.engine.scheduler import EngineType, Scheduler, SchedulerConfig  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "scheduler.json"
 ROUNDS = 5

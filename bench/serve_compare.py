@@ -67,7 +67,7 @@ class BatonUp:
     def __init__(self, setup: str, cfg: CompareConfig, log_path: Path,
                  flags: list[str] | None = None) -> None:
         """`flags`: the `baton up` flags of the setup (default: SETUPS[setup])."""
-        argv = [sys.executable, "-m", "baton.cli", "up", "--port", str(cfg.port),
+        argv = [sys.executable, "-m", "baton_cli", "up", "--port", str(cfg.port),
                 "--ready-timeout", str(cfg.up_timeout_s), *(flags or SETUPS[setup])]
         if cfg.engine_args:
             argv += ["--", *cfg.engine_args]

@@ -25,14 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-import torch
 
-from baton.choices import for_choice, stops_at
-from baton.engine import LLMEngine
+from baton.engine import AllocStatus, LLMEngine
+from baton.engine.block_keys import compute_block_keys
+from baton.engine.choices import stops_at
 from baton.protocol import GenerateRequest, TokenDelta
-from baton.sampler import SamplingParams
-from baton.scheduler import AllocStatus, compute_block_keys
-from baton.worker import error_delta
+from baton.sampling.params import SamplingParams
+from baton.service.worker import error_delta
 from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferState
@@ -52,7 +51,7 @@ class _Admission:
     handle: kvproto.KVHandle
     params: SamplingParams
     # (choice index, first token, its logprob): the pulled sequence is the first, the others
-    # fork from it once its KV has landed (n > 1, baton/choices.py).
+    # fork from it once its KV has landed (n > 1, baton/engine/choices.py).
     choices: list[tuple[int, int, float]]
     aborted: bool = False
 
@@ -115,7 +114,7 @@ def check_choices(req: GenerateRequest, params: SamplingParams, vocab_size: int,
 class Admission:
     """Prompts waiting for blocks (`queue`), prompts being pulled (`pulling`)."""
 
-    def __init__(self, engine: LLMEngine, kv_cache: torch.Tensor, transfer: TransferConfig,
+    def __init__(self, engine: LLMEngine, kv_cache, transfer: TransferConfig,
                  fingerprint: kvproto.Fingerprint, engine_id: str,
                  on_pull_result: PullObserver | None = None):
         self.engine = engine
@@ -132,8 +131,8 @@ class Admission:
         """Queue a request; ValueError (nothing queued) when its prompt or handle does not
         check out."""
         engine = self.engine
-        ids = engine.check_prompt(req.req_id, req.prompt_token_ids)
-        outputs = engine.check_outputs(req.req_id, req.output_token_ids, params)
+        ids = engine.inputs.check_prompt(req.req_id, req.prompt_token_ids)
+        outputs = engine.inputs.check_outputs(req.req_id, req.output_token_ids, params)
         seed = engine.prefix_cache_seed if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
                               seed)
@@ -141,7 +140,7 @@ class Admission:
                                 engine.model_config.eos_token_ids, len(outputs))
         for _, token, _ in choices:
             # The prompt engine sampled the first token under the same grammar: it must fit.
-            engine.check_grammar(params, [*outputs, token])
+            engine.inputs.check_grammar(params, [*outputs, token])
         self.queue.append(_Admission(req, ids, outputs, handle, params, choices))
 
     def abort(self, req_id: str) -> list[TokenDelta] | None:
@@ -172,17 +171,11 @@ class Admission:
 
     def _allocate(self, adm: _Admission) -> AllocStatus:
         req, engine, outputs = adm.req, self.engine, adm.output_token_ids
-        keys = adm.handle.block_keys if engine.config.enable_prefix_caching else ()
         index, first_token, first_logprob = adm.choices[0]
-        alloc = engine.scheduler.allocate_prompted(
-            req.req_id, adm.prompt_token_ids + outputs, first_token,
-            adm.params.max_tokens - len(outputs), **engine.stop_options(adm.params),
-            block_keys=keys)
+        alloc = engine.add_prompted_request(req.req_id, adm.prompt_token_ids, outputs,
+                                            adm.params, first_token, first_logprob, index,
+                                            block_keys=adm.handle.block_keys)
         if alloc.status == AllocStatus.OK:
-            params = for_choice(adm.params, adm.params.sample_index, index)
-            engine.track(req.req_id, adm.prompt_token_ids, params, alloc.seq_id,
-                         token_ids=[*outputs, first_token], logprobs=[first_logprob],
-                         index=index)
             self.pulling[req.req_id] = adm
             hit = alloc.num_cached_blocks
             self.num_blocks_reused += hit
@@ -201,12 +194,9 @@ class Admission:
                 continue
             if result.state == TransferState.DONE and not adm.aborted:
                 self.num_pulls_done += 1
-                self.engine.scheduler.commit_prompted(result.request_id)
-                if len(adm.choices) > 1:  # S16: the forks share the blocks just pulled
-                    self.engine.fork_choices(result.request_id, adm.choices[1:])
+                self.engine.commit_prompted(result.request_id, adm.choices[1:])
                 continue
-            self.engine.scheduler.free_prompted(result.request_id)
-            self.engine.untrack(result.request_id)
+            self.engine.free_prompted(result.request_id)
             if adm.aborted:
                 deltas.append(TokenDelta(result.request_id, finish_reason="abort"))
             else:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 
 from baton.engine import LLMEngine
+from baton.ops.registry import EngineRecord
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
-from baton.registry import EngineRecord
-from baton.worker import EngineWorker, error_delta, to_sampling_params
+from baton.service.worker import EngineWorker, error_delta, to_sampling_params
 from completion_engine.admission import Admission, PullObserver
 from kv_transfer.config import TransferConfig
 

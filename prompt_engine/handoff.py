@@ -15,10 +15,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Callable
 
-import torch
-
-from baton.scheduler import Scheduler
 from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
 from kv_transfer.exporter import KVExporter
@@ -29,7 +27,7 @@ logger = logging.getLogger(__name__)
 class HandOff:
     """Leases on handed-off prompts, and the return of their blocks when a lease ends."""
 
-    def __init__(self, kv_cache: torch.Tensor, transfer: TransferConfig,
+    def __init__(self, kv_cache, transfer: TransferConfig,
                  fingerprint: kvproto.Fingerprint, engine_id: str, advertise_host: str = ""):
         self._ended: collections.deque[str] = collections.deque()  # filled by the exporter thread
         self._lock = threading.Lock()
@@ -40,7 +38,6 @@ class HandOff:
             # completion engine on another host can dial.
             port = self.exporter.address.rsplit(":", 1)[1]
             self.exporter.address = f"tcp://{advertise_host}:{port}"
-        self.num_handed_off = 0
 
     @property
     def side_channel(self) -> str:
@@ -57,19 +54,18 @@ class HandOff:
         them pulls only the rest). When the lease ends the blocks enter this engine's cache."""
         handle = self.exporter.hold(request_id, block_ids, num_prompt_tokens,
                                     block_keys=block_keys)
-        self.num_handed_off += 1
         return kvproto.encode(handle)
 
     def abort(self, request_id: str) -> bool:
         """Drop an unclaimed lease (a claimed one ends when its reader releases it)."""
         return self.exporter.abort(request_id)
 
-    def release_ended(self, scheduler: Scheduler) -> None:
+    def release_ended(self, release: Callable[[str], None]) -> None:
         """Return the blocks of every lease that ended since the last call."""
         with self._lock:
             ended, self._ended = list(self._ended), collections.deque()
         for request_id in ended:
-            scheduler.release_handed_off(request_id)
+            release(request_id)
 
     def metrics(self) -> dict:
         return self.exporter.metrics()

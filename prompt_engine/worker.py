@@ -7,7 +7,7 @@ A request's life in this process:
    request (EOS, max_tokens 1) its blocks are freed and the delta carries the finish reason.
 3. Otherwise the scheduler hands the sequence off with its blocks; `HandOff` (handoff.py) holds
    them under a lease keyed by request id and the delta carries the first token and the encoded
-   `KVHandle` for the router to pass to a completion engine. With n > 1 (baton/choices.py) the
+   `KVHandle` for the router to pass to a completion engine. With n > 1 (baton/engine/choices.py) the
    step sends one delta per choice, each with its own first token, the handle on the last.
 4. The lease ends (pulled and released, expired, or aborted); `tick()` returns the blocks, which
    stay in the prefix cache (keyed), so the next turn of the conversation skips their prefill.
@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 
 from baton.engine import LLMEngine
+from baton.ops.registry import EngineRecord
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
-from baton.registry import EngineRecord
-from baton.worker import EngineWorker, error_delta, to_delta
+from baton.service.worker import EngineWorker, error_delta, to_delta
 from kv_transfer.config import TransferConfig
 from prompt_engine.handoff import HandOff
 
@@ -59,9 +59,9 @@ class PromptWorker(EngineWorker):
             if out.handed_off_block_ids is not None:
                 # The keys name the blocks' contents whether or not this engine caches: a
                 # completion engine that does can reuse what it holds.
-                keys = self.engine.scheduler.block_keys(out.request_id)
                 handle = self.handoff.hold(out.request_id, out.handed_off_block_ids,
-                                           out.num_prompt_tokens, [int(k) for k in keys])
+                                           out.num_prompt_tokens,
+                                           self.engine.block_keys(out.request_id))
                 # On the request's last delta: with n > 1 the other choices' first tokens come
                 # before it, and the handle ends the request here.
                 last = max(i for i, d in enumerate(deltas) if d.req_id == out.request_id)
@@ -69,12 +69,11 @@ class PromptWorker(EngineWorker):
         return deltas
 
     def tick(self) -> list[TokenDelta]:
-        self.handoff.release_ended(self.engine.scheduler)
+        self.handoff.release_ended(self.engine.release_handed_off)
         return []
 
     def fill_stats(self, stats: EngineStats) -> None:
         super().fill_stats(stats)
-        stats.extra["num_handed_off"] = float(self.engine.scheduler.num_handed_off())
         for key, value in self.handoff.metrics().items():
             if isinstance(value, (int, float)):
                 stats.extra[f"kv_{key}"] = float(value)

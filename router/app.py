@@ -26,7 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from baton.registry import Registry
+from baton.ops.registry import Registry
+from baton.protocol import ROLES
 from router import api_models, openapi_doc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
@@ -71,7 +72,7 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
         await app.state.prepare_pool.start()
         app.state.server = Server(dispatcher, model, metrics)
         logger.info("router ready: model %s, engines %s", model.name,
-                    {role: len(pool.records(role)) for role in ("normal", "prompt", "completion")})
+                    {role: len(pool.records(role)) for role in ROLES})
         try:
             yield
         finally:
@@ -190,7 +191,7 @@ def _add_routes(app: FastAPI) -> None:
              responses={503: {"model": api_models.Health}})
     async def health(request: Request):
         pool: EnginePool = request.app.state.pool
-        engines = {role: len(pool.records(role)) for role in ("normal", "prompt", "completion")}
+        engines = {role: len(pool.records(role)) for role in ROLES}
         try:
             request.app.state.server.dispatcher.check_available()
         except NoEngineError as exc:

@@ -6,8 +6,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
-from baton.protocol import MAX_CHOICES
-from baton.registry import ROLES
+from baton.protocol import MAX_CHOICES, ROLES
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
 

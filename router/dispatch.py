@@ -9,7 +9,7 @@ Disaggregated (prompt and completion engines registered):
   3. pick a completion engine the same way (cache-aware: the one that must pull the least); send GenerateRequest with the handle, the first
      token and its logprob; yield the first token; stream the completion engine's deltas.
 Otherwise a NORMAL engine serves the whole request (same first-token retry).
-With n > 1 (baton/choices.py) the request is still one request per engine: the prompt engine
+With n > 1 (baton/engine/choices.py) the request is still one request per engine: the prompt engine
 sends one first delta per choice (the KV handle on one of them), the completion engine gets the
 handle once with the first token of every choice that goes on, and deltas carry their choice's
 `index` until each choice has its finish reason.
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from baton.ops.registry import EngineRecord
 from baton.protocol import GenerateRequest, SamplingOptions, TokenDelta
-from baton.registry import EngineRecord
 from router.engine_client import DISCONNECTED, EngineClient
 from router.engine_pool import EnginePool, NoEngineError
 from router.kv_index import RequestKeys

@@ -28,7 +28,8 @@ import time
 
 import zmq.asyncio
 
-from baton.registry import EngineRecord, Registry, RegistryConfig, make_registry
+from baton.ops.registry import EngineRecord, Registry, RegistryConfig, make_registry
+from baton.protocol import ROLES
 from router.config import RouterConfig
 from router.engine_client import EngineClient
 from router.kv_index import KvIndex, RequestKeys
@@ -144,14 +145,14 @@ class EnginePool:
                 await client.subscribe_kv_events()
 
     def _list_all(self) -> dict[str, list[EngineRecord]]:
-        return {role: self.registry.list(role) for role in ("normal", "prompt", "completion")}
+        return {role: self.registry.list(role) for role in ROLES}
 
     def records(self, role: str) -> list[EngineRecord]:
         return list(self._records.get(role, []))
 
     def live_engines(self) -> list[tuple[EngineRecord, EngineClient]]:
         """Every live engine of every role, with its client."""
-        return [(r, self._clients[r.address]) for role in ("normal", "prompt", "completion")
+        return [(r, self._clients[r.address]) for role in ROLES
                 for r in self.records(role) if self.is_live(r.address)]
 
     def client(self, address: str) -> EngineClient:

@@ -1,4 +1,4 @@
-"""Which prefix-cache block keys each engine holds, as its KV events said (baton/kv_events.py).
+"""Which prefix-cache block keys each engine holds, as its KV events said (baton/engine/kv_events.py).
 
 Per engine (by address) the index keeps the engine's `instance_id`, the `seq` of the last
 message applied, the block size and key seed it keys with, and the set of keys it holds.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from baton.engine.block_keys import compute_block_keys
 from baton.protocol import KvEvents, ProtocolError, unpack_keys
-from baton.scheduler import compute_block_keys
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,10 @@ are all a 400 here, never a 5xx.
 
 No silent ignore (STYLE 20): every field declared here either acts, or is bookkeeping for the
 client with nothing to act on (`user`, `metadata`, `store`, `service_tier`, ...: accepted as
-the OpenAI API defines them), or is one Baton does not implement: `UNSUPPORTED` lists those, and
-a request that sets one (to anything but its no-op value) gets a 400 naming it
-(router/prepare.py). A field declared nowhere is an unknown extra: ignored, with a debug line.
+the OpenAI API defines them: `BOOKKEEPING`, listed in the README and logged the first time a
+process sees each), or is one Baton does not implement: `UNSUPPORTED` lists those, and a request
+that sets one (to anything but its no-op value) gets a 400 naming it (router/prepare.py). A field
+declared nowhere (top level or in a message) is a 400 naming it, as OpenAI's API answers.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -79,6 +80,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     # Bookkeeping for the client; nothing to act on.
     user: str | None = None
+    # Not implemented (UNSUPPORTED): requests are served in arrival order.
+    priority: int | None = None
     # Structured outputs (router/structured.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's
@@ -143,10 +146,20 @@ class ChatCompletionRequest(_SamplingFields):
 
 # Field -> the values that ask for nothing (besides null): any other value is a 400.
 UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (1,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",), "priority": (0,),
     "functions": ([],), "function_call": ("none",), "modalities": (["text"],), "audio": (),
     "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": (),
 }
+
+
+# Why a field is UNSUPPORTED, where more than "not implemented" is worth saying.
+UNSUPPORTED_WHY = {
+    "priority": "requests are served in arrival order (docs/scheduler.md, S15 and S26)",
+}
+# Accepted as OpenAI defines them, with nothing to act on (README: "Request fields").
+BOOKKEEPING = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
+               "safety_identifier")
+_bookkeeping_seen: set[str] = set()
 
 
 def unsupported_fields(body: BaseModel) -> list[str]:
@@ -176,7 +189,7 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
         raise bad_request("Request body holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF "
                           "without its pair): not a character")
-    _log_unknown(data, model)
+    _log_bookkeeping(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -185,17 +198,13 @@ def parse_body(raw: bytes, model: type[_Strict]) -> Any:
         raise bad_request("Request body is nested too deeply") from None
 
 
-def _log_unknown(data: dict, model: type[_Strict]) -> None:
-    """Unknown top-level fields (and message fields) are ignored: say so at debug level."""
-    if not logger.isEnabledFor(logging.DEBUG):
-        return
-    unknown = sorted(str(k) for k in data if k not in model.model_fields)
-    messages = data.get("messages")
-    if isinstance(messages, list):
-        unknown += sorted({f"messages[].{k}" for m in messages if isinstance(m, dict)
-                           for k in m if k not in ChatMessage.model_fields})
-    if unknown:
-        logger.debug("ignoring unknown request fields: %s", ", ".join(unknown[:20]))
+def _log_bookkeeping(data: dict) -> None:
+    """Say once per process which bookkeeping fields arrive (accepted, nothing done)."""
+    for name in BOOKKEEPING:
+        if data.get(name) is not None and name not in _bookkeeping_seen:
+            _bookkeeping_seen.add(name)
+            logger.info("request field %r accepted without effect (bookkeeping for the "
+                        "client; logged once)", name)
 
 
 def _json_type(value: Any) -> str:

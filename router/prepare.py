@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from baton.protocol import MAX_TOP_LOGPROBS, SamplingOptions
 from router.openai_protocol import (
+    UNSUPPORTED_WHY,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -147,8 +148,9 @@ def _check_common(body: CompletionRequest | ChatCompletionRequest, info: ModelIn
                        f"'{info.name}'", param="model", code="model_not_found")
     unsupported = unsupported_fields(body)
     if unsupported:
-        raise bad_request(f"'{unsupported[0]}' is not supported by this server; omit it",
-                          unsupported[0])
+        why = UNSUPPORTED_WHY.get(unsupported[0])
+        raise bad_request(f"'{unsupported[0]}' is not supported by this server"
+                          f"{': ' + why if why else ''}; omit it", unsupported[0])
     if body.n is not None and not 1 <= body.n <= info.max_n:
         raise bad_request(f"'n' must be in [1, {info.max_n}] (this server's --max-n), got "
                           f"{body.n}", "n")

@@ -92,7 +92,7 @@ def _portable(info: ModelInfo) -> tuple:
 def _init_worker(portable: tuple) -> None:
     from tokenizers import Tokenizer as HFTokenizer
 
-    from baton.supervisor import die_with_parent
+    from baton.ops.supervisor import die_with_parent
 
     die_with_parent()  # a router that is killed (or exits without closing us) takes us along
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import llguidance
 
-from baton.grammar import grammar_error
+from baton.engine.grammar import grammar_error
 from router.openai_protocol import bad_request
 from router.text import ModelInfo
 

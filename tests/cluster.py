@@ -1,4 +1,4 @@
-"""Real engine processes for integration tests: `python -m baton.cli ROLE ...` on loopback."""
+"""Real engine processes for integration tests: `python -m baton_cli ROLE ...` on loopback."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from baton.engine_client import EngineClient, probe_engine
+from baton.ops.redis_server import free_port
 from baton.protocol import EngineStats
-from baton.redis_server import free_port
+from baton.service.client import EngineClient, probe_engine
 
 # Small pools and one thread each: several engines share this machine's two cores. The exact
 # mode (the servers' default is auto, int4 on the default model): these tests compare with
@@ -26,7 +26,7 @@ class EngineProcess:
         self.port = port or free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.log = log_dir / f"{engine_id}-{time.monotonic_ns()}.log"
-        self.argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
+        self.argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
                      "--host", "127.0.0.1", "--port", str(self.port),
                      "--registry-prefix", prefix, *BASE_ARGS, *(args or [])]
         if redis_url:

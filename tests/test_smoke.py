@@ -9,7 +9,7 @@ import sys
 
 
 def test_cli_starts_and_lists_every_role() -> None:
-    done = subprocess.run([sys.executable, "-m", "baton.cli", "--help"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "baton_cli", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     choices = re.search(r"\{([a-z,-]+)\}", done.stdout)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.model.modes import check_dtype_name
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -15,10 +17,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if dtype not in _DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; expected one of {sorted(_DTYPES)}")
         return dtype
-    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+    return _DTYPES[check_dtype_name(dtype)]
 
 
 @dataclass

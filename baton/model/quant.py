@@ -1,5 +1,5 @@
 """Weight-only quantization in GGUF's own block formats, multiplied by baton's kernels
-(`csrc/qkernels.cpp`, torch ops `torch.ops.baton_q.*`), as llama.cpp's CPU backend does:
+(`csrc/kernels/qkernels.cpp`, torch ops `torch.ops.baton_q.*`), as llama.cpp's CPU backend does:
 
     int4: every layer weight in Q4_1 (or Q4_0) blocks: 32 4-bit codes, fp16 scale (and offset)
     int8: every layer weight in Q8_0 blocks: 32 int8 codes, fp16 scale
@@ -30,22 +30,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.model.modes import QUANTIZATION_REQUESTS, QUANTIZATIONS, check_quantization  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8", "int4")
 # What a caller may ask for: a mode, or "auto": the file's own layer format where the kernels
 # read it as stored (Q4_0 / Q4_1 layers: int4), else none (`resolve_auto`).
-REQUESTS = (*QUANTIZATIONS, "auto")
+REQUESTS = QUANTIZATION_REQUESTS
 BLOCK_SIZE = 32  # values per GGUF block
 BLOCK_KINDS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # kind -> (kernel id, bytes)
 _LAYER_KIND = {"int4": ("Q4_1", "Q4_0"), "int8": ("Q8_0",)}  # mode -> block kinds kept as stored
 HEAD_KIND = "Q8_0"
-
-
-def check_quantization(quantization: str) -> None:
-    """ValueError unless `quantization` is one of REQUESTS (a mode or auto)."""
-    if quantization not in REQUESTS:
-        raise ValueError(f"quantization must be one of {list(REQUESTS)}, got {quantization!r}")
 
 
 def resolve_auto(layer_kinds: set[str], kernels_run: bool) -> str:

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from baton.cli import build_parser
+from baton_cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -74,10 +74,10 @@ def pyproject_value(pattern: str) -> str:
 def subcommand_parser(name: str) -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     if name not in sub.choices and name in (*ENGINE_COMMANDS, "probe"):
-        pytest.skip(f"baton.cli does not register `baton {name}` yet (baton/engine_cli.py "
+        pytest.skip(f"baton_cli.main does not register `baton {name}` yet (baton_cli/engine_args.py "
                     "defines it; add it to _SUBCOMMANDS)")
     if name not in sub.choices:
-        pytest.fail(f"`baton {name}` is used by the manifests but baton.cli does not register it "
+        pytest.fail(f"`baton {name}` is used by the manifests but baton_cli.main does not register it "
                     f"(registered: {sorted(sub.choices)})")
     return sub.choices[name]
 

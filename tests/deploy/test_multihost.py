@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.redis_server import free_port, redis_server_binary
+from baton.ops.redis_server import free_port, redis_server_binary
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +114,7 @@ def _run(*argv: str) -> None:
 
 
 def _missing_subcommand() -> str | None:
-    from baton.cli import build_parser
+    from baton_cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices)
     return next((name for name in REQUIRED_SUBCOMMANDS if name not in sub.choices), None)
@@ -198,7 +198,7 @@ class Lab:
     def stats(self, host: str, port: int) -> dict:
         """An engine's stats (`baton probe --json`), asked from the router's namespace."""
         proc = subprocess.run(["ip", "netns", "exec", self.ns["router"], sys.executable, "-m",
-                               "baton.cli", "probe", "--address", f"tcp://{self.ip[host]}:{port}",
+                               "baton_cli.main", "probe", "--address", f"tcp://{self.ip[host]}:{port}",
                                "--json", "--timeout", "5"],
                               capture_output=True, text=True, timeout=60)
         assert proc.stdout.strip(), f"no stats from {host}: {proc.stderr[-1000:]}"
@@ -219,7 +219,7 @@ class Lab:
 
 
 def start_baton(lab: Lab) -> None:
-    py = [sys.executable, "-m", "baton.cli"]
+    py = [sys.executable, "-m", "baton_cli"]
     redis_url = f"redis://{lab.ip['router']}:6379/0"
     base_env = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"}
     # TCP as between two machines, on the namespace's own interface.
@@ -253,7 +253,7 @@ def one_host_answers(tmp_path: Path) -> dict[str, str]:
     """The same requests against `baton up` (1 prompt + 1 completion engine) on loopback."""
     port = free_port()
     log = (tmp_path / "one-host.log").open("w")
-    up = subprocess.Popen([sys.executable, "-m", "baton.cli", "up", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "baton_cli", "up", "--port", str(port),
                            "--", "--num-threads", "1", "--kv-cache-gb", "0.25"],
                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -272,7 +272,7 @@ def lab(tmp_path_factory):
     """Baton on three namespace "hosts" (and a client one), up and answering."""
     missing = _missing_subcommand()
     if missing:
-        pytest.skip(f"`baton {missing}` is not registered in baton.cli yet")
+        pytest.skip(f"`baton {missing}` is not registered in baton_cli.main yet")
     reason = _can_make_namespaces()
     if reason:
         pytest.skip(f"no network namespaces on this machine: {reason}")

@@ -14,7 +14,7 @@ from model.reference import (
 )
 
 from baton.engine import EngineConfig, LLMEngine
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)

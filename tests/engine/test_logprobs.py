@@ -9,7 +9,7 @@ import torch
 from model.reference import baton_model, prompt_of_length, reference_model
 
 from baton.engine import EngineConfig, LLMEngine, RequestOutput
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4

@@ -8,7 +8,7 @@ import pytest
 from model.reference import baton_model, prompt_of_length
 
 from baton.engine import EngineConfig, LLMEngine
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 pytestmark = pytest.mark.slow

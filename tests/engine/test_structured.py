@@ -12,7 +12,7 @@ import pytest
 from model.reference import baton_model, prompt_of_length
 
 from baton.engine import EngineConfig, LLMEngine
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_json_schema_and_regex_outputs_follow_their_grammars() -> None:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
     assert outs[2].text in ("red!", "green!") and outs[2].finish_reason == "stop"
-    assert engine.grammars.num_compiled == 2  # the schema once for both requests
+    assert engine.inputs.grammars.num_compiled == 2  # the schema once for both requests
     assert engine.num_free_blocks() == engine.num_total_blocks()
     with pytest.raises(ValueError, match="invalid grammar"):
         engine.add_request("bad", ids, SamplingParams(

@@ -85,7 +85,7 @@ class PagedDriver:
     free: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from baton.model_runner import ModelRunner
+        from baton.model.runner import ModelRunner
 
         self.runner = ModelRunner(baton_model(), self.block_size, num_blocks=self.num_blocks)
         self.free = list(range(self.num_blocks - 1, 0, -1))  # block 0 is the null block
@@ -162,7 +162,7 @@ def teacher_forced_top1(loaded, tokens: list[int], chunk: int = 512, backend=Non
     not the model's own output, is fed back), as one sequence prefilled in chunks over a paged
     pool: int64 [len(tokens) - 1]."""
     from baton.model.backends import StepBatch
-    from baton.model_runner import ModelRunner
+    from baton.model.runner import ModelRunner
 
     num_blocks = -(-len(tokens) // BLOCK_SIZE)
     runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=num_blocks + 1, backend=backend)

@@ -165,7 +165,7 @@ def test_decode_steps_with_the_op_match_the_eager_path() -> None:
     differs: a quantized mode rounds activations for its int kernels, which turns the op's
     last-bit differences into visible ones."""
     from baton.model.backends import CPUBackend
-    from baton.model_runner import ModelRunner
+    from baton.model.runner import ModelRunner
 
     from .reference import baton_model
 

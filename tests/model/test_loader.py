@@ -74,7 +74,7 @@ def test_hf_folder_matches_transformers(tiny_hf) -> None:
     folder, ref = tiny_hf
     lm = load_model(folder, device="cpu")
     assert not lm.config.tie_word_embeddings and lm.config.eos_token_ids == (2,)
-    from baton.model_runner import ModelRunner
+    from baton.model.runner import ModelRunner
 
     runner = ModelRunner(lm, 16, num_blocks=8)
     ids = lm.tokenizer.encode("Hello there, how are you doing today?")
@@ -92,7 +92,7 @@ def test_hf_folder_quantizes_from_float_into_gguf_blocks(tiny_hf) -> None:
     """A safetensors checkpoint's weights go into the same block formats as a GGUF file's, by
     gguf-py's quantizers from the float values; its untied head into Q8_0."""
     from baton.model.quant import Blocks
-    from baton.model_runner import ModelRunner
+    from baton.model.runner import ModelRunner
 
     folder = tiny_hf[0]
     exact = load_model(folder, device="cpu")

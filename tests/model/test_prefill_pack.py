@@ -10,7 +10,7 @@ import torch
 
 from baton.engine import EngineConfig, LLMEngine
 from baton.model.backends import cpu_prefill as cp
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 
 from .reference import baton_model, prompt_of_length
 

@@ -1,7 +1,7 @@
-"""The block kernels (`csrc/qkernels.cpp`): the AVX2 path equals the portable scalar path bit for
-bit, both compute exact integer dot products of the stored codes with the activations' int16
-codes, and a row's value depends neither on the other rows of the batch (which tile shape, 8x1,
-4x2, 2x4 or 1x8, computed it) nor on the threads."""
+"""The block kernels (`csrc/kernels/qkernels.cpp`): the AVX2 path equals the portable scalar path
+bit for bit, both compute exact integer dot products of the stored codes with the activations'
+int16 codes, and a row's value depends neither on the other rows of the batch (which tile shape,
+8x1, 4x2, 2x4 or 1x8, computed it) nor on the threads."""
 
 from __future__ import annotations
 

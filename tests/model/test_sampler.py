@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.sampler import Sampler, SamplingParams
+from baton.model.sampler import Sampler
+from baton.sampling.params import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, bad", [
@@ -80,7 +81,7 @@ def test_seeded_draws_follow_the_distribution() -> None:
 def test_inverse_cdf_never_returns_a_masked_token() -> None:
     """Targets at both ends (u = 0, u just below 1) land on tokens of nonzero probability,
     also when the mass sits at the start or end of the vocabulary."""
-    from baton.sampler import _inverse_cdf
+    from baton.model.sampler import _inverse_cdf
 
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]])
     for u in (0.0, 1.0 - 2**-24, 1.0):
@@ -221,7 +222,7 @@ def test_penalised_greedy_run_equals_transformers_with_the_reference_formula() -
 
 
 def _sorted_mask(logits, top_k, top_p):
-    from baton.sampler import _top_k_top_p_sorted
+    from baton.model.sampler import _top_k_top_p_sorted
 
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -234,7 +235,7 @@ def test_top_k_top_p_over_candidates_masks_what_the_full_sort_masks(top_k, top_p
     # The candidate path (topk of 512, then a full sort only where needed) replaced sorting
     # every row. Its mask is the full sort's, up to float rounding of the mass before a token:
     # a token kept by one and dropped by the other has that mass within 1e-5 of top_p.
-    from baton.sampler import _apply_top_k_top_p
+    from baton.model.sampler import _apply_top_k_top_p
 
     gen = torch.Generator().manual_seed(top_k * 7 + int(top_p * 100))
     logits = torch.cat([torch.randn(16, 49152, generator=gen) * s for s in (0.1, 1.0, 4.0, 10.0)])

@@ -2,6 +2,15 @@ from __future__ import annotations
 
 import pytest
 
+from baton.ops.redis_server import RedisServer, RedisStartError
+from baton.ops.registry import (
+    EngineRecord,
+    Heartbeat,
+    RedisRegistry,
+    RegistryConfig,
+    StaticRegistry,
+    make_registry,
+)
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
     EngineOutputs,
@@ -13,15 +22,6 @@ from baton.protocol import (
     decode_to_engine,
     decode_to_router,
     encode,
-)
-from baton.redis_server import RedisServer, RedisStartError
-from baton.registry import (
-    EngineRecord,
-    Heartbeat,
-    RedisRegistry,
-    RegistryConfig,
-    StaticRegistry,
-    make_registry,
 )
 from tests.cluster import wait_for
 

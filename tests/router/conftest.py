@@ -67,7 +67,7 @@ def serve_router(config: RouterConfig, info: ModelInfo | None = None) -> Iterato
     """Run the router under uvicorn in a thread on a free loopback port; yields its base URL."""
     import uvicorn
 
-    from baton.redis_server import free_port
+    from baton.ops.redis_server import free_port
     from router.app import create_app
     from router.limits import uvicorn_limits
 
@@ -98,10 +98,10 @@ def router_process(*args: str, timeout_s: float = 60.0) -> Iterator[tuple[str, o
 
     import httpx
 
-    from baton.redis_server import free_port
+    from baton.ops.redis_server import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "router", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "baton_cli", "router", "--port", str(port),
                              *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 
-from baton.cli import _SUBCOMMANDS
 from baton.protocol import SamplingOptions
+from baton_cli.main import _SUBCOMMANDS
 from router.config import RouterConfig
 from tests.cluster import EngineProcess, wait_for, wait_whole
 from tests.router import kv_rounds
@@ -30,7 +30,7 @@ _MISSING = [c for c in _NEEDED if c not in _SUBCOMMANDS]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(bool(_MISSING), reason="engine services not built yet: `baton "
-                       + ", ".join(_MISSING) + "` missing from baton/cli.py _SUBCOMMANDS"),
+                       + ", ".join(_MISSING) + "` missing from baton_cli/main.py _SUBCOMMANDS"),
 ]
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -85,7 +85,7 @@ def _openai(url: str):
 
 
 def _engine_text(engine: EngineProcess, info, ids: list[int], max_tokens: int) -> str:
-    from baton.engine_client import EngineClient
+    from baton.service.client import EngineClient
 
     sampling = SamplingOptions(max_tokens=max_tokens, temperature=0.0,
                                stop_token_ids=list(info.stop_token_ids))
@@ -186,7 +186,7 @@ def test_64_concurrent_streams_match_their_whole_text(deployments):
 
 
 def _engine_ids(engine: EngineProcess, info, ids: list[int], **sampling) -> list[int]:
-    from baton.engine_client import EngineClient
+    from baton.service.client import EngineClient
 
     options = SamplingOptions(temperature=0.0, stop_token_ids=list(info.stop_token_ids),
                               **sampling)
@@ -293,7 +293,7 @@ def test_n_choices_fork_one_prompt(deployments, model_info):
     assert usage.prompt_tokens == len(tok.encode(prompt))
     assert usage.completion_tokens == sum(len(c.logprobs.tokens) for c in done.choices)
     assert _completion_choices(deployments["normal"], body)[0] == normal
-    from baton.engine_client import EngineClient
+    from baton.service.client import EngineClient
 
     with EngineClient(engine.address) as direct:
         for i, (text, _) in enumerate(normal):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from baton import protocol
-from baton.kv_events import KvEventPublisher, KvEventSource
+from baton.engine.kv_events import KvEventPublisher, KvEventSource
+from baton.ops.registry import EngineRecord
 from baton.protocol import KvEvents, pack_keys
-from baton.registry import EngineRecord
 from router.config import RouterConfig
 from router.engine_pool import EnginePool
 from router.kv_index import KvIndex, RequestKeys

@@ -22,7 +22,7 @@ _ROUTER_PROCESS = textwrap.dedent("""
             print("models", client.get("/v1/models").status_code)
 
     uvicorn.run = run
-    from baton.cli import main
+    from baton_cli.main import main
     code = main(["--log-level", "WARNING", "router", "--engine", "normal=tcp://127.0.0.1:9"])
     print("exit", code)
     print("torch", "torch" in sys.modules)

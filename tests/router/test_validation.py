@@ -183,18 +183,32 @@ def test_no_engine_is_503_with_reason(client):
     assert health.status_code == 503 and "no normal engine" in health.json()["reason"]
 
 
-def test_no_op_values_pass_and_unknown_fields_are_logged(client, caplog):
+def test_no_op_values_pass_bookkeeping_is_logged_and_unknown_fields_are_400(client, caplog):
     """No silent ignore: a field's no-op value is accepted (it asks for nothing), bookkeeping
-    fields are accepted, and an unknown field is ignored with a debug line naming it."""
-    caplog.set_level(logging.DEBUG, logger="router.openai_protocol")
+    fields are accepted and logged, and an unknown field (top level or in a message) is a 400
+    naming it, as OpenAI's API answers."""
+    caplog.set_level(logging.INFO, logger="router.openai_protocol")
     body = {"model": MODEL, "messages": CHAT, "response_format": {"type": "text"},
             "tool_choice": "none", "tools": [], "user": "u1", "metadata": {"k": "v"},
-            "store": False, "parallel_tool_calls": True, "modalities": ["text"],
-            "no_such_field": 1}
+            "store": False, "parallel_tool_calls": True, "modalities": ["text"]}
     _error(client.post("/v1/chat/completions", json=body), 503)  # valid: no engine here
-    assert "no_such_field" in caplog.text
+    assert "'user' accepted without effect" in caplog.text
     _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "echo": True,
                                                 "logprobs": 0, "max_tokens": 0}), 503)
+    for extra in ({"foo_bar": 1}, {"cache_salt": "a"}):
+        error = _error(client.post("/v1/chat/completions", json={**body, **extra}), 400)
+        name = next(iter(extra))
+        assert error["param"] == name and f"Unknown field '{name}'" in error["message"]
+        error = _error(client.post("/v1/completions",
+                                   json={"model": MODEL, "prompt": "hi", **extra}), 400)
+        assert error["param"] == name
+    bad_message = [{"role": "user", "content": "hi", "foo": 1}]
+    error = _error(client.post("/v1/chat/completions",
+                               json={"model": MODEL, "messages": bad_message}), 400)
+    assert error["param"] == "messages.0.foo"
+    error = _error(client.post("/v1/chat/completions", json={**body, "priority": 5}), 400)
+    assert error["param"] == "priority" and "arrival order" in error["message"]
+    _error(client.post("/v1/chat/completions", json={**body, "priority": 0}), 503)
 
 
 def test_models_and_metrics(client):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baton.scheduler import EngineType, SchedulerConfig
+from baton.engine.scheduler import EngineType, SchedulerConfig
 
 from .utils import EOS, add_requests, create_requests, create_scheduler, drain, sampled, step
 

@@ -3,7 +3,7 @@ net change per drain, the overflow bound, and nothing recorded while nobody list
 
 from __future__ import annotations
 
-from baton.scheduler import compute_block_keys
+from baton.engine.scheduler import compute_block_keys
 
 from .utils import create_scheduler, drain, step
 

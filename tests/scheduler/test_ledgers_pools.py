@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baton.scheduler import FINISH_REASONS, AllocStatus, BlockManager, EngineType, SequenceStatus
+from baton.engine.scheduler import (
+    FINISH_REASONS,
+    AllocStatus,
+    BlockManager,
+    EngineType,
+    SequenceStatus,
+)
 
 from .utils import EOS, add_requests, create_requests, create_scheduler, drain, sampled, step
 

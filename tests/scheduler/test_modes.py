@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.scheduler import AllocStatus, EngineType
+from baton.engine.scheduler import AllocStatus, EngineType
 
 from .utils import EOS, create_scheduler, drain, sampled, step
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baton.scheduler import EngineType
+from baton.engine.scheduler import EngineType
 
 from .utils import EOS, add_requests, create_requests, create_scheduler, drain, sampled, step
 

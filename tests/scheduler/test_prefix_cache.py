@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baton.scheduler import AllocStatus, EngineType, SchedulerConfig, compute_block_keys
+from baton.engine.scheduler import AllocStatus, EngineType, SchedulerConfig, compute_block_keys
 
 from .utils import create_scheduler, drain, step
 

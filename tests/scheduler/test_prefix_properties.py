@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.scheduler import AllocStatus, EngineType, compute_block_keys
+from baton.engine.scheduler import AllocStatus, EngineType, compute_block_keys
 
 from .utils import EOS, create_scheduler, drain, trace_samples
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.scheduler import AllocStatus, EngineType
+from baton.engine.scheduler import AllocStatus, EngineType
 
 from .utils import EOS, create_scheduler, drain, trace_samples
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from baton.scheduler import Scheduler, SchedulerConfig
+from baton.engine.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.engine_client import EngineClient
+from baton.ops.redis_server import free_port
 from baton.protocol import SamplingOptions
-from baton.redis_server import free_port
+from baton.service.client import EngineClient
 from tests.cluster import EngineProcess, start_all, wait_whole
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import uuid
 import msgspec
 import pytest
 
+from baton.ops.registry import RedisRegistry, RegistryConfig
 from baton.protocol import AbortRequest, GenerateRequest, SamplingOptions, TokenDelta
-from baton.registry import RedisRegistry, RegistryConfig
 from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
 from tests.cluster import EngineProcess, start_all, wait_for, wait_whole

@@ -18,9 +18,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.cpus import cpu_shares, parse_cpus
-from baton.launcher import LaunchConfig, role_engine_args
-from baton.redis_server import free_port
+from baton.ops.cpus import cpu_shares, parse_cpus
+from baton.ops.redis_server import free_port
+from baton_cli.launcher import LaunchConfig, role_engine_args
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ ENGINE_FLAGS = ["--", "--num-blocks", "64", "--max-model-len", "512"]
 
 
 def _up(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "baton.cli", "up", *args],
+    return subprocess.Popen([sys.executable, "-m", "baton_cli", "up", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -191,7 +191,7 @@ def test_engine_flags_reach_the_roles_that_have_them():
 def test_an_engine_flag_no_role_takes_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="--lease-tll 8"):
         LaunchConfig(engine_args=["--lease-tll", "8"])
-    result = subprocess.run([sys.executable, "-m", "baton.cli", "up", "--", "--no-such-flag"],
+    result = subprocess.run([sys.executable, "-m", "baton_cli", "up", "--", "--no-such-flag"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "no engine takes the engine flag(s) --no-such-flag" in result.stderr

@@ -20,10 +20,10 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.cli import build_parser
-from baton.metrics import EngineMetrics
+from baton.ops.redis_server import free_port
 from baton.protocol import SamplingOptions, TokenDelta
-from baton.redis_server import free_port
+from baton.service.metrics import EngineMetrics
+from baton_cli.main import build_parser
 from router.metrics import RouterMetrics
 from tests.cluster import EngineProcess, start_all, wait_for, wait_whole
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from baton.supervisor import Child, RestartPolicy, Supervisor
+from baton.ops.supervisor import Child, RestartPolicy, Supervisor
 
 CRASH = [sys.executable, "-c", "import sys; sys.exit(3)"]
 SLEEP = ["sleep", "60"]
@@ -32,16 +32,16 @@ def children():
         child.stop(5.0)
 
 
-def test_backoff_doubles_from_one_second_and_is_capped():
+def test_first_restart_is_immediate_then_backoff_doubles_from_one_second_and_is_capped():
     policy = RestartPolicy()
-    assert [policy.delay_s(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+    assert [policy.delay_s(n) for n in range(1, 9)] == [0, 1, 2, 4, 8, 16, 30, 30]
     for bad in ({"max_restarts": -1}, {"window_s": 0}, {"first_delay_s": 2, "max_delay_s": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RestartPolicy(**bad)
 
 
 def test_killed_child_is_restarted_with_the_same_command_and_comes_back(children, caplog):
-    caplog.set_level(logging.INFO, logger="baton.supervisor")
+    caplog.set_level(logging.INFO, logger="baton.ops.supervisor")
     ready = {"ok": False}
     child = Child("completion-0", SLEEP, is_ready=lambda: ready["ok"])
     other = Child("prompt-0", SLEEP)
@@ -51,7 +51,7 @@ def test_killed_child_is_restarted_with_the_same_command_and_comes_back(children
     child.proc.send_signal(signal.SIGKILL)
     _poll_until(supervisor, lambda: child.proc.pid != first_pid)
     assert child.proc.poll() is None and child.proc.args == SLEEP
-    assert "completion-0 exited (signal 9); restarting in 0.05 s (restart 1 of 5)" in caplog.text
+    assert "completion-0 exited (signal 9); restarting in 0 s (restart 1 of 5)" in caplog.text
     assert "is back" not in caplog.text  # not ready yet
     ready["ok"] = True
     _poll_until(supervisor, lambda: "completion-0 is back (restart 1 of 5," in caplog.text)
@@ -60,7 +60,7 @@ def test_killed_child_is_restarted_with_the_same_command_and_comes_back(children
 
 
 def test_crash_loop_is_given_up_and_the_others_keep_running(children, caplog):
-    caplog.set_level(logging.INFO, logger="baton.supervisor")
+    caplog.set_level(logging.INFO, logger="baton.ops.supervisor")
     crashing, other = Child("prompt-1", CRASH), Child("router", SLEEP)
     children += [crashing, other]
     supervisor = Supervisor(children, RestartPolicy(max_restarts=2, first_delay_s=0.05,
@@ -69,8 +69,8 @@ def test_crash_loop_is_given_up_and_the_others_keep_running(children, caplog):
     assert supervisor.given_up == ["prompt-1"] and supervisor.num_restarts == 2
     lines = [r.getMessage() for r in caplog.records if "prompt-1 exited" in r.getMessage()]
     assert lines == [
-        "prompt-1 exited (status 3); restarting in 0.05 s (restart 1 of 2)",
-        "prompt-1 exited (status 3); restarting in 0.08 s (restart 2 of 2)",
+        "prompt-1 exited (status 3); restarting in 0 s (restart 1 of 2)",
+        "prompt-1 exited (status 3); restarting in 0.05 s (restart 2 of 2)",
         "prompt-1 exited (status 3) after 2 restarts within 10 minutes; giving up on it, "
         "the others keep serving"]
     assert other.proc.poll() is None

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from baton.engine_client import probe_engine
-from baton.redis_server import free_port
+from baton.ops.redis_server import free_port
+from baton.service.client import probe_engine
 from tests.cluster import is_whole
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ class _Baton:
 def _start_baton(num_prompt: int, num_completion: int) -> _Baton:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", "up", "--port", str(port), "--prompt-engines",
+        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--prompt-engines",
          str(num_prompt), "--completion-engines", str(num_completion), "--max-restarts", "100",
          "--", *ENGINE_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

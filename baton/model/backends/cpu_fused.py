@@ -1,5 +1,5 @@
 """The CPU backend's fused decode attention: RoPE, the K/V write into the dense decode rows and
-attention of every query head, one compiled op per layer (`csrc/decode_attention.cpp`).
+attention of every query head, one compiled op per layer (`csrc/kernels/decode_attention.cpp`).
 
 A decode step of SmolLM2 on two cores is bound by dispatch, not arithmetic: the eager path runs
 about 25 torch calls a layer between the QKV projection and the output projection (rotation,

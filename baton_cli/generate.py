@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from baton.engine import EngineConfig, LLMEngine
     from baton.model import IncrementalDetokenizer, ModelLoadError
-    from baton.sampler import SamplingParams
+    from baton.sampling.params import SamplingParams
 
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p,

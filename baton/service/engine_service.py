@@ -14,7 +14,7 @@ One process, one thread of control:
 4. SIGTERM/SIGINT: stop taking work (new requests finish at once with reason `abort` and an
    error), let in-flight work finish for `drain_timeout_s`, abort what is left, deregister from
    the registry, close the socket.
-With `metrics` (baton/metrics.py) the loop also publishes a stats snapshot for Prometheus at
+With `metrics` (baton/service/metrics.py) the loop also publishes a stats snapshot for Prometheus at
 the registry-snapshot cadence, times and counts every request it tracks, and stops the HTTP
 server last.
 """
@@ -30,9 +30,9 @@ from typing import Protocol
 
 import zmq
 
-from baton.dp import DPGroup
-from baton.kv_events import KvEventPublisher
-from baton.metrics import EngineMetrics
+from baton.engine.kv_events import KvEventPublisher
+from baton.ops.dp import DPGroup
+from baton.ops.registry import EngineRecord, Heartbeat, Registry
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
     AbortRequest,
@@ -49,7 +49,7 @@ from baton.protocol import (
     decode_to_engine,
     encode,
 )
-from baton.registry import EngineRecord, Heartbeat, Registry
+from baton.service.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class EngineService:
         self._snapshot: EngineRecord | None = None
         self._snapshot_at = 0.0
         self._snapshot_every_s = min(0.25, config.heartbeat_s / 2)
-        # Cache-aware routing (baton/kv_events.py): None for a worker without a prefix cache.
+        # Cache-aware routing (baton/engine/kv_events.py): None for a worker without a prefix cache.
         source = getattr(worker, "kv_event_source", None)
         self.kv_events = KvEventPublisher(source()) if source is not None else None
 

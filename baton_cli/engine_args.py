@@ -103,7 +103,7 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from baton.engine_client import probe_engine
+    from baton.service.client import probe_engine
 
     stats = probe_engine(args.address, args.timeout)
     if stats is None:
@@ -123,6 +123,6 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 def run_engine(args: argparse.Namespace) -> int:
-    from baton.engine_main import main as engine_main
+    from baton_cli.engine_main import main as engine_main
 
     return engine_main(args)

@@ -1,10 +1,10 @@
 """`baton up`: start Redis, the engines and the router on this host, and stop them together.
 
-Every child is a separate process (`python -m baton.cli ROLE ...`) that dies with the launcher
+Every child is a separate process (`python -m baton_cli ROLE ...`) that dies with the launcher
 (PR_SET_PDEATHSIG), so a launcher killed at 3 a.m. leaves no orphan holding a port or a pool.
 Start-up waits for each engine to answer a stats request and for the router's /health; any
 child that exits or a wait that times out during start-up stops everything with one clear
-message. Once up, a child that exits is restarted (baton/supervisor.py: same engine id and
+message. Once up, a child that exits is restarted (baton/ops/supervisor.py: same engine id and
 port, backoff, a limit) while the others keep serving; SIGTERM or Ctrl-C stops them all.
 """
 
@@ -18,10 +18,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from baton.cpus import cpu_shares, engine_threads
-from baton.engine_cli import ROLE_COMMANDS, add_common_args
-from baton.redis_server import RedisServer, RedisStartError, free_port, port_is_free
-from baton.supervisor import Child, LaunchError, RestartPolicy, Supervisor
+from baton.ops.cpus import cpu_shares, engine_threads
+from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
+from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
+from baton_cli.engine_args import ROLE_COMMANDS, add_common_args
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def role_engine_args(engine_args: list[str], role: str) -> list[str]:
 
 
 def _engine_answers(address: str) -> bool:
-    from baton.engine_client import probe_engine
+    from baton.service.client import probe_engine
 
     return probe_engine(address, timeout_s=0.2) is not None
 
@@ -106,7 +106,7 @@ def _http_ok(url: str) -> bool:
 
 
 def wait_engine_ready(address: str, deadline: float, child: Child) -> None:
-    from baton.engine_client import probe_engine
+    from baton.service.client import probe_engine
 
     while time.monotonic() < deadline:
         child.check_alive()
@@ -169,7 +169,7 @@ class Launcher:
     def _start_engine(self, command: str, engine_id: str, threads: int, cpus: str) -> None:
         cfg = self.config
         port = free_port(cfg.host)
-        argv = [sys.executable, "-m", "baton.cli", command, "--engine-id", engine_id,
+        argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
                 "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
                 *self._model_args(), *self._metrics_args(engine_id),
@@ -187,7 +187,7 @@ class Launcher:
 
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
-        argv = [sys.executable, "-m", "baton.cli", "router", "--host", cfg.host,
+        argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url,
                 "--routing", cfg.routing, *self._model_args()]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import msgspec
 
+from baton.protocol import ROLES
+
 logger = logging.getLogger(__name__)
 
-ROLES = ("normal", "prompt", "completion")
 
 
 class EngineRecord(msgspec.Struct, omit_defaults=True):
@@ -33,7 +34,7 @@ class EngineRecord(msgspec.Struct, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
     updated_at: float = 0.0
-    # Random per engine process start (baton/kv_events.py): a new one means a restarted engine,
+    # Random per engine process start (baton/engine/kv_events.py): a new one means a restarted engine,
     # whose prefix cache is empty whatever a router remembers of the old one.
     instance_id: str = ""
 

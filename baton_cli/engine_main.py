@@ -1,4 +1,4 @@
-"""Build and run one engine process from its command-line flags (see baton/engine_cli.py).
+"""Build and run one engine process from its command-line flags (see baton_cli/engine_args.py).
 
 With `--data-parallel-size N` (NORMAL and PROMPT roles) this process is rank 0 and starts ranks
 1..N-1 as child processes; each rank is a whole engine service with its own socket (port + rank)
@@ -14,21 +14,23 @@ import signal
 import subprocess
 import sys
 
-import torch
-
-from baton.cpus import engine_threads, parse_cpus
-from baton.dp import DPConfig, DPGroup
-from baton.metrics import EngineMetrics
-from baton.registry import RegistryConfig, make_registry
-from baton.service import EngineService, ServiceConfig
-from baton.supervisor import die_with_parent
+from baton.engine import EngineConfig, LLMEngine
+from baton.ops.cpus import engine_threads, parse_cpus
+from baton.ops.dp import DPConfig, DPGroup
+from baton.ops.registry import RegistryConfig, make_registry
+from baton.ops.supervisor import die_with_parent
+from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
+from baton.service.engine_service import EngineService, ServiceConfig
+from baton.service.metrics import EngineMetrics
+from completion_engine.worker import CompletionWorker
+from kv_transfer.config import TransferConfig
+from normal_engine.worker import NormalWorker
+from prompt_engine.worker import PromptWorker
 
 logger = logging.getLogger(__name__)
 
 
-def engine_config(args: argparse.Namespace, role: str):
-    from baton.engine import EngineConfig
-
+def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
     return EngineConfig(
         model=args.model or None, dtype=args.dtype, device=args.device or None,
         quantization=args.quantization,
@@ -41,41 +43,45 @@ def engine_config(args: argparse.Namespace, role: str):
         engine_type=role)
 
 
-def transfer_config(args: argparse.Namespace, role: str):
-    from kv_transfer.config import TransferConfig
-
-    if role == "prompt":
+def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
+    if role == PROMPT:
         return TransferConfig(host=args.host, side_channel_port=args.side_channel_port,
                               lease_ttl_s=args.lease_ttl)
     return TransferConfig(host=args.host, transfer_timeout_s=args.kv_timeout,
                           claim_ttl_s=max(60.0, 2 * args.kv_timeout))
 
 
+def _normal_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
+    return NormalWorker(engine)
+
+
+def _prompt_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
+    return PromptWorker(engine, transfer_config(args, PROMPT), engine_id,
+                        advertise_host=args.advertise_host)
+
+
+def _completion_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
+    return CompletionWorker(engine, transfer_config(args, COMPLETION), engine_id,
+                            on_pull_result=metrics.on_pull if metrics is not None else None)
+
+
+# The one table of roles: each role's worker (normal_engine/, prompt_engine/, completion_engine/)
+# around the same engine core.
+ROLE_WORKERS = {NORMAL: _normal_worker, PROMPT: _prompt_worker, COMPLETION: _completion_worker}
+assert tuple(ROLE_WORKERS) == ROLES
+
+
 def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: str,
                  metrics: EngineMetrics | None = None):
-    from baton.engine import LLMEngine
-
     engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min)
-    if role == "normal":
-        from baton.worker import EngineWorker
-
-        return EngineWorker(engine)
-    if role == "prompt":
-        from prompt_engine.worker import PromptWorker
-
-        return PromptWorker(engine, transfer_config(args, role), engine_id,
-                            advertise_host=args.advertise_host)
-    from completion_engine.worker import CompletionWorker
-
-    return CompletionWorker(engine, transfer_config(args, role), engine_id,
-                            on_pull_result=metrics.on_pull if metrics is not None else None)
+    return ROLE_WORKERS[role](engine, args, engine_id, metrics)
 
 
 def spawn_other_ranks(args: argparse.Namespace, argv: list[str]) -> list[subprocess.Popen]:
     procs = []
     for rank in range(1, args.data_parallel_size):
         extra = ["--data-parallel-rank", str(rank)]
-        procs.append(subprocess.Popen([sys.executable, "-m", "baton.cli", *argv, *extra],
+        procs.append(subprocess.Popen([sys.executable, "-m", "baton_cli", *argv, *extra],
                                       preexec_fn=die_with_parent))
     return procs
 
@@ -130,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
         return 1
     service.side_channel = getattr(worker, "side_channel", "")
     install_signal_handlers(service, children)
-    logger.info("torch threads: %d", torch.get_num_threads())
+    if "torch" in sys.modules:  # a model runner was built (a mock engine has none)
+        logger.info("torch threads: %d", sys.modules["torch"].get_num_threads())
     service.run()
     dp.close()
     for proc in children:

@@ -4,7 +4,8 @@ Life of a child under supervision:
 1. it runs; the launcher polls it every `poll_s`;
 2. it exits (a crash, a SIGKILL, an OOM kill): the supervisor logs why and schedules a restart
    of the same command line (same engine id, same port: a new instance the router and the
-   registry know by its old address) after 1 s, 2 s, 4 s ... capped at `max_delay_s`;
+   registry know by its old address): at once the first time in the window (a single crash
+   should cost only the start-up), then after 1 s, 2 s, 4 s ... capped at `max_delay_s`;
 3. the restart starts it again; until its readiness check passes it counts as restarting, and
    the log says when it is back and how long it was gone;
 4. past `max_restarts` restarts within `window_s` it gives up on that child (a crash loop:
@@ -33,7 +34,8 @@ class RestartPolicy:
     max_restarts: int = 5
     # The sliding window (seconds) the restarts are counted in.
     window_s: float = 600.0
-    # Delay before the first restart in the window; each further one doubles it.
+    # Delay before the second restart in the window (the first is immediate); each further one
+    # doubles it.
     first_delay_s: float = 1.0
     # The doubling stops here, so a child given a long window still comes back in time.
     max_delay_s: float = 30.0
@@ -49,8 +51,11 @@ class RestartPolicy:
                              f"({self.first_delay_s})")
 
     def delay_s(self, restart: int) -> float:
-        """Seconds to wait before restart number `restart` (1-based) of the window."""
-        return min(self.max_delay_s, self.first_delay_s * 2 ** (restart - 1))
+        """Seconds to wait before restart number `restart` (1-based) of the window: none for
+        the first, then `first_delay_s` doubling up to `max_delay_s`."""
+        if restart <= 1:
+            return 0.0
+        return min(self.max_delay_s, self.first_delay_s * 2 ** (restart - 2))
 
 
 def die_with_parent() -> None:

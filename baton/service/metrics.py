@@ -2,7 +2,7 @@
 
 Who writes what, given that only the service loop thread may touch the scheduler and the
 worker (neither is thread-safe):
-1. At the registry-snapshot cadence (baton/service.py) the loop publishes an `EngineStats`
+1. At the registry-snapshot cadence (baton/service/engine_service.py) the loop publishes an `EngineStats`
    snapshot (`publish`); a custom collector turns the latest one into gauges and into the
    counters the engine already keeps (prefix cache, preemptions, tokens, KV leases and pulls)
    when Prometheus scrapes, on the HTTP thread. Publishing swaps one reference: no lock.

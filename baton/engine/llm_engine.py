@@ -22,188 +22,56 @@ Outputs are token ids; text is the router's business (and `generate`'s, offline)
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
 
-from baton.choices import choice_id, choice_params, for_choice, plan_splits
-from baton.grammar import GrammarCache
-from baton.logprobs import PromptLogprobs, TopLogprobs
-from baton.model import load_model
-from baton.model.config import resolve_dtype
-from baton.model.loader import LoadedModel
-from baton.model.quant import check_quantization
-from baton.model_runner import ModelRunner, PromptSpan
-from baton.sampler import SamplingParams
-from baton.scheduler import EngineType, Scheduler, SchedulerConfig
+from baton.engine.block_keys import key_seed
+from baton.engine.choices import choice_id, choice_params, for_choice, plan_splits
+from baton.engine.config import ROLE_TYPES, EngineConfig
+from baton.engine.input_processor import InputProcessor
+from baton.engine.kv_events import KvEventSource
+from baton.engine.request import CompletionOutput, Request, RequestOutput
+from baton.engine.runner_api import Runner
+from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig
+from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
+from baton.sampling.params import SamplingParams
+from baton.sampling.samples import PromptSpan
 
 logger = logging.getLogger(__name__)
-
-
-_ENGINE_TYPES = {"normal": EngineType.NORMAL, "prompt": EngineType.PROMPT,
-                 "completion": EngineType.COMPLETION}
-
-
-@dataclass
-class EngineConfig:
-    """Model, cache and batching of one engine."""
-
-    model: str | None = None  # GGUF file or HF folder; None = SmolLM2-135M-Instruct
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str | None = None  # None = cuda when present, else cpu
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int = 0  # KV blocks incl. the null block; 0 = fill kv_cache_memory_bytes
-    # Used when num_blocks == 0: the pool and the backend's copies of it together (the CPU
-    # backend's dense decode rows can hold each decoding token again: half goes to the pool).
-    kv_cache_memory_bytes: int = 2**30
-    max_num_seqs: int = 64  # sequences in one decode batch
-    max_num_batched_tokens: int = 2048  # tokens in one prompt step (chunk size)
-    max_model_len: int = 0  # prompt + output; 0 = the model's context (capped by the pool)
-    enable_chunked_prefill: bool = True
-    # A single rank has no peers to agree with, and every decode step it delays a waiting
-    # prompt is pure queueing latency, so it attempts a prefill at every step (the scheduler's
-    # default of 70 is for data-parallel ranks voting to prefill together).
-    prefill_attempt_interval: int = 1
-    prefill_any_attempt_interval: int = 1
-    watermark: float = 0.9  # prefill only at or below this cache usage
-    # Automatic prefix caching (SCHEDULER_SPEC P1-P8): full blocks keyed by a hash chain over
-    # their tokens; a prompt's cached run is not computed again (nor pulled, on a completion
-    # engine); freed keyed blocks stay cached until the pool needs them.
-    enable_prefix_caching: bool = True
-    num_threads: int = 2  # torch intra-op threads; 0 = leave torch's default (all cores)
-    # Threads for a step with no prompt in it; 0 = auto: one in the quantized modes, num_threads
-    # in the others. On a small host each parallel region's barrier waits for a thread that the
-    # router, a client or the other engine may hold; the block kernels' decode steps gained
-    # nothing from a second thread even on an idle machine (co-located int4, 2 cores: c1 TPOT
-    # 18.4 ms on one, 20.3 on two; c32 70.1 vs 72.7 tok/s; 51-61 ms vs 31-34 at c1 beside a
-    # compile), while the exact mode's MKL GEMMs do (c32 66.8 vs 51.8 tok/s). In the exact mode
-    # a value other than num_threads lets MKL round a decode row differently in a decode-only
-    # step (a completion engine) than beside a prompt (a normal engine).
-    decode_threads: int = 0
-    # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
-    # completion: decode only, prompts arrive with KV pulled from a prompt engine.
-    engine_type: str = "normal"
-    # Weight-only quantization: none | int8 | int4 (CPU kernels for decode steps,
-    # `baton/model/quant.py`), or auto: int4 for a file whose layers are Q4 blocks, else none
-    # (the servers' default). The exact mode: dtype float32, quantization none, which the
-    # library keeps as its default (what its tests compare with transformers).
-    quantization: str = "none"
-
-    def __post_init__(self) -> None:
-        resolve_dtype(self.dtype)
-        check_quantization(self.quantization)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "prefill_attempt_interval", "prefill_any_attempt_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads",
-                     "decode_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.engine_type not in _ENGINE_TYPES:
-            raise ValueError(f"EngineConfig.engine_type must be one of {sorted(_ENGINE_TYPES)}, "
-                             f"got {self.engine_type!r}")
-        if self.num_blocks == 1:
-            raise ValueError("EngineConfig.num_blocks must be 0 (auto) or >= 2, got 1")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (a delta); `finished` on its last one."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float] | None
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | prompt_length_exceeded | ...
-    # PROMPT engine: the prompt is done and its KV blocks stay allocated for a completion
-    # engine to pull (released later with `release_handed_off`).
-    handed_off_block_ids: list[int] | None = None
-    num_prompt_tokens: int = 0
-    # On the request's first output: prompt tokens this engine took from its prefix cache.
-    num_cached_tokens: int = 0
-    top: TopLogprobs | None = None  # top_logprobs: alternatives of each new token
-    prompt: PromptLogprobs | None = None  # prompt_logprobs, on the request's first output
-    index: int = 0  # the choice (n > 1) this output is of
-    base_id: str = ""  # the request's id when this is another choice than its carrier's
-
-
-@dataclass
-class CompletionOutput:
-    """A finished request (offline `generate`)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[float] | None
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    seq_id: int = -1  # the scheduler's stable integer id
-    num_given: int = 0  # outputs it arrived with (a migration's, a prompt engine's first token)
-    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
-    prompt_logprobs: PromptLogprobs | None = None  # filled chunk by chunk while prefilling
-    matcher: Any = None  # structured output: its llguidance matcher (baton/grammar.py)
-    index: int = 0  # the choice (n > 1) this sequence is (baton/choices.py)
-    base_id: str = ""  # the request's id, when this sequence is one of its forked choices
-    base_sample_index: int = 0  # choice i draws with this + i
-    is_split: bool = True  # False: n > 1 and its first tokens are not drawn yet
-
-    @property
-    def wire_id(self) -> str:
-        return self.base_id or self.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.token_ids)
 
 
 class LLMEngine:
     """Offline `generate`, and `add_request` / `step` / `abort_request` for a service loop."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 all_reduce_min: Callable[[int], int] | None = None) -> None:
-        """`loaded` reuses an already loaded model (tests, benchmarks); it must match `config`.
-        `all_reduce_min` joins a data-parallel group's step-type votes (baton/dp.py)."""
+    def __init__(self, config: EngineConfig | None = None, loaded=None,
+                 all_reduce_min: Callable[[int], int] | None = None,
+                 runner: Runner | None = None) -> None:
+        """`runner` runs the steps (a mock engine's, or a test's); without one the model of
+        `config` is loaded (`loaded`, a `baton.model.loader.LoadedModel`, reuses one already
+        loaded: tests, benchmarks; it must match `config`). Importing the engine core loads no
+        torch: only building the default runner does. `all_reduce_min` joins a data-parallel
+        group's step-type votes (baton/ops/dp.py)."""
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device,
-                                      quantization=config.quantization)
-        # Threads a prompt step and a decode-only step run on (set per step when they differ).
-        self._threads = torch.get_num_threads()
-        decode_threads = config.decode_threads or \
-            (1 if loaded.quantization != "none" else self._threads)
-        self._step_threads = {True: self._threads, False: decode_threads}
-        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
-        self.model_path = loaded.path
-        self.quantization = loaded.quantization  # the mode it runs (auto resolved)
+        if runner is None:
+            from baton.model.runner import build_runner
+
+            runner = build_runner(config, loaded)
+        self.runner = runner
+        self.model_config, self.tokenizer = runner.config, runner.tokenizer
+        self.inputs = InputProcessor(self.tokenizer, self.model_config)
+        self.model_path = runner.model_path
+        self.quantization = runner.quantization  # the mode it runs (auto resolved)
         logger.info("quantization %s (asked: %s), dtype %s", self.quantization,
                     config.quantization, config.dtype)
-        self.runner = ModelRunner(loaded, config.block_size, config.num_blocks,
-                                  config.kv_cache_memory_bytes)
         num_blocks = self.runner.num_blocks
         # Never longer than the pool holds: such a prompt is refused at once, not left waiting.
         max_len = min(config.max_model_len or self.model_config.max_position,
                       self.model_config.max_position, (num_blocks - 1) * config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
-            engine_type=_ENGINE_TYPES[config.engine_type], num_blocks=num_blocks,
+            engine_type=ROLE_TYPES[config.engine_type], num_blocks=num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_len, enable_chunked_prefill=config.enable_chunked_prefill,
@@ -216,9 +84,8 @@ class LLMEngine:
             prefix_cache_seed=self.prefix_cache_seed),
             all_reduce_min=all_reduce_min)
         self.max_model_len = max_len
-        self._requests: dict[str, _Request] = {}
-        self._grammars: GrammarCache | None = None  # built at the first structured request
-        self._by_seq: dict[int, _Request] = {}
+        self._requests: dict[str, Request] = {}
+        self._by_seq: dict[int, Request] = {}
         self._families: dict[str, set[str]] = {}  # n > 1: request id -> its choices' ids
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests
         self._next_id = 0
@@ -233,11 +100,6 @@ class LLMEngine:
         logger.info("engine: %s, model %s, %d KV blocks, max_model_len %d", config,
                     self.model_path, num_blocks, max_len)
 
-    @classmethod
-    def from_config(cls, **kwargs) -> LLMEngine:
-        """`LLMEngine.from_config(model=..., dtype=..., num_blocks=...)`: EngineConfig fields."""
-        return cls(EngineConfig(**kwargs))
-
     @property
     def model_fingerprint(self) -> str:
         """Model and KV layout identity: published in the registry, and the seed of the
@@ -249,11 +111,10 @@ class LLMEngine:
 
     @property
     def prefix_cache_seed(self) -> int:
-        digest = hashlib.blake2b(self.model_fingerprint.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
+        return key_seed(self.model_fingerprint)
 
     @property
-    def kv_cache(self) -> torch.Tensor:
+    def kv_cache(self):
         """The paged KV pool (what the KV exporter / importer register with NIXL)."""
         return self.runner.kv_cache
 
@@ -272,6 +133,67 @@ class LLMEngine:
         """Forget every cached-free block (vLLM's reset_prefix_cache); False, and nothing
         done, while a KV pull into an allocated block could still be pending."""
         return bool(self.scheduler.reset_prefix_cache())
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the engine's stats and registry record (pool, queues, prefix cache)."""
+        sched = self.scheduler
+        cache = sched.prefix_cache_stats()
+        return {"num_free_blocks": sched.num_free_blocks(),
+                "num_total_blocks": sched.num_total_blocks(),
+                "num_running": sched.num_running(), "num_waiting": sched.num_waiting(),
+                "num_preemptions": sched.num_preemptions(),
+                "num_handed_off": sched.num_handed_off(),
+                "prefix_cache_query_tokens": cache["query_tokens"],
+                "prefix_cache_hit_tokens": cache["hit_tokens"],
+                "num_cached_blocks": sched.num_cached_blocks()}
+
+    def kv_event_source(self) -> KvEventSource:
+        """The prefix cache's keys for cache-aware routing (baton/engine/kv_events.py)."""
+        return KvEventSource(self.scheduler, self.config.block_size, self.prefix_cache_seed,
+                             self.scheduler.num_total_blocks())
+
+    # ------------------------------------------------------------------ PROMPT: the hand-off
+    def block_keys(self, request_id: str) -> list[int]:
+        """A handed-off prompt's full blocks' prefix-cache keys (they name the blocks'
+        contents whether or not this engine caches)."""
+        return [int(k) for k in self.scheduler.block_keys(request_id)]
+
+    def release_handed_off(self, request_id: str) -> None:
+        """A handed-off prompt's lease ended: its blocks return to the pool (keyed ones stay
+        in the prefix cache)."""
+        self.scheduler.release_handed_off(request_id)
+
+    # ------------------------------------------------------------------ COMPLETION: prompted
+    def add_prompted_request(self, request_id: str, prompt_token_ids: list[int],
+                             output_token_ids: list[int], params: SamplingParams,
+                             first_token: int, first_logprob: float, index: int = 0,
+                             block_keys: Sequence[int] = ()):
+        """A prompt whose KV lives on a prompt engine: allocate its blocks (the run this
+        engine's prefix cache holds, by `block_keys`, is pinned instead) and track it as
+        waiting for its remote KV; it joins `running` at `commit_prompted`. Returns the
+        scheduler's allocation (status OK / LATER / NEVER, block ids, cached blocks)."""
+        alloc = self.scheduler.allocate_prompted(
+            request_id, prompt_token_ids + output_token_ids, first_token,
+            params.max_tokens - len(output_token_ids), **self.inputs.stop_options(params),
+            block_keys=block_keys if self.config.enable_prefix_caching else ())
+        if alloc.status == AllocStatus.OK:
+            self.track(request_id, prompt_token_ids, for_choice(params, params.sample_index, index),
+                       alloc.seq_id, token_ids=[*output_token_ids, first_token],
+                       logprobs=[first_logprob], index=index)
+        return alloc
+
+    def commit_prompted(self, request_id: str,
+                        choices: Sequence[tuple[int, int, float]] = ()) -> None:
+        """Its KV landed: it decodes from the next step; with n > 1 its other choices (index,
+        first token, logprob) fork from it and share the blocks just pulled (S16)."""
+        self.scheduler.commit_prompted(request_id)
+        if choices:
+            self._fork_choices(request_id, choices)
+
+    def free_prompted(self, request_id: str) -> None:
+        """Its KV never landed (failed or aborted pull): blocks back, request forgotten."""
+        self.scheduler.free_prompted(request_id)
+        self.untrack(request_id)
 
     def has_unfinished(self) -> bool:
         """Work for `step()`: final outputs to send, or sequences in the scheduler's queues
@@ -294,65 +216,19 @@ class LLMEngine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        ids = self.check_prompt(request_id, prompt)
-        outputs = self.check_outputs(request_id, output_token_ids, params)
+        ids = self.inputs.check_prompt(request_id, prompt)
+        outputs = self.inputs.check_outputs(request_id, output_token_ids, params)
         if params.n > 1 and outputs:
             raise ValueError(f"request {request_id!r}: n={params.n} with earlier outputs (a "
                              "migrated request) is not supported")
-        self.check_grammar(params, outputs)
+        self.inputs.check_grammar(params, outputs)
         # Prompt logprobs need the logits of every prompt position: a cached prefix has none.
         seq_id = self.scheduler.add_sequence(
             request_id, np.asarray(ids + outputs, dtype=np.int32),
-            params.max_tokens - len(outputs), **self.stop_options(params),
+            params.max_tokens - len(outputs), **self.inputs.stop_options(params),
             skip_prefix_cache=params.prompt_logprobs >= 0)
         self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
         return request_id
-
-    def check_prompt(self, request_id: str, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids; ValueError when it is empty or holds an id out of range."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: empty prompt")
-        if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
-            raise ValueError(f"request {request_id!r}: token id out of range "
-                             f"[0, {self.model_config.vocab_size})")
-        return ids
-
-    def check_outputs(self, request_id: str, output_token_ids: Sequence[int],
-                      params: SamplingParams) -> list[int]:
-        """A migrated request's earlier outputs; ValueError when an id is out of range or
-        nothing is left to generate (the router finishes such a request itself)."""
-        outputs = [int(t) for t in output_token_ids]
-        if outputs and (max(outputs) >= self.model_config.vocab_size or min(outputs) < 0):
-            raise ValueError(f"request {request_id!r}: output token id out of range "
-                             f"[0, {self.model_config.vocab_size})")
-        if len(outputs) >= params.max_tokens:
-            raise ValueError(f"request {request_id!r}: {len(outputs)} earlier outputs leave "
-                             f"nothing of max_tokens={params.max_tokens}")
-        return outputs
-
-    def stop_options(self, params: SamplingParams) -> dict:
-        """The scheduler's stop settings (S31) for a request; a structured one is never
-        recomputed (its matcher cannot be replayed): preempted, it finishes."""
-        return {"eos_token_ids": self.model_config.eos_token_ids,
-                "stop_token_ids": params.stop_token_ids, "ignore_eos": params.ignore_eos,
-                "structured_output": bool(params.grammar)}
-
-    @property
-    def grammars(self) -> GrammarCache:
-        if self._grammars is None:
-            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size,
-                                          self.model_config.eos_token_ids)
-        return self._grammars
-
-    def check_grammar(self, params: SamplingParams, token_ids: Sequence[int] = ()) -> None:
-        """ValueError unless the request's grammar compiles and accepts `token_ids` (sampled
-        elsewhere: a prompt engine's first token)."""
-        if params.grammar:
-            matcher = self.grammars.matcher(params.grammar)
-            if token_ids and not matcher.consume_tokens([int(t) for t in token_ids]):
-                raise ValueError(f"tokens {list(token_ids)} break the request's grammar: "
-                                 f"{matcher.get_error()}")
 
     def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
               seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = (),
@@ -363,7 +239,7 @@ class LLMEngine:
         choice `index` (of request `base_id`, when forked), its params already the choice's."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        req = _Request(request_id, prompt_token_ids, params, seq_id=seq_id,
+        req = Request(request_id, prompt_token_ids, params, seq_id=seq_id,
                        num_given=len(token_ids), index=index, base_id=base_id,
                        base_sample_index=params.sample_index - index,
                        is_split=params.n == 1 or bool(token_ids))
@@ -375,7 +251,7 @@ class LLMEngine:
         if params.prompt_logprobs >= 0:
             req.prompt_logprobs = PromptLogprobs()
         if params.grammar:  # checked by check_grammar: compiled, and takes token_ids
-            req.matcher = self.grammars.matcher(params.grammar)
+            req.matcher = self.inputs.grammars.matcher(params.grammar)
             req.matcher.consume_tokens([int(t) for t in token_ids])
         self._requests[request_id] = req
         self._by_seq[seq_id] = req
@@ -402,7 +278,7 @@ class LLMEngine:
             self._pending.append(self._finish(req, "abort"))
         return bool(reqs)
 
-    def _finish(self, req: _Request, reason: str) -> RequestOutput:
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
         req.finish_reason = reason
         self.untrack(req.request_id)
         return RequestOutput(req.request_id, [], [] if req.params.logprobs else None, True,
@@ -435,22 +311,12 @@ class LLMEngine:
         complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
         spans = (self._prompt_spans(reqs, seqlens_q, seqlens_k) if sched_out.prompt_run
                  else None)
-        # The step's thread count for this step only (torch's is process-wide: nothing else in
-        # the process, another engine or a test's reference model, may inherit it); ~10 us each.
-        threads = self._step_threads[bool(sched_out.prompt_run)]
-        before = torch.get_num_threads()
-        if threads != before:
-            torch.set_num_threads(threads)
-        try:
-            samples = self.runner.execute(
-                sched_out, seq_ids,
-                [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
-                [r.prompt_token_ids for r in reqs],
-                [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
-                choice_params(reqs, complete))
-        finally:
-            if threads != before:
-                torch.set_num_threads(before)
+        samples = self.runner.execute(
+            sched_out, seq_ids,
+            [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
+            [r.prompt_token_ids for r in reqs],
+            [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
+            choice_params(reqs, complete))
         splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:
@@ -470,15 +336,14 @@ class LLMEngine:
             self._split(req, split, top, outputs)
         return outputs
 
-    def _allowed_tokens(self, reqs: list[_Request], complete: list[bool]) -> list | None:
+    def _allowed_tokens(self, reqs: list[Request], complete: list[bool]) -> list | None:
         """Each sampled structured row's grammar mask (bool [vocab]); None when none."""
         if all(r.matcher is None for r in reqs):
             return None
-        return [torch.from_numpy(self.grammars.allowed_tokens(r.matcher))
-                if r.matcher is not None and c else None
+        return [self.inputs.grammars.allowed_tokens(r.matcher) if r.matcher is not None and c else None
                 for r, c in zip(reqs, complete, strict=True)]
 
-    def _advance_matcher(self, req: _Request, out: RequestOutput) -> None:
+    def _advance_matcher(self, req: Request, out: RequestOutput) -> None:
         """Feed the matcher its row's token; one it refuses (cannot happen under its own
         mask) finishes the request."""
         if req.matcher.consume_token(out.new_token_ids[0]):
@@ -489,8 +354,8 @@ class LLMEngine:
         self._finish(req, "structured_output_failed")
         out.finished, out.finish_reason = True, "structured_output_failed"
 
-    # ------------------------------------------------------------------ n > 1 (baton/choices.py)
-    def _split(self, req: _Request, split, top: TopLogprobs | None,
+    # ------------------------------------------------------------------ n > 1 (baton/engine/choices.py)
+    def _split(self, req: Request, split, top: TopLogprobs | None,
                outputs: list[RequestOutput]) -> None:
         """After booking: the other choices' first tokens; NORMAL forks those that go on, a
         PROMPT engine hands them off with the carrier (its worker names them in the hand-off)."""
@@ -509,14 +374,13 @@ class LLMEngine:
                                          bool(reason), reason or None, top=top, index=j,
                                          base_id=req.wire_id))
 
-    def fork_choices(self, request_id: str, choices: Sequence[tuple[int, int, float]]) -> None:
-        """COMPLETION: once an n > 1 prompt's KV has landed, its other choices (index, first
-        token sampled by the prompt engine, logprob) fork from it."""
+    def _fork_choices(self, request_id: str,
+                      choices: Sequence[tuple[int, int, float]]) -> None:
         req = self._requests[request_id]
         for index, token, lp in choices:
             self._fork(req, index, token, lp)
 
-    def _fork(self, req: _Request, index: int, token: int, logprob: float) -> _Request:
+    def _fork(self, req: Request, index: int, token: int, logprob: float) -> Request:
         cid = choice_id(req.wire_id, index)
         seq_id = self.scheduler.fork_seq(req.request_id, cid, "n", last_token_id=token)
         self.track(cid, req.prompt_token_ids, for_choice(req.params, req.base_sample_index, index),
@@ -528,7 +392,7 @@ class LLMEngine:
         return child
 
     @staticmethod
-    def _prompt_spans(reqs: list[_Request], seqlens_q: np.ndarray,
+    def _prompt_spans(reqs: list[Request], seqlens_q: np.ndarray,
                       seqlens_k: np.ndarray) -> list[PromptSpan | None] | None:
         """Prompt steps of requests asking prompt logprobs: which chunk positions predict the
         prompt tokens not scored yet (a recomputed prompt was scored the first time)."""
@@ -547,7 +411,7 @@ class LLMEngine:
                                     req.params.prompt_logprobs))
         return spans if any(s is not None for s in spans) else None
 
-    def _note_cache_hits(self, reqs: list[_Request]) -> None:
+    def _note_cache_hits(self, reqs: list[Request]) -> None:
         """A request's first prompt step: what its admission took from the prefix cache."""
         for req in reqs:
             if req.num_cached_tokens is None:
@@ -576,7 +440,7 @@ class LLMEngine:
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
 
-    def _append(self, req: _Request, token: int, logprob: float,
+    def _append(self, req: Request, token: int, logprob: float,
                 top: TopLogprobs | None = None) -> RequestOutput:
         self.num_generated_tokens += 1
         req.token_ids.append(token)

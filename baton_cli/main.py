@@ -14,13 +14,13 @@ import sys
 
 # name -> (module path, function that adds the subparser and sets `func`)
 _SUBCOMMANDS: dict[str, str] = {
-    "up": "baton.launcher:add_parser",
-    "generate": "baton.generate_cli:add_parser",
-    "engine": "baton.engine_cli:add_normal_parser",
-    "prompt-engine": "baton.engine_cli:add_prompt_parser",
-    "completion-engine": "baton.engine_cli:add_completion_parser",
-    "probe": "baton.engine_cli:add_probe_parser",
-    "bench": "baton.bench_cli:add_parser",
+    "up": "baton_cli.launcher:add_parser",
+    "generate": "baton_cli.generate:add_parser",
+    "engine": "baton_cli.engine_args:add_normal_parser",
+    "prompt-engine": "baton_cli.engine_args:add_prompt_parser",
+    "completion-engine": "baton_cli.engine_args:add_completion_parser",
+    "probe": "baton_cli.engine_args:add_probe_parser",
+    "bench": "baton_cli.bench:add_parser",
     "router": "router.cli:add_parser",
 }
 

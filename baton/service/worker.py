@@ -1,12 +1,8 @@
 """An engine on the wire: `EngineWorker` serves an `LLMEngine` to the service loop.
 
-On its own it is the NORMAL role, whole requests (prefill and decode) in one engine:
-1. `GenerateRequest` -> sampling options checked -> `LLMEngine.add_request` (`waiting`).
-2. Each `step()` turns the engine's `RequestOutput`s into `TokenDelta`s for the router.
-3. Abort: the engine finishes the request and its final delta (reason `abort`) follows.
-This is the co-located baseline that every disaggregation figure is compared with, and a
-fallback when no prompt/completion pair is up. The PROMPT and COMPLETION roles
-(`prompt_engine/`, `completion_engine/`) extend it with their own parts of a request's life.
+The base every role extends (`normal_engine/`, `prompt_engine/`, `completion_engine/`): wire
+options -> `SamplingParams`, the engine's `RequestOutput`s -> `TokenDelta`s, aborts, stats, the
+registry record and the KV event source. A role adds its own part of a request's life.
 """
 
 from __future__ import annotations
@@ -15,10 +11,10 @@ import logging
 from pathlib import Path
 
 from baton.engine import LLMEngine, RequestOutput
-from baton.kv_events import KvEventSource
+from baton.engine.kv_events import KvEventSource
+from baton.ops.registry import EngineRecord
 from baton.protocol import EngineStats, GenerateRequest, SamplingOptions, TokenDelta
-from baton.registry import EngineRecord
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 from kv_transfer.protocol import Fingerprint
 
 logger = logging.getLogger(__name__)
@@ -61,10 +57,9 @@ def error_delta(req_id: str, message: str, reason: str = "error") -> TokenDelta:
 
 
 class EngineWorker:
-    """An `LLMEngine` behind the service loop: the NORMAL role, and the base of the PROMPT and
-    COMPLETION roles."""
+    """An `LLMEngine` behind the service loop; each role (a subclass) names itself in `role`."""
 
-    role = "normal"
+    role = ""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -108,40 +103,34 @@ class EngineWorker:
         return False
 
     def fill_stats(self, stats: EngineStats) -> None:
-        engine, sched = self.engine, self.engine.scheduler
-        stats.num_free_blocks = sched.num_free_blocks()
-        stats.num_total_blocks = sched.num_total_blocks()
-        stats.num_running = sched.num_running()
-        stats.num_waiting = sched.num_waiting()
+        engine, counts = self.engine, self.engine.stats()
+        stats.num_free_blocks = int(counts["num_free_blocks"])
+        stats.num_total_blocks = int(counts["num_total_blocks"])
+        stats.num_running = int(counts["num_running"])
+        stats.num_waiting = int(counts["num_waiting"])
         stats.num_prompt_tokens = engine.num_prompt_tokens
         stats.num_generated_tokens = engine.num_generated_tokens
         stats.extra["num_prompt_steps"] = float(engine.num_prompt_steps)
         stats.extra["num_empty_prompt_steps"] = float(engine.num_empty_prompt_steps)
         stats.extra["num_decode_steps"] = float(engine.num_decode_steps)
         stats.extra["num_recomputed"] = float(engine.num_recomputed)
-        stats.extra["num_preemptions"] = float(sched.num_preemptions())
-        cache = sched.prefix_cache_stats()
-        stats.extra["prefix_cache_query_tokens"] = float(cache["query_tokens"])
-        stats.extra["prefix_cache_hit_tokens"] = float(cache["hit_tokens"])
-        stats.extra["num_cached_blocks"] = float(sched.num_cached_blocks())
+        for key in ("num_preemptions", "num_handed_off", "prefix_cache_query_tokens",
+                    "prefix_cache_hit_tokens", "num_cached_blocks"):
+            stats.extra[key] = float(counts[key])
 
     def fill_record(self, record: EngineRecord) -> None:
-        engine, sched = self.engine, self.engine.scheduler
+        counts = self.engine.stats()
         record.model_fingerprint = self.model_fingerprint
-        record.block_size = engine.config.block_size
-        record.num_free_blocks = sched.num_free_blocks()
-        record.num_total_blocks = sched.num_total_blocks()
-        record.num_running = sched.num_running()
-        record.num_waiting = sched.num_waiting()
+        record.block_size = self.engine.config.block_size
+        for key in ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting"):
+            setattr(record, key, int(counts[key]))
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
     def kv_event_source(self) -> KvEventSource:
-        """The prefix cache's keys for cache-aware routing (baton/kv_events.py)."""
-        engine = self.engine
-        return KvEventSource(engine.scheduler, engine.config.block_size, engine.prefix_cache_seed,
-                             engine.scheduler.num_total_blocks())
+        """The prefix cache's keys for cache-aware routing (baton/engine/kv_events.py)."""
+        return self.engine.kv_event_source()
 
     def close(self) -> None:
         pass

@@ -3,7 +3,7 @@
 A request with n > 1, in any role:
 1. Its prompt is one scheduler sequence (the *carrier*), prefilled once. The step that ends the
    prompt draws n first tokens from the last position's logits: choice i with sample_index
-   base + i, so a seeded choice i is the same token whatever else runs (baton/sampler.py).
+   base + i, so a seeded choice i is the same token whatever else runs (baton/model/sampler.py).
 2. `plan_split` picks which choice the carrier goes on as: the first whose token does not end
    it (EOS, a stop id), since a sequence the scheduler finished cannot be forked. Choices that
    end at their first token need no sequence at all.
@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from baton.sampler import SamplingParams
+from baton.sampling.params import SamplingParams
 
 
 def choice_id(request_id: str, index: int) -> str:

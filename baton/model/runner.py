@@ -10,41 +10,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from baton.logprobs import PromptLogprobs, TopLogprobs, token_logprobs, top_logprobs
-from baton.model import KVCacheSpec, allocate_kv_cache
 from baton.model.backends import Backend, StepBatch, get_backend
-from baton.model.loader import LoadedModel
-from baton.sampler import Sampler, SamplingParams
+from baton.model.kv_cache import KVCacheSpec, allocate_kv_cache
+from baton.model.loader import LoadedModel, load_model
+from baton.model.logprobs import token_logprobs, top_logprobs
+from baton.model.sampler import Sampler
+from baton.sampling.params import SamplingParams
+from baton.sampling.samples import PromptSpan, StepSamples
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptSpan:
-    """Prompt logprobs wanted from one row's prompt chunk: chunk positions first.. predict
-    `targets` (the prompt tokens after them), with `num_top` alternatives each."""
-
-    first: int
-    targets: list[int]
-    num_top: int = 0
-
-
-@dataclass
-class StepSamples:
-    """What `execute` sampled, row by row."""
-
-    token_ids: np.ndarray  # int32 [n]
-    logprobs: np.ndarray  # fp32 [n]
-    top: list[TopLogprobs | None]  # rows asking top_logprobs
-    prompt: list[PromptLogprobs | None]  # rows given a PromptSpan
-    # Rows given more choices (n > 1, the prompt's end): their (token ids, logprobs), one
-    # per extra choice, drawn from the row's logits.
-    choices: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -55,7 +33,13 @@ class ModelRunner:
         """`num_blocks` (null block included), or 0 to fit `kv_cache_memory_bytes`: the pool
         and what the backend keeps beside it (`Backend.kv_memory_factor`) together."""
         self.model, self.config = loaded.model, loaded.config
+        self.tokenizer, self.model_path = loaded.tokenizer, loaded.path
+        self.quantization = loaded.quantization  # the mode it runs (auto resolved)
         self.device = self.model.device
+        # Torch threads of a step with a prompt in it (True) and of a decode-only step (False);
+        # torch's count is process-wide, so it is set for the step and restored after it.
+        threads = torch.get_num_threads()
+        self.step_threads = {True: threads, False: threads}
         # The quantized modes are not the exact one: they may take the fused decode kernels.
         self.backend = backend or get_backend(self.device, exact=loaded.quantization == "none")
         self.kv_spec = KVCacheSpec.from_model(self.config, block_size)
@@ -103,7 +87,7 @@ class ModelRunner:
                 prompt_token_ids: Sequence[Sequence[int]],
                 output_token_ids: Sequence[Sequence[int]],
                 prompt_spans: Sequence[PromptSpan | None] | None = None,
-                allowed_tokens: Sequence[torch.Tensor | None] | None = None,
+                allowed_tokens: Sequence[np.ndarray | None] | None = None,
                 choice_params: Sequence[list[SamplingParams] | None] | None = None,
                 ) -> StepSamples:
         """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
@@ -113,6 +97,22 @@ class ModelRunner:
         `allowed_tokens[i]` is row i's grammar mask (bool [vocab]); `choice_params[i]` draws
         more tokens from row i's logits, one per params (the other choices of an n > 1 prompt).
         Returns the token ids int32 [n], their log-probs fp32 [n] and what else was asked."""
+        # The step's thread count for this step only (nothing else in the process, another
+        # engine or a test's reference model, may inherit it); ~10 us each.
+        threads, before = self.step_threads[bool(sched_out.prompt_run)], torch.get_num_threads()
+        if threads != before:
+            torch.set_num_threads(threads)
+        try:
+            masks = None if allowed_tokens is None else \
+                [None if m is None else torch.from_numpy(m) for m in allowed_tokens]
+            return self._execute(sched_out, seq_ids, params, prompt_token_ids, output_token_ids,
+                                 prompt_spans, masks, choice_params)
+        finally:
+            if threads != before:
+                torch.set_num_threads(before)
+
+    def _execute(self, sched_out, seq_ids, params, prompt_token_ids, output_token_ids,
+                 prompt_spans, allowed_tokens, choice_params) -> StepSamples:
         self._clone_blocks(np.asarray(sched_out.clone_blocks))
         seqlens_q = np.asarray(sched_out.seqlens_q, dtype=np.int64)
         spans = list(prompt_spans) if prompt_spans is not None else [None] * len(params)
@@ -188,3 +188,20 @@ class ModelRunner:
                 rows = logits[offset + span.first:offset + span.first + len(span.targets)]
                 out.prompt[i] = token_logprobs(rows, span.targets, span.num_top)
             offset += q
+
+
+def build_runner(config, loaded: LoadedModel | None = None) -> ModelRunner:
+    """The runner an `EngineConfig` asks for: torch threads set, the model loaded (or `loaded`
+    reused: tests, benchmarks), the KV pool sized, each step kind's thread count chosen."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device,
+                                  quantization=config.quantization)
+    runner = ModelRunner(loaded, config.block_size, config.num_blocks,
+                         config.kv_cache_memory_bytes)
+    threads = torch.get_num_threads()
+    # Decode steps of the quantized modes run on one thread unless told otherwise (see
+    # EngineConfig.decode_threads for the measurements).
+    decode = config.decode_threads or (1 if loaded.quantization != "none" else threads)
+    runner.step_threads = {True: threads, False: decode}
+    return runner

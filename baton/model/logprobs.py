@@ -1,49 +1,19 @@
-"""Logprobs beyond the sampled token's own: the most likely alternatives of each sampled token
-(OpenAI's `top_logprobs`) and a prompt's token logprobs (`echo` with `logprobs`).
+"""Logprobs read from the logits (torch): a token's own, its top alternatives, a prompt's.
 
-Both read the model's distribution (log_softmax of the raw logits, before bias, penalties and
-temperature), as the sampled token's logprob does (baton/sampler.py), so a greedy token's
-logprob is its own first alternative's.
+The data they fill (`TopLogprobs`, `PromptLogprobs`) is torch-free, in baton/sampling/logprobs.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
+
+from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
 
 # Rows of [rows, vocab] log_softmax at a time: a 2048-token prompt chunk is 400 MB of fp32
 # logits for SmolLM2's 49152-token vocabulary; its log_softmax need not be as much again.
 _ROWS_PER_SLICE = 256
-
-
-@dataclass
-class TopLogprobs:
-    """Per token: the `k` most likely token ids and their logprobs, best first."""
-
-    token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-
-    def extend(self, other: TopLogprobs) -> None:
-        self.token_ids.extend(other.token_ids)
-        self.logprobs.extend(other.logprobs)
-
-
-@dataclass
-class PromptLogprobs:
-    """Prompt positions 1.. : each token's logprob given the ones before, and alternatives."""
-
-    logprobs: list[float] = field(default_factory=list)
-    top: TopLogprobs = field(default_factory=TopLogprobs)
-
-    @property
-    def top_token_ids(self) -> list[list[int]]:
-        return self.top.token_ids
-
-    @property
-    def top_logprobs(self) -> list[list[float]]:
-        return self.top.logprobs
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> TopLogprobs:

@@ -1,6 +1,6 @@
-"""Typed facade over the compiled scheduler (csrc/, module ``baton._scheduler``).
+"""Typed facade over the compiled scheduler (csrc/scheduler/, module ``baton._scheduler``).
 
-A request's life in one scheduler (see csrc/scheduler.hpp for the rules S1-S39):
+A request's life in one scheduler (rules S1-S39 and P1-P8: docs/scheduler.md):
 
 1. ``add_sequence`` puts it in ``waiting``; nothing is allocated yet.
 2. ``schedule()`` admits the head of ``waiting`` on a prompt step, allocating its

@@ -1,0 +1,75 @@
+"""`EngineConfig`: model, cache and batching of one engine (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.engine.scheduler import EngineType
+from baton.model.modes import check_dtype_name, check_quantization
+from baton.protocol import ROLES
+
+# Each role runs the scheduler in the mode of the same name.
+ROLE_TYPES = {role: EngineType.__members__[role.upper()] for role in ROLES}
+
+
+@dataclass
+class EngineConfig:
+    """Model, cache and batching of one engine."""
+
+    model: str | None = None  # GGUF file or HF folder; None = SmolLM2-135M-Instruct
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str | None = None  # None = cuda when present, else cpu
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 0  # KV blocks incl. the null block; 0 = fill kv_cache_memory_bytes
+    # Used when num_blocks == 0: the pool and the backend's copies of it together (the CPU
+    # backend's dense decode rows can hold each decoding token again: half goes to the pool).
+    kv_cache_memory_bytes: int = 2**30
+    max_num_seqs: int = 64  # sequences in one decode batch
+    max_num_batched_tokens: int = 2048  # tokens in one prompt step (chunk size)
+    max_model_len: int = 0  # prompt + output; 0 = the model's context (capped by the pool)
+    enable_chunked_prefill: bool = True
+    # A single rank has no peers to agree with, and every decode step it delays a waiting
+    # prompt is pure queueing latency, so it attempts a prefill at every step (the scheduler's
+    # default of 70 is for data-parallel ranks voting to prefill together).
+    prefill_attempt_interval: int = 1
+    prefill_any_attempt_interval: int = 1
+    watermark: float = 0.9  # prefill only at or below this cache usage
+    # Automatic prefix caching (docs/scheduler.md, P1-P8): full blocks keyed by a hash chain over
+    # their tokens; a prompt's cached run is not computed again (nor pulled, on a completion
+    # engine); freed keyed blocks stay cached until the pool needs them.
+    enable_prefix_caching: bool = True
+    num_threads: int = 2  # torch intra-op threads; 0 = leave torch's default (all cores)
+    # Threads for a step with no prompt in it; 0 = auto: one in the quantized modes, num_threads
+    # in the others. On a small host each parallel region's barrier waits for a thread that the
+    # router, a client or the other engine may hold; the block kernels' decode steps gained
+    # nothing from a second thread even on an idle machine (co-located int4, 2 cores: c1 TPOT
+    # 18.4 ms on one, 20.3 on two; c32 70.1 vs 72.7 tok/s; 51-61 ms vs 31-34 at c1 beside a
+    # compile), while the exact mode's MKL GEMMs do (c32 66.8 vs 51.8 tok/s). In the exact mode
+    # a value other than num_threads lets MKL round a decode row differently in a decode-only
+    # step (a completion engine) than beside a prompt (a normal engine).
+    decode_threads: int = 0
+    # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
+    # completion: decode only, prompts arrive with KV pulled from a prompt engine.
+    engine_type: str = "normal"
+    # Weight-only quantization: none | int8 | int4 (CPU kernels for decode steps,
+    # `baton/model/quant.py`), or auto: int4 for a file whose layers are Q4 blocks, else none
+    # (the servers' default). The exact mode: dtype float32, quantization none, which the
+    # library keeps as its default (what its tests compare with transformers).
+    quantization: str = "none"
+
+    def __post_init__(self) -> None:
+        check_dtype_name(self.dtype)
+        check_quantization(self.quantization)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "prefill_attempt_interval", "prefill_any_attempt_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "kv_cache_memory_bytes", "max_model_len", "num_threads",
+                     "decode_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.engine_type not in ROLE_TYPES:
+            raise ValueError(f"EngineConfig.engine_type must be one of {sorted(ROLE_TYPES)}, "
+                             f"got {self.engine_type!r}")
+        if self.num_blocks == 1:
+            raise ValueError("EngineConfig.num_blocks must be 0 (auto) or >= 2, got 1")

@@ -1,0 +1,1 @@
+"""The NORMAL role: whole requests (prefill and decode) in one engine."""
