@@ -192,11 +192,27 @@ def test_importer_abort_before_result(peer, importer, local_pool):
 
 
 def test_metrics_snapshot(peer, importer, local_pool):
-    snap = importer.metrics()
-    assert snap["transfers_done"] >= 1 and snap["bytes_total"] > 0
-    assert snap["failed_bad_handle"] >= 1
-    stats = peer.stats()[2]
-    assert stats["leases_released"] >= 1 and stats["handshakes_served"] >= 1
+    """The counters move by what this test does (one pull, one refusal), whatever ran before."""
+    before, peer_before = importer.metrics(), peer.stats()[2]
+    handle = peer.hold("metrics", [16, 17], seed=5)
+    result, exact = pull(importer, local_pool, handle, seed=5)
+    assert result.state == TransferState.DONE and exact
+    refused = peer.hold("metrics-bad", [18], seed=5)
+    result, _ = pull(importer, local_pool, _forged(refused, block_ids=[18, 19]), seed=5)
+    assert result.reason == "bad_handle"
+    assert peer.call("abort", "metrics-bad")
+    assert_whole(peer, importer, local_pool)  # the release note has landed too
+    snap, stats = importer.metrics(), peer.stats()[2]
+
+    def moved(now, then, key):
+        return now.get(key, 0) - then.get(key, 0)
+
+    assert moved(snap, before, "transfers_done") == 1
+    assert moved(snap, before, "bytes_total") == 2 * local_pool.data.shape[1]
+    assert moved(snap, before, "failed_bad_handle") == 1
+    assert moved(stats, peer_before, "leases_released") == 1
+    assert moved(stats, peer_before, "leases_aborted") == 1
+    assert stats["handshakes_served"] >= 1  # the module's importer met this peer once
     assert isinstance(msgspec.json.encode(snap), bytes)
 
 

@@ -513,6 +513,45 @@ def test_tool_calls_validate(deployments, deployment):
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
 
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_prefix_cache_hits_are_reported_and_exact(deployments, deployment):
+    """A repeated system prompt is served from the prefix cache (usage says how much), with the
+    text of a cold run; /reset_prefix_cache empties every engine's cache."""
+    client = _openai(deployments[deployment])
+    system = "You are a terse assistant. " + "Answer in one short sentence only. " * 12
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "What colour is the sky?"}]
+    url = deployments[deployment]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        reset = http.post("/reset_prefix_cache")
+    assert reset.status_code == 200 and all(reset.json()["engines"].values()), reset.text
+    if deployment == "pd":  # the router's index has seen the reset: it credits no engine
+        wait_for(lambda: kv_rounds.metric(url, "baton_router_kv_index_keys") == 0, timeout_s=20)
+
+    def ask():
+        return client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                              max_tokens=12)
+
+    runs = [ask()]
+    assert runs[0].usage.prompt_tokens_details.cached_tokens == 0
+    if deployment == "pd":  # cache-aware routing: the next ones go where the prompt is cached
+        wait_for(lambda: kv_rounds.metric(url, "baton_router_kv_index_keys") > 0, timeout_s=20)
+    runs += [ask(), ask()]
+    # Every full block of the prompt but the last (a token may merge across its boundary).
+    hit = 16 * ((runs[0].usage.prompt_tokens - 1) // 16) - 16
+    assert hit > 0
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]
+    assert all(c >= hit for c in cached[1:]), (cached, hit)
+    assert len({r.choices[0].message.content for r in runs}) == 1
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= hit
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == runs[0].choices[0].message.content
+
+
 def test_cache_aware_routing_keeps_conversations_home(deployments, model_info, redis_server):
     """Four interleaved conversations of three turns over the two prompt engines: every later
     turn lands where its prefix is cached (the engine's own cached_tokens says so) and the
@@ -589,32 +628,3 @@ def _no_proxy(monkeypatch):
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
         monkeypatch.delenv(var, raising=False)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
-
-
-@pytest.mark.parametrize("deployment", ["normal", "pd"])
-def test_prefix_cache_hits_are_reported_and_exact(deployments, deployment):
-    """A repeated system prompt is served from the prefix cache (usage says how much), with the
-    text of a cold run; /reset_prefix_cache empties every engine's cache."""
-    client = _openai(deployments[deployment])
-    system = "You are a terse assistant. " + "Answer in one short sentence only. " * 12
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": "What colour is the sky?"}]
-    with httpx.Client(base_url=deployments[deployment], timeout=30) as http:
-        reset = http.post("/reset_prefix_cache")
-    assert reset.status_code == 200 and all(reset.json()["engines"].values()), reset.text
-    runs = [client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                           max_tokens=12) for _ in range(3)]
-    cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]
-    assert cached[0] == 0
-    # Three requests over at most two prompt engines: a later one meets an earlier one's blocks.
-    assert max(cached[1:]) >= 16 * ((runs[0].usage.prompt_tokens - 1) // 16) - 16
-    assert len({r.choices[0].message.content for r in runs}) == 1
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                            max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True})
-    chunks = list(stream)
-    streamed_cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
-    # One engine has seen the prompt for sure only co-located (pd: either prompt engine).
-    assert streamed_cached > 0 if deployment == "normal" else streamed_cached >= 0
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
-        == runs[0].choices[0].message.content

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import threading
 import time
 
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from router.config import RouterConfig
+from tests.cluster import wait_for
 from tests.router.conftest import router_process, serve_router
 from tests.router.scripted_engine import ScriptedEngine
 
@@ -220,11 +220,14 @@ def test_oversized_headers_are_4xx(router):
     _assert_serving(router)
 
 
-def test_small_request_does_not_stall_while_a_body_at_the_limit_is_refused(model_info):
-    """The latency of a small request alone, and while bodies just under the size limit (a
-    text past any context, an array of 2M token ids, a chat of many messages) are refused, two
-    at a time. The router runs as its own process and the heavy bodies go over raw sockets, so
-    that only the router is measured, not this process's GIL."""
+def test_small_request_is_answered_while_bodies_at_the_limit_wait_for_the_workers(model_info):
+    """A small body is prepared on the event loop, never behind a heavy one in the prepare
+    workers: with every worker stopped (SIGSTOP) and bodies just under the size limit (a text
+    past any context, an array of 2M token ids, a chat of many messages) read and waiting for
+    them, small requests are answered; once the workers go on, each heavy body gets its 400.
+    The router runs as its own process, so that its workers can be stopped."""
+    import psutil
+
     words = json.dumps({"model": MODEL, "prompt": "word " * (LIMIT // 5 - 100)}).encode()
     ids = b'{"model": "%s", "prompt": [' % MODEL.encode() + b"1," * (LIMIT // 2 - 100) + b"1]}"
     chat = json.dumps({"model": MODEL, "messages": [
@@ -233,46 +236,64 @@ def test_small_request_does_not_stall_while_a_body_at_the_limit_is_refused(model
     assert all(LIMIT - 8192 < len(b) <= LIMIT for b in heavy), [len(b) for b in heavy]
     engine = ScriptedEngine("normal", model_info.tokenizer.encode(" one two three four"))
     try:
-        with router_process("--engine", f"normal={engine.address}") as (url, _):
-            alone, during, statuses = _latencies_under(url, heavy)
+        with router_process("--engine", f"normal={engine.address}") as (url, proc):
+            router = psutil.Process(proc.pid)
+            workers = [c for c in router.children() if "spawn_main" in " ".join(c.cmdline())]
+            assert len(workers) == 2, router.children()  # --prepare-workers' default
+            statuses: list[int] = []
+            sent: list[int] = []  # the local ports of the heavy connections, once sent
+            threads = [threading.Thread(target=_send_and_read, args=(url, b, sent, statuses))
+                       for b in heavy]
+            for worker in workers:
+                worker.suspend()
+            try:
+                for t in threads:
+                    t.start()
+                # Every heavy body is sent and the router has read it: they wait for a worker.
+                wait_for(lambda: len(sent) == len(heavy) and not any(
+                    _unread(_port(url), port) for port in sent), timeout_s=30, poll_s=0.05)
+                for _ in range(5):
+                    _assert_serving(url)
+                assert not statuses and all(t.is_alive() for t in threads)
+            finally:
+                for worker in workers:
+                    worker.resume()
+            for t in threads:
+                t.join(60)
+            assert statuses == [400] * len(heavy), statuses
+            _assert_serving(url)
     finally:
         engine.close()
-    assert statuses and set(statuses) == {400}, set(statuses)
-    print(f"\nsmall request alone: median {statistics.median(alone) * 1000:.1f} ms, "
-          f"max {max(alone) * 1000:.1f} ms; while {len(statuses)} bodies at the limit were "
-          f"refused: median {statistics.median(during) * 1000:.1f} ms, "
-          f"max {max(during) * 1000:.1f} ms")
-    assert statistics.median(during) - statistics.median(alone) < 0.1, (alone, during)
 
 
-def _latencies_under(url: str, heavy: list[bytes]) -> tuple[list[float], list[float], list[int]]:
-    def small_latencies(n: int) -> list[float]:
-        out = []
-        with httpx.Client(base_url=url, timeout=30) as http:
-            for _ in range(n):
-                start = time.monotonic()
-                assert http.post("/v1/completions", json=OK_BODY).status_code == 200
-                out.append(time.monotonic() - start)
-                time.sleep(0.02)
-        return out
-
-    alone = small_latencies(20)
-    stop, statuses = threading.Event(), []
-
-    def refuse_heavy() -> None:
-        while not stop.is_set():
-            for body in heavy:
-                head = _head(extra=f"Content-Length: {len(body)}\r\n")
-                statuses.append(_status(_raw(url, head, [body])))
-
-    threads = [threading.Thread(target=refuse_heavy) for _ in range(2)]
-    for t in threads:
-        t.start()
+def _send_and_read(url: str, body: bytes, sent: list[int], statuses: list[int]) -> None:
+    sock = socket.create_connection(("127.0.0.1", _port(url)), timeout=60)
     try:
-        time.sleep(0.3)
-        during = small_latencies(30)
+        sock.sendall(_head(extra=f"Content-Length: {len(body)}\r\n") + body)
+        sent.append(sock.getsockname()[1])
+        answer = b""
+        while not (b"\r\n\r\n" in answer and _is_complete(answer)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        statuses.append(_status(answer))
     finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    return alone, during, statuses
+        sock.close()
+
+
+def _unread(server_port: int, client_port: int) -> int:
+    """Bytes of the loopback connection client_port -> server_port that the server process has
+    not read yet: the client's send queue plus the server's receive queue (/proc/net/tcp);
+    -1 while either end is not in the table."""
+    queued, ends = 0, 0
+    with open("/proc/net/tcp") as table:
+        for row in list(table)[1:]:
+            fields = row.split()
+            local, remote = (int(a.split(":")[1], 16) for a in fields[1:3])
+            tx, rx = (int(q, 16) for q in fields[4].split(":"))
+            if (local, remote) == (client_port, server_port):
+                queued, ends = queued + tx, ends + 1
+            elif (local, remote) == (server_port, client_port):
+                queued, ends = queued + rx, ends + 1
+    return queued if ends == 2 else -1

@@ -22,6 +22,29 @@ def tokens(model_info) -> list[int]:
     return model_info.tokenizer.encode(TEXT)
 
 
+@pytest.fixture
+def engine_waits(monkeypatch) -> list[str]:
+    """The roles of the requests that found no live engine and began to wait for one: the real
+    `EnginePool.wait_pick`, observed (the routers here run in this process's threads)."""
+    from router.engine_pool import EnginePool
+
+    waits: list[str] = []
+    wait_pick = EnginePool.wait_pick
+
+    async def observed(self, role, exclude=frozenset()):
+        if not self.has_live(role):
+            waits.append(role)
+        return await wait_pick(self, role, exclude)
+
+    monkeypatch.setattr(EnginePool, "wait_pick", observed)
+    return waits
+
+
+def _is_unavailable(url: str) -> bool:
+    """Past the connect grace: no engine counts as live."""
+    return httpx.get(f"{url}/health", timeout=5).status_code == 503
+
+
 def _config(*entries: ScriptedEngine, **overrides) -> RouterConfig:
     overrides.setdefault("num_prepare_workers", 0)  # routing is under test, not preparing
     return RouterConfig(engines=[f"{e.role}={e.address}" for e in entries], **overrides)
@@ -188,9 +211,9 @@ def test_unreachable_engine_is_503_not_a_hang(model_info):
     from baton.ops.redis_server import free_port
 
     config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{free_port()}"], connect_grace_s=0.3,
-                          engine_wait_timeout_s=0.5)
+                          engine_wait_timeout_s=0.5, num_prepare_workers=0)
     with serve_router(config, model_info) as url:
-        time.sleep(0.4)
+        _wait_for(lambda: _is_unavailable(url))
         response = httpx.post(f"{url}/v1/completions", timeout=10,
                               json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert response.status_code == 503
@@ -198,7 +221,7 @@ def test_unreachable_engine_is_503_not_a_hang(model_info):
             "live" in response.text
 
 
-def test_request_waits_for_an_engine_coming_back(engines, tokens, model_info):
+def test_request_waits_for_an_engine_coming_back(engines, tokens, model_info, engine_waits):
     """No live engine when the request arrives: it waits (engine_wait_timeout_s) for the one
     being restarted instead of an instant 503."""
     from concurrent.futures import ThreadPoolExecutor
@@ -209,18 +232,19 @@ def test_request_waits_for_an_engine_coming_back(engines, tokens, model_info):
     config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{port}"], connect_grace_s=0.3,
                           engine_wait_timeout_s=30, num_prepare_workers=0)
     with serve_router(config, model_info) as url, ThreadPoolExecutor(1) as pool:
-        time.sleep(0.4)  # past the connect grace: the engine counts as down
+        _wait_for(lambda: _is_unavailable(url))
         body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
         reply = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
-        time.sleep(1.0)
-        assert not reply.done()  # waiting, not a 503
-        engines("normal", tokens, port=port)
+        _wait_for(lambda: engine_waits == ["normal"])  # it found none live and waits
+        assert not reply.done()
+        engines("normal", tokens, port=port)  # an instant 503 would have been answered by now
         response = reply.result(60)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == model_info.tokenizer.decode(tokens[:3])
 
 
-def test_prompt_engine_dying_mid_prefill_is_retried_once_it_is_back(engines, tokens, model_info):
+def test_prompt_engine_dying_mid_prefill_is_retried_once_it_is_back(engines, tokens, model_info,
+                                                                   engine_waits):
     """The only prompt engine dies holding the request; its restart (same address) serves it."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -233,7 +257,7 @@ def test_prompt_engine_dying_mid_prefill_is_retried_once_it_is_back(engines, tok
         reply = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
         _wait_for(lambda: dying.generates)
         dying.close()  # the connection drops mid-prefill
-        time.sleep(0.5)
+        _wait_for(lambda: engine_waits == ["prompt"])  # the retry waits for a prompt engine
         assert not reply.done()
         back = engines("prompt", tokens, name="back", port=port)
         response = reply.result(60)

@@ -63,11 +63,13 @@ class KvOracle:
                 self.slots.pop(int(b) * BS + j, None)
 
     def check_hit(self, sched, rid: str, num_hit_tokens: int, table) -> None:
+        """A hit slot must hold the prompt's token: an unknown one (never written, or written by
+        a token in flight or a failed pull) is a hit on garbage."""
         tokens = sched.sequence_info(rid)["token_ids"]
         for pos in range(num_hit_tokens):
             slot = int(table[pos // BS]) * BS + pos % BS
             held = self.slots.get(slot)
-            assert held is None or held == tokens[pos], (rid, pos, held, tokens[pos])
+            assert held == tokens[pos], (rid, pos, held, tokens[pos])
 
 
 def _run(mode: EngineType, ops, small_pool: bool) -> None:
@@ -105,11 +107,7 @@ def _run(mode: EngineType, ops, small_pool: bool) -> None:
             n += 1
         elif op == "step" and not pending:
             book(schedule(), seed)
-        # NORMAL: not a second step behind a prompt step in flight; S19's sequence count does not
-        # see the prompts in flight, so two prompt steps can overfill max_num_seqs (with or
-        # without caching; see the branch's report).
-        elif op == "schedule" and len(pending) < 2 and not (
-                mode == EngineType.NORMAL and any(p.prompt_run for p in pending)):
+        elif op == "schedule" and len(pending) < 2:
             pending.append(schedule())
         elif op == "book" and pending:
             book(pending.pop(0), seed)

@@ -41,14 +41,21 @@ def cluster(redis_server, tmp_path_factory):
         "completion": EngineProcess("completion-engine", "completion-0", logs, url, PREFIX,
                                     COMPLETION_ARGS),
     }
-    engines["logs"] = logs
+    # The two prompt engines that one test kills and one binds to every interface start with
+    # the module's, so that their model loads overlap; each of those tests waits for its own.
+    spares = {
+        "doomed": EngineProcess("prompt-engine", "prompt-doomed", logs, args=PROMPT_ARGS),
+        "pod": EngineProcess("prompt-engine", "prompt-pod", logs, args=[
+            *PROMPT_ARGS, "--host", "0.0.0.0", "--advertise-host", "127.0.0.1"]),
+    }
+    main = list(engines.values())
+    engines.update(logs=logs, spares=spares)
     try:
-        start_all([e for k, e in engines.items() if k != "logs"])
+        start_all(main)
         yield engines
     finally:
-        for key, engine in engines.items():
-            if key != "logs":
-                engine.stop()
+        for engine in [*main, *spares.values()]:
+            engine.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -255,19 +262,36 @@ def test_abort_between_prefill_and_decode_drops_the_lease(cluster):
     assert rest.finish_reason == "kv_transfer_failed" and "no lease" in rest.error
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 0.5])
-def test_abort_during_pull_or_decode(cluster, delay_s):
+@pytest.mark.parametrize("stage", ["pull", "decode"])
+def test_abort_during_pull_or_decode(cluster, stage):
+    """`pull`: the abort follows the request on the same socket, so it lands in admission or
+    during the pull, before any decode step: no token, no committed pull. `decode`: it goes out
+    once a decoded token has come back: the pull was committed and decoding stops early."""
     ids = _ids(120, seed=9)
     opts = SamplingOptions(max_tokens=200, temperature=0.0, ignore_eos=True)
-    first = _prefill(cluster["prompt"], ids, f"ab3-{delay_s}", opts)
-    with cluster["completion"].client() as c:
+    first = _prefill(cluster["prompt"], ids, f"ab3-{stage}", opts)
+    completion = cluster["completion"]
+    pulls_before = completion.stats().extra["kv_pulls_done"]
+    with completion.client() as c:
         c.send(GenerateRequest(first.req_id, ids, opts, kv_handle=first.kv_handle,
                                first_token_id=first.token_ids[0]))
-        time.sleep(delay_s)  # 0: the pull is starting; 0.5: decoding
+        decoded: list[int] = []
+        if stage == "decode":
+            while not decoded:  # the first delta that carries a decoded token
+                msg = c.recv(60)
+                assert isinstance(msg, TokenDelta) and not msg.finish_reason, msg
+                decoded += msg.token_ids
         c.send(AbortRequest(first.req_id))
         out = _collect(c, first.req_id)
-    assert out.finish_reason == "abort"
-    assert len(out.token_ids) < 199
+    assert out.finish_reason == "abort", out
+    with cluster["prompt"].client() as c:  # as the router does: a lease never claimed ends now
+        c.send(AbortRequest(first.req_id))
+        c.stats()
+    pulls_done = completion.stats().extra["kv_pulls_done"] - pulls_before
+    if stage == "pull":
+        assert not out.token_ids and pulls_done == 0, (out, pulls_done)
+    else:
+        assert pulls_done == 1 and 0 < len(decoded + out.token_ids) < 199
 
 
 def test_bad_handle_is_refused(cluster):
@@ -288,12 +312,13 @@ def test_bad_handle_is_refused(cluster):
         assert out.finish_reason == "bad_request" and "block keys disagree" in out.error
     with cluster["prompt"].client() as c:
         c.send(AbortRequest("bad0"))
+        c.stats()  # answered after the abort (one socket, in order): it was not lost on close
 
 
 # --- dead peers --------------------------------------------------------------------------------
 
 def test_prompt_engine_killed_before_the_pull(cluster):
-    doomed = EngineProcess("prompt-engine", "prompt-doomed", cluster["logs"], args=PROMPT_ARGS)
+    doomed = cluster["spares"]["doomed"]
     try:
         start_all([doomed])
         ids = _ids(60, seed=11)
@@ -313,6 +338,12 @@ def test_prompt_engine_killed_before_the_pull(cluster):
 
 
 def test_completion_engine_killed_mid_decode(cluster, redis_server):
+    prompt = cluster["prompt"]
+    # A lease nobody claims expires (--lease-ttl 8); it is taken first, so that its TTL runs
+    # while the doomed engine starts, and the test then waits for the expiry itself.
+    expired_before = prompt.stats().extra.get("kv_leases_expired", 0)
+    lone = _prefill(prompt, _ids(20, seed=14), "dead2")
+    assert lone.kv_handle
     doomed = EngineProcess("completion-engine", "completion-doomed", cluster["logs"],
                            redis_server.url, PREFIX, COMPLETION_ARGS + ["--registry-ttl", "1.5"])
     registry = RedisRegistry(RegistryConfig(url=redis_server.url, prefix=PREFIX, ttl_s=1.5,
@@ -322,20 +353,19 @@ def test_completion_engine_killed_mid_decode(cluster, redis_server):
         assert "completion-doomed" in [r.engine_id for r in registry.list("completion")]
         ids = _ids(50, seed=13)
         opts = SamplingOptions(max_tokens=300, temperature=0.0, ignore_eos=True)
-        first = _prefill(cluster["prompt"], ids, "dead1", opts)
+        first = _prefill(prompt, ids, "dead1", opts)
         with doomed.client() as c:
             c.send(GenerateRequest("dead1", ids, opts, kv_handle=first.kv_handle,
                                    first_token_id=first.token_ids[0]))
             c.recv(60)  # decoding has begun: the pull is done
             doomed.kill()
-        # The lease was released by the pull; an unclaimed one expires (--lease-ttl 8).
-        lone = _prefill(cluster["prompt"], _ids(20, seed=14), "dead2")
-        assert lone.kv_handle
-        time.sleep(9.0)
-        stats = cluster["prompt"].stats()
-        assert stats.extra["kv_leases_active"] == 0 and stats.extra["kv_leases_expired"] >= 1
-        # The registry forgets the dead engine within its TTL.
-        assert "completion-doomed" not in [r.engine_id for r in registry.list("completion")]
+        # The lease of dead1 was released by its pull; the lone one expires.
+        wait_for(lambda: prompt.stats().extra["kv_leases_active"] == 0, timeout_s=30,
+                 poll_s=0.2)
+        assert prompt.stats().extra["kv_leases_expired"] - expired_before == 1
+        # The registry forgets the dead engine once its record's TTL has run out.
+        wait_for(lambda: "completion-doomed" not in [
+            r.engine_id for r in registry.list("completion")], timeout_s=15, poll_s=0.2)
     finally:
         doomed.kill()
         registry.close()
@@ -382,8 +412,7 @@ def test_wildcard_bind_advertises_a_dialable_address(cluster):
     the registry record and in KV handles, and a completion engine can pull from it."""
     from kv_transfer.protocol import decode_handle
 
-    pod = EngineProcess("prompt-engine", "prompt-pod", cluster["logs"], args=[
-        *PROMPT_ARGS, "--host", "0.0.0.0", "--advertise-host", "127.0.0.1"])
+    pod = cluster["spares"]["pod"]
     try:
         start_all([pod])
         ids = _ids(24, seed=31)

@@ -50,6 +50,9 @@ PROMPTS = [f"Item {i}: a short story about the number {i * 7} and a {word}"
 # kernels), so the continuation equals the undisturbed text only up to near-ties of greedy.
 ENGINE_FLAGS = ["--num-blocks", "192", "--max-model-len", "512", "--quantization", "none"]
 MODEL = "SmolLM2-135M-Instruct"
+# A victim holds at least this many requests when killed, so that even if one finishes in the
+# moment between the probe and the kill, the kill still disturbs a request.
+MIN_HELD = 2
 LOAD_DEADLINE_S = 480.0 * SCALE  # the load and its kills; restarts are slow on a busy machine
 
 
@@ -164,13 +167,40 @@ async def _chaos(baton: _Baton, role: str, rng: random.Random, kills: list[dict]
                       for e in victims):
             await asyncio.sleep(0.2)  # the last victim is still restarting
         await asyncio.sleep(rng.uniform(2.0, 4.0))  # let it take requests again
-        stats = {e: await asyncio.to_thread(probe_engine, baton.engines[e], 2.0) for e in victims}
-        running = {e: s.num_running if s is not None else -1 for e, s in stats.items()}
+        while True:  # until an engine holds requests that its death must disturb
+            stats = {e: await asyncio.to_thread(probe_engine, baton.engines[e], 2.0)
+                     for e in victims}
+            running = {e: _held(s) for e, s in stats.items()}
+            if max(running.values()) >= MIN_HELD:
+                break
+            await asyncio.sleep(0.02)
         victim = max(rng.sample(victims, len(victims)), key=running.get)
         pid = baton.pid_of(victim)
         assert pid is not None, f"{victim} not running:\n{baton.tail()}"
         os.kill(pid, signal.SIGKILL)
         kills.append({"engine": victim, "at": time.monotonic(), "running": running[victim]})
+
+
+def _held(stats) -> int:
+    """Requests an engine holds: running or waiting, and (a prompt engine) KV leases not yet
+    released, whose pull fails when the engine dies; -1 when it does not answer."""
+    if stats is None:
+        return -1
+    return stats.num_running + stats.num_waiting + int(stats.extra.get("kv_leases_active", 0))
+
+
+def _recoveries(base_url: str) -> dict[str, float]:
+    """The router's migrations and retries so far, by the failed engine's role."""
+    import httpx
+
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        match = re.match(r'baton_router_(migrations|engine_retries)_total\{.*role="(\w+)".*\} '
+                         r'(\S+)$', line)
+        if match:
+            key = f"{match.group(1)}_{match.group(2)}"
+            counts[key] = counts.get(key, 0.0) + float(match.group(3))
+    return counts
 
 
 def _wait_back_and_whole(baton: _Baton, kills: list[dict], timeout_s: float = 240.0) -> None:
@@ -219,9 +249,19 @@ def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role, 
             "requests_running_on_victims": [k["running"] for k in kills],
             "longest_gap_undisturbed_s": round(max(r.longest_gap_s for r in reference), 2),
             "longest_gap_under_kills_s": round(max(r.longest_gap_s for r in results), 2),
-            "restart_to_ready_s": restarts}
+            "restart_to_ready_s": restarts,
+            "recoveries": _recoveries(base_url)}
         print("\nchaos:", json.dumps(figures))
         assert len(kills) == NUM_KILLS
+        assert all(k["running"] >= MIN_HELD for k in kills), kills
+        # Every kill disturbed requests, and the router moved them: a completion engine's to
+        # the other one (a migration per kill at least); a prompt engine's by a retry (caught
+        # in prefill) or a migration (its lease died before the pull).
+        recoveries = figures["recoveries"]
+        if victim_role == "completion":
+            assert recoveries.get("migrations_completion", 0) >= NUM_KILLS, recoveries
+        else:
+            assert sum(recoveries.values()) >= 1, recoveries
         # Nothing died but the victims (an engine-side crash under chaos would show here).
         exits = [m.group(0) for m in baton.stderr.matching(r"\S+ exited \([^)]*\)")]
         assert exits == [f"{k['engine']} exited (signal 9)" for k in kills], exits
