@@ -16,9 +16,10 @@ from baton.sampler import SamplingParams
 
 VOCAB = 2048  # the models' and the word-level tokenizer's
 NUM_NEW = 12
-# Three prompts batched together; the longest (40) outruns the sliding windows below and is
-# prefilled in chunks (max_num_batched_tokens 24), so windows cut both prefill and decode.
-PROMPT_LENS = (5, 17, 40)
+# Three prompts batched together, all longer than the sliding windows below: the first step
+# packs 12, 13 and the first 7 tokens of 40 into one padded prefill call (max_num_batched_tokens
+# 32); the rest of the 40 follows in chunks over its cached part beside the others' decodes.
+PROMPT_LENS = (12, 13, 40)
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
@@ -79,7 +80,7 @@ def _reference(model, prompt: list[int]) -> list[int]:
 
 def _check_family(folder: Path, ref) -> None:
     engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", num_blocks=64,
-                                    block_size=16, max_num_batched_tokens=24))
+                                    block_size=16, max_num_batched_tokens=32))
     prompts = _prompts()
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_NEW,
                                                    ignore_eos=True))
