@@ -114,10 +114,13 @@ def test_family_greedy_matches_transformers(family: str, tmp_path: Path) -> None
 
 
 def test_quantized_modes_are_refused_naming_the_family(tmp_path: Path) -> None:
-    _write(tmp_path, "Qwen2Config", "Qwen2ForCausalLM")
+    _write(tmp_path / "qwen2", "Qwen2Config", "Qwen2ForCausalLM")
+    _write(tmp_path / "mistral", "MistralConfig", "MistralForCausalLM", sliding_window=8)
     for mode in ("int8", "int4"):
         with pytest.raises(ModelLoadError, match=f"quantization '{mode}'.*Qwen2"):
-            load_model(tmp_path, device="cpu", quantization=mode)
+            load_model(tmp_path / "qwen2", device="cpu", quantization=mode)
+        with pytest.raises(ModelLoadError, match=f"'{mode}'.*Mistral with a sliding window"):
+            load_model(tmp_path / "mistral", device="cpu", quantization=mode)
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path: Path) -> None:
