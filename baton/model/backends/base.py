@@ -1,12 +1,13 @@
 """What a model backend provides: the device-specific half of a forward.
 
-The model file (`baton/model/llama.py`) holds only the Llama math; everything that depends on
+The model files (`baton/model/layers.py` and one module per family) hold only the math; everything that depends on
 the device or on a kernel library goes through a `Backend`:
 
 * `linear` / `lm_head`: the GEMMs (the CPU backend threads few-row GEMMs itself);
 * `prepare`: per-step attention metadata from the scheduler's flat batch, built once and shared
   by every layer (slots, decode rows, prefill masks, which tokens reach the LM head);
-* `attention`: write one layer's new K/V into the paged pool and attend over it;
+* `attention`: write one layer's new K/V into the paged pool and attend over it, with the
+  layer's `AttentionOptions` (scale, soft-capping, sliding window);
 * `fused_attention`: the same with RoPE included, as one kernel, where the backend has one for
   the step (the CPU backend's decode steps of the quantized modes);
 * `fused_norm` / `fused_silu_mul`: a layer's glue (residual add + RMSNorm, SiLU * up) as one
@@ -25,6 +26,30 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer's attention differs from plain causal softmax(q k^T / sqrt(D)) v."""
+
+    scale: float | None = None  # scores multiplier; None = head_dim ** -0.5
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    window: int | None = None  # sliding window: key j visible to query i iff i - j < window
+
+    def __post_init__(self) -> None:
+        if self.scale is not None and self.scale <= 0:
+            raise ValueError(f"AttentionOptions.scale must be > 0, got {self.scale}")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"AttentionOptions.softcap must be > 0, got {self.softcap}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"AttentionOptions.window must be >= 1, got {self.window}")
+
+    @property
+    def is_plain(self) -> bool:
+        return self.scale is None and self.softcap is None and self.window is None
+
+
+PLAIN_ATTENTION = AttentionOptions()
 
 
 @dataclass
@@ -59,15 +84,18 @@ class Backend(Protocol):
         """Flat index of each sequence's last token (the LM head's rows); None = every token."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  layer_kv: torch.Tensor, meta: Any, layer: int) -> torch.Tensor:
+                  layer_kv: torch.Tensor, meta: Any, layer: int,
+                  options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
         """Store k, v [T, Hkv, D] at their slots of `layer_kv` [num_blocks, 2, block_size, Hkv,
-        D] and return attention of q [T, Hq, D] over each sequence's context: [T, Hq, D]."""
+        D] and return attention of q [T, Hq, D] over each sequence's context: [T, Hq, D],
+        with the layer's `options` (scale, soft-capping, sliding window)."""
 
     def fused_attention(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                         meta: Any, layer: int) -> torch.Tensor | None:
         """RoPE, the K/V write and attention of a whole step in one kernel, from the fused QKV
         projection [T, (Hq + 2 Hkv) D] and the rotation [T, 1, D]: [T, Hq D]; None = this step
-        takes `attention` (the model applies RoPE itself)."""
+        takes `attention` (the model applies RoPE itself). Plain attention only: a layer with
+        `AttentionOptions` other than the defaults never calls it."""
 
     def fused_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None

@@ -18,14 +18,14 @@ the pool at its slot, then attention runs:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from baton.model.backends import cpu_fused
-from baton.model.backends.base import StepBatch
+from baton.model.backends.base import PLAIN_ATTENTION, AttentionOptions, StepBatch
 from baton.model.backends.cpu_decode_rows import DecodeRows, RowGroup
 from baton.model.backends.cpu_prefill import PrefillBatch, build_prefill, prefill_attention
 from baton.model.quant import QuantizedWeight
@@ -105,6 +105,24 @@ class DecodeGroup:
     # row is max_len long (batch 1 always): adding zeros changes nothing but costs a dispatch.
     mask: torch.Tensor | None
     kv: torch.Tensor  # the workspace view described above
+    _window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> mask
+
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """`mask` plus -inf at the keys `window` or more positions behind each row's new token
+        (row order); None where no row reaches past its window."""
+        if window in self._window_masks:
+            return self._window_masks[window]
+        mask = self.mask
+        if int(self.lens.max()) > window:
+            pos = self.new_pos if self.permutation is None else \
+                torch.empty_like(self.new_pos).index_copy_(0, self.rows, self.new_pos)
+            keys = torch.arange(self.kv.shape[4], device=pos.device)
+            far = torch.zeros((len(pos), self.kv.shape[4]), dtype=self.kv.dtype, device=pos.device)
+            far.masked_fill_(keys[None, :] <= pos[:, None] - window, float("-inf"))
+            far = far[:, None, None, :]
+            mask = far if mask is None else mask + far
+        self._window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -184,18 +202,18 @@ def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
-                     layer: int) -> torch.Tensor:
+                     layer: int, options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
     """Attention of all single-token sequences, one call per row group; returns [n, Hq, D]."""
     if d.tokens is not None:
         q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
-    if d.fused:  # rotated already (a step with prefills): the op takes the rows as they are
+    if d.fused and options.is_plain:  # rotated already (a step with prefills): the op takes the rows as they are
         qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)
         return fused_groups(qkv, None, None, d, layer, q.shape[1], k.shape[1]).view_as(q)
     if len(d.groups) == 1:
-        return group_attention(q, k, v, d.groups[0], layer)
+        return group_attention(q, k, v, d.groups[0], layer, options)
     out = torch.empty_like(q)
     for g in d.groups:
-        out[g.index] = group_attention(q[g.index], k[g.index], v[g.index], g, layer)
+        out[g.index] = group_attention(q[g.index], k[g.index], v[g.index], g, layer, options)
     return out
 
 
@@ -216,7 +234,7 @@ def fused_groups(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor 
 
 
 def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: DecodeGroup,
-                    layer: int) -> torch.Tensor:
+                    layer: int, options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     dense = g.kv[layer]  # [2, n, Hkv, max_len, D]
@@ -227,30 +245,36 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Decode
     if g.permutation is not None:
         qd = torch.empty_like(qd).index_copy_(0, g.permutation, qd)
     keys, vals = dense[0], dense[1]  # [n, Hkv, max_len, D]
-    if keys.shape[2] <= _MATH_ATTENTION_MAX_LEN:
+    mask = g.mask if options.window is None else g.window_mask(options.window)
+    if keys.shape[2] <= _MATH_ATTENTION_MAX_LEN or options.softcap is not None:
         # Two batched GEMMs and a softmax: for short contexts the fused CPU kernel's own
         # overhead dominates (batch 32 x 80 tokens: 221 vs 364 us a layer on 2 threads).
-        scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(head_dim ** -0.5)
-        if g.mask is not None:
-            scores.add_(g.mask)
+        # Soft-capping (which SDPA cannot express) takes this path at any length.
+        scale = head_dim ** -0.5 if options.scale is None else options.scale
+        scores = torch.matmul(qd, keys.transpose(-1, -2)).mul_(scale)
+        if options.softcap is not None:
+            scores.div_(options.softcap).tanh_().mul_(options.softcap)
+        if mask is not None:
+            scores.add_(mask)
         out = torch.matmul(scores.softmax(-1), vals)
     else:
-        out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=g.mask)
+        out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=options.scale)
     if g.permutation is not None:
         out = out[g.permutation]
     return out.reshape(n, num_heads, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
-                    meta: AttentionMetadata, layer: int) -> torch.Tensor:
+                    meta: AttentionMetadata, layer: int,
+                    options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
     """Attention of each new token over its sequence's cached + new K/V. q [T, Hq, D]."""
     d = meta.decode
     if d is not None and d.tokens is None:
-        return decode_attention(q, k, v, d, layer)
+        return decode_attention(q, k, v, d, layer, options)
     out = torch.empty_like(q)
     if d is not None:
-        out[d.tokens] = decode_attention(q, k, v, d, layer)
-    prefill_attention(q, k, v, layer_kv, meta.prefills, out)
+        out[d.tokens] = decode_attention(q, k, v, d, layer, options)
+    prefill_attention(q, k, v, layer_kv, meta.prefills, out, options)
     return out
 
 
@@ -344,11 +368,12 @@ class CPUBackend:
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
-                  meta: AttentionMetadata, layer: int) -> torch.Tensor:
+                  meta: AttentionMetadata, layer: int,
+                  options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
         if meta.deferred_pool is None:
             # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
             layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)
-        return paged_attention(q, k, v, layer_kv, meta, layer)
+        return paged_attention(q, k, v, layer_kv, meta, layer, options)
 
     @staticmethod
     def finish_step(meta: AttentionMetadata) -> None:

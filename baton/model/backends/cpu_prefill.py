@@ -21,12 +21,14 @@ ones still go together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from baton.model.backends.base import PLAIN_ATTENTION, AttentionOptions
 
 # Padded work over useful work at which a chunk runs alone instead (see the module docstring);
 # measured with bench/prefill_attention_bench.py.
@@ -42,6 +44,7 @@ class PrefillSlice:
     num_k: int  # context length after this step
     num_blocks: int  # blocks holding num_k tokens
     block_row: torch.Tensor  # int64 [num_blocks]
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
@@ -53,6 +56,17 @@ class PrefillSlice:
             return None
         rows = torch.arange(self.num_q, device=self.block_row.device)[:, None] + cached
         return torch.arange(self.num_k, device=self.block_row.device)[None, :] <= rows
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """bool [num_q, num_k]: causal and within `window` positions of the query (built once
+        per window and step, shared by the layers with that window)."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            device = self.block_row.device
+            rows = torch.arange(self.num_q, device=device)[:, None] + (self.num_k - self.num_q)
+            keys = torch.arange(self.num_k, device=device)[None, :]
+            mask = self._window_masks[window] = (keys <= rows) & (keys > rows - window)
+        return mask
 
 
 @dataclass
@@ -67,6 +81,17 @@ class PackedPrefill:
     mask: torch.Tensor  # bool [S, 1, max_q, max_k]
     num_seqs: int
     max_q: int
+    q_pos: torch.Tensor  # int64 [S, max_q] position of each padded query row
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` restricted to keys within `window` positions of each query row."""
+        mask = self._window_masks.get(window)
+        if mask is None:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            mask = self.mask & (keys[None, None, None, :] > self.q_pos[:, None, :, None] - window)
+            self._window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -117,7 +142,9 @@ def build_packed(group: list[PrefillSlice], block_size: int, num_tokens: int) ->
     key_blocks = torch.empty((num_seqs, max_k), dtype=torch.int64, device=device)
     key_offsets = torch.empty((num_seqs, max_k), dtype=torch.int64, device=device)
     mask = torch.empty((num_seqs, 1, max_q, max_k), dtype=torch.bool, device=device)
+    q_pos = torch.empty((num_seqs, max_q), dtype=torch.int64, device=device)
     for s, p in enumerate(group):
+        q_pos[s] = r + (p.num_k - p.num_q)
         q_index[s] = p.start + r.clamp(max=p.num_q - 1)  # padding rows repeat the last token
         pos = j.clamp(max=p.num_k - 1)  # padding keys repeat the last key (masked out)
         key_blocks[s] = p.block_row[pos // block_size]
@@ -128,7 +155,7 @@ def build_packed(group: list[PrefillSlice], block_size: int, num_tokens: int) ->
     tokens = torch.cat([p.start + torch.arange(p.num_q, device=device) for p in group])
     is_all = len(tokens) == num_tokens  # the whole batch: rows come out in flat order
     return PackedPrefill(q_index.view(-1), rows, None if is_all else tokens, key_blocks,
-                         key_offsets, mask, num_seqs, max_q)
+                         key_offsets, mask, num_seqs, max_q, q_pos)
 
 
 def build_prefill(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
@@ -139,20 +166,42 @@ def build_prefill(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarr
     return PrefillBatch(lone, packed)
 
 
-def packed_attention(q: torch.Tensor, layer_kv: torch.Tensor, p: PackedPrefill) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           is_causal: bool, options: AttentionOptions) -> torch.Tensor:
+    """SDPA over [B, H, L, D] tensors (bool mask: True = visible), or, where SDPA cannot
+    express the layer's options (soft-capping), the eager formula transformers runs for it."""
+    gqa = q.shape[1] > k.shape[1]
+    if options.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                              scale=options.scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    scores.div_(options.softcap).tanh_().mul_(options.softcap)
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def packed_attention(q: torch.Tensor, layer_kv: torch.Tensor, p: PackedPrefill,
+                     options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
     """The packed chunks' attention; returns [sum num_q, Hq, D] in token order."""
     _, num_heads, head_dim = q.shape
     qs = q[p.q_index].view(p.num_seqs, p.max_q, num_heads, head_dim).transpose(1, 2)
     # Advanced indices on dims 0 and 2 around a slice: the view is [S, max_k, 2, Hkv, D].
     kv = layer_kv[p.key_blocks, :, p.key_offsets]
     ks, vs = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask,
-                                       enable_gqa=num_heads > ks.shape[1])
+    mask = p.mask if options.window is None else p.window_mask(options.window)
+    o = attend(qs, ks, vs, mask, False, options)
     return o.transpose(1, 2).reshape(-1, num_heads, head_dim)[p.rows]
 
 
 def lone_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
-                   p: PrefillSlice) -> torch.Tensor:
+                   p: PrefillSlice, options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
     """One chunk's attention; returns [num_q, Hq, D]."""
     _, _, block_size, num_kv_heads, head_dim = layer_kv.shape
     qs = q[p.start:p.start + p.num_q].transpose(0, 1)[None]  # [1, Hq, q, D]
@@ -164,19 +213,20 @@ def lone_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: 
         kv = kv.reshape(2, p.num_blocks * block_size, num_kv_heads, head_dim)
         ks = kv[0, :p.num_k].transpose(0, 1)[None]
         vs = kv[1, :p.num_k].transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None,
-                                       enable_gqa=q.shape[1] > num_kv_heads)
+    mask = p.mask if options.window is None else p.window_mask(options.window)
+    o = attend(qs, ks, vs, mask, mask is None, options)
     return o[0].transpose(0, 1)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
-                      batch: PrefillBatch, out: torch.Tensor) -> None:
+                      batch: PrefillBatch, out: torch.Tensor,
+                      options: AttentionOptions = PLAIN_ATTENTION) -> None:
     """Writes every prefill token's attention output into `out` [T, Hq, D]."""
     if batch.packed is not None:
-        o = packed_attention(q, layer_kv, batch.packed)
+        o = packed_attention(q, layer_kv, batch.packed, options)
         if batch.packed.tokens is None:
             out.copy_(o)
         else:
             out[batch.packed.tokens] = o
     for p in batch.lone:
-        out[p.start:p.start + p.num_q] = lone_attention(q, k, v, layer_kv, p)
+        out[p.start:p.start + p.num_q] = lone_attention(q, k, v, layer_kv, p, options)

@@ -1,0 +1,130 @@
+"""Each supported model family from a tiny random Hugging Face checkpoint, written by
+transformers inside the test: greedy tokens through `LLMEngine.generate` (exact mode, co-located,
+prompts batched and chunked) identical to transformers' own greedy decoding of the same folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.engine import EngineConfig, LLMEngine
+from baton.model import ModelLoadError, load_model
+from baton.sampler import SamplingParams
+
+VOCAB = 2048  # the models' and the word-level tokenizer's
+NUM_NEW = 12
+# Three prompts batched together, all longer than the sliding windows below: the first step
+# packs 12, 13 and the first 7 tokens of 40 into one padded prefill call (max_num_batched_tokens
+# 32); the rest of the 40 follows in chunks over its cached part beside the others' decodes.
+PROMPT_LENS = (12, 13, 40)
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from transformers' near-zero init (std 0.02 makes every logit a near tie);
+    norm weights near 1 (near 0 for Gemma's 1 + weight norms)."""
+    gen = torch.Generator().manual_seed(seed)
+    gemma = "gemma" in type(model).__name__.lower()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            if "norm" in name:
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def _write(folder: Path, config_class: str, model_class: str, **overrides):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_class)(**{**SMALL, **overrides})
+    model = getattr(transformers, model_class)(cfg).eval()
+    _randomize(model, seed=len(model_class))
+    model.save_pretrained(folder)
+    _write_tokenizer(folder)
+    return model
+
+
+def _write_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over exactly the model's vocabulary (every id decodes): the
+    default model's 49152-token one takes seconds to read out of its GGUF file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>",
+                                                             "eos_token": "</s>"}))
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _reference(model, prompt: list[int]) -> list[int]:
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _check_family(folder: Path, ref) -> None:
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", num_blocks=64,
+                                    block_size=16, max_num_batched_tokens=32))
+    prompts = _prompts()
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_NEW,
+                                                   ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _reference(ref, prompt), len(prompt)
+    assert outs[0].text.split() == [f"t{t}" for t in outs[0].token_ids]
+
+
+FAMILIES = {  # name -> transformers config class, model class, what differs from SMALL
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "mistral_swa": ("MistralConfig", "MistralForCausalLM",
+                    dict(sliding_window=8, tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(sliding_window=12, pad_token_id=0, tie_word_embeddings=False)),
+    # soft-caps low enough that tanh bends the scores and logits
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_greedy_matches_transformers(family: str, tmp_path: Path) -> None:
+    config_class, model_class, overrides = FAMILIES[family]
+    ref = _write(tmp_path, config_class, model_class, **overrides)
+    _check_family(tmp_path, ref)
+
+
+def test_quantized_modes_are_refused_naming_the_family(tmp_path: Path) -> None:
+    _write(tmp_path / "qwen2", "Qwen2Config", "Qwen2ForCausalLM")
+    _write(tmp_path / "mistral", "MistralConfig", "MistralForCausalLM", sliding_window=8)
+    for mode in ("int8", "int4"):
+        with pytest.raises(ModelLoadError, match=f"quantization '{mode}'.*Qwen2"):
+            load_model(tmp_path / "qwen2", device="cpu", quantization=mode)
+        with pytest.raises(ModelLoadError, match=f"'{mode}'.*Mistral with a sliding window"):
+            load_model(tmp_path / "mistral", device="cpu", quantization=mode)
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel.*"
+                       "LlamaForCausalLM.*Qwen2ForCausalLM"):
+        load_model(tmp_path, device="cpu")
