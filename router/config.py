@@ -69,7 +69,7 @@ class RouterConfig:
     # Processes that parse bodies, render chat templates and tokenize, off the event loop
     # (tokenizing holds the GIL); 0 = one thread of the router process (tests).
     num_prepare_workers: int = 2
-    # How engines are chosen (router/engine_pool.py): "cache-aware" weighs the prompt blocks an
+    # How engines are chosen (router/selection.py): "cache-aware" weighs the prompt blocks an
     # engine holds (its KV events) against its load; "least-loaded" ignores the caches.
     routing: str = "cache-aware"
     # cache-aware cost = kv_overlap_weight * blocks the engine lacks + its active blocks.

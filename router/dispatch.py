@@ -1,18 +1,21 @@
 """One request's trip through the engines, as a stream of TokenDeltas.
 
+The request's state (its choices, attempts and legs) is one RouterRequest (router/request.py).
 Disaggregated (prompt and completion engines registered):
-  1. pick a live prompt engine (router/engine_pool.py: cache-aware or least-loaded); send GenerateRequest without a handle;
+  1. pick a live prompt engine (router/engine_pool.py, router/selection.py: cache-aware or
+     least-loaded); send GenerateRequest without a handle;
   2. wait for its single delta (first token + kv_handle, or a finish reason); if it fails first
      (timeout, connection dropped, vanished from the registry, error delta), abort it there and
      retry, up to `prompt_retry_limit` times, on another live prompt engine, or on the same one
      once it is back from a restart (an engine that failed while staying up is not asked again);
-  3. pick a completion engine the same way (cache-aware: the one that must pull the least); send GenerateRequest with the handle, the first
-     token and its logprob; yield the first token; stream the completion engine's deltas.
+  3. pick a completion engine the same way (cache-aware: the one that must pull the least);
+     send GenerateRequest with the handle, the first token and its logprob; yield the first
+     token; stream the completion engine's deltas.
 Otherwise a NORMAL engine serves the whole request (same first-token retry).
 With n > 1 (baton/engine/choices.py) the request is still one request per engine: the prompt engine
 sends one first delta per choice (the KV handle on one of them), the completion engine gets the
 handle once with the first token of every choice that goes on, and deltas carry their choice's
-`index` until each choice has its finish reason.
+`index` until each choice has its finish reason (`RouterRequest.open_choices`).
 Whenever no engine of the role a step needs is live, the step waits for one up to the pool's
 `engine_wait_timeout_s` (a restart in progress) before NoEngineError, a 503 naming the role.
 
@@ -38,15 +41,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import msgspec
 
-from baton.ops.registry import EngineRecord
-from baton.protocol import GenerateRequest, SamplingOptions, TokenDelta
-from router.engine_client import DISCONNECTED, EngineClient
+from baton.protocol import COMPLETION, NORMAL, PROMPT, GenerateRequest, SamplingOptions, TokenDelta
+from router.engine_client import DISCONNECTED
 from router.engine_pool import EnginePool, NoEngineError
 from router.kv_index import RequestKeys
+from router.request import Attempt, Leg, RouterRequest
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +73,6 @@ class EngineFailure(Exception):
 
 def is_error(delta: TokenDelta) -> bool:
     return bool(delta.error) or delta.finish_reason not in OK_FINISH_REASONS
-
-
-@dataclass
-class _Leg:
-    """The request on one engine."""
-
-    record: EngineRecord
-    client: EngineClient
-    queue: asyncio.Queue[TokenDelta]
-    is_finished: bool = False
-    num_blocks: int = 0  # what this leg adds to the engine's active blocks (cache-aware cost)
 
 
 def _completion_request(req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
@@ -114,7 +105,7 @@ class Dispatcher:
         self._abort_tasks: set[asyncio.Task] = set()
 
     def _roles(self) -> tuple[str, ...]:
-        return ("prompt", "completion") if self.pool.is_disaggregated else ("normal",)
+        return (PROMPT, COMPLETION) if self.pool.is_disaggregated else (NORMAL,)
 
     def check_available(self) -> None:
         """Raise NoEngineError (HTTP 503) now if some role the request needs has no live engine."""
@@ -127,72 +118,76 @@ class Dispatcher:
         for role in self._roles():
             await self.pool.wait_pick(role)
 
-    async def generate(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
-                       arrival: float) -> AsyncIterator[TokenDelta]:
-        """Deltas of one request until one carries a finish reason, migrated to other engines
-        when one fails mid-stream.
+    async def generate(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        """Deltas of one request until each choice has a finish reason, migrated to other
+        engines when one fails mid-stream. Each delta's tokens are on its choice
+        (`RouterChoice.token_ids`) before it is yielded.
 
         Raises NoEngineError or EngineFailure; `EngineFailure.started` tells whether tokens
         were already yielded.
         """
-        outputs: list[int] = []  # every token yielded so far: what a migration re-sends
-        num_migrations = 0
         await self.wait_available()
         while True:
-            wire_id = f"{req_id}~m{num_migrations}" if num_migrations else req_id
+            attempt = request.start_attempt()
             try:
-                async with aclosing(self._attempt(wire_id, prompt_token_ids, sampling, outputs,
-                                                  arrival)) as deltas:
+                async with aclosing(self._attempt(request, attempt)) as deltas:
                     async for delta in deltas:
-                        outputs.extend(delta.token_ids)
+                        request.choices[delta.index].token_ids.extend(delta.token_ids)
                         yield delta
                 return
             except (EngineFailure, NoEngineError) as exc:
-                if not outputs:
-                    raise  # nothing sent yet: the caller answers with a 503
-                reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
-                if sampling.n > 1:  # the choices' outputs would each need a migration
-                    raise EngineFailure(f"{exc}; not migrated: a request with n={sampling.n} "
-                                        "choices is not migrated", started=True,
-                                        reason=reason) from None
-                if reason in _NOT_MIGRATED or num_migrations >= self.migration_limit:
-                    raise EngineFailure(f"{exc}; not migrated (migration {num_migrations} of "
-                                        f"at most {self.migration_limit})", started=True,
-                                        reason=reason) from None
-                num_migrations += 1
+                self._check_migration(request, exc)
                 role = exc.role if isinstance(exc, EngineFailure) else ""
+                reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
                 self.metrics.migrations.labels(role or "unknown", reason or "error").inc()
                 logger.warning("request %s: %s; migrating with %d tokens generated (migration "
-                               "%d of at most %d)", req_id, exc, len(outputs), num_migrations,
+                               "%d of at most %d)", request.req_id, exc,
+                               len(request.choices[0].token_ids), request.num_migrations + 1,
                                self.migration_limit)
 
-    async def _attempt(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
-                       outputs: list[int], arrival: float) -> AsyncIterator[TokenDelta]:
-        """One pass through the engines from the tokens in `outputs` on (none: a fresh
-        request; else a migration, whose first engine prefills prompt + outputs)."""
-        legs: list[_Leg] = []
-        is_migration = bool(outputs)
-        request = GenerateRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
-                                  sampling=sampling, output_token_ids=list(outputs))
+    def _check_migration(self, request: RouterRequest,
+                         exc: EngineFailure | NoEngineError) -> None:
+        """Re-raise `exc` as it is (nothing went out: the caller answers with a 503) or as a
+        started EngineFailure, unless the request may migrate."""
+        if not request.has_output:
+            raise exc
+        reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
+        n = request.sampling.n
+        if n > 1:  # the choices' outputs would each need a migration
+            raise EngineFailure(f"{exc}; not migrated: a request with n={n} choices is not "
+                                "migrated", started=True, reason=reason) from None
+        if reason in _NOT_MIGRATED or request.num_migrations >= self.migration_limit:
+            raise EngineFailure(f"{exc}; not migrated (migration {request.num_migrations} of "
+                                f"at most {self.migration_limit})", started=True,
+                                reason=reason) from None
+
+    async def _attempt(self, request: RouterRequest,
+                       attempt: Attempt) -> AsyncIterator[TokenDelta]:
+        """One pass through the engines from the attempt's tokens on (none: a fresh request;
+        else a migration, whose first engine prefills prompt + those tokens)."""
+        req_id, outputs, legs = attempt.wire_id, attempt.output_token_ids, attempt.legs
+        prompt_token_ids, sampling = request.prompt_token_ids, request.sampling
+        wire = GenerateRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
+                               sampling=sampling, output_token_ids=list(outputs))
         # The tokens whose KV this pass computes and moves: a migration's outputs too.
         keys = RequestKeys(prompt_token_ids + outputs)
         try:
             disaggregated = self.pool.is_disaggregated
-            first_role = "prompt" if disaggregated else "normal"
-            first_leg, first = await self._first_delta(first_role, request, keys, legs)
-            if is_migration:
+            first_leg, first = await self._first_delta(PROMPT if disaggregated else NORMAL,
+                                                       wire, keys, legs)
+            if attempt.is_migration:
                 self._observe_migrated_prefill(req_id, first, len(prompt_token_ids) + len(outputs))
             else:
-                self.metrics.ttft.observe(time.monotonic() - arrival)
-            left = set(range(sampling.n))  # the choices not finished
+                self.metrics.ttft.observe(time.monotonic() - request.arrival)
             if not disaggregated:
-                async for delta in self._follow(first_leg, started=True,
-                                                last=time.monotonic(), left=left, first=first):
+                async for delta in self._follow(first_leg, request, last=time.monotonic(),
+                                                first=first):
                     yield delta
                 return
             firsts = await self._first_choices(first_leg, first, sampling.n)
-            left.difference_update(d.index for d in firsts if d.finish_reason)
-            if not left:
+            for delta in firsts:
+                request.choices[delta.index].is_engine_finished = bool(delta.finish_reason)
+            if not request.open_choices():
                 for delta in firsts:
                     yield delta
                 return
@@ -200,19 +195,18 @@ class Dispatcher:
             handle = next((d.kv_handle for d in firsts if d.kv_handle), b"")
             if not handle:
                 raise EngineFailure(f"prompt engine {first_leg.record.engine_id} sent no "
-                                    "KV handle", started=False, role="prompt")
+                                    "KV handle", started=False, role=PROMPT)
             # The prompt engine's part of the work is done: its blocks wait for the pull only.
             self.pool.add_blocks(first_leg.record.address, -first_leg.num_blocks)
             first_leg.num_blocks = 0
-            leg = await self._send("completion", _completion_request(
+            leg = await self._send(COMPLETION, _completion_request(
                 req_id, prompt_token_ids, sampling, handle, going, outputs), keys, legs)
             handed_at = time.monotonic()
             # The prompt engine's tokens, with whatever they carry (top and prompt logprobs),
             # less the handle, which is the completion engine's business.
             for delta in firsts:
                 yield msgspec.structs.replace(delta, req_id=req_id, kv_handle=b"")
-            async for delta in self._follow(leg, started=True, last=handed_at,
-                                            kv_since=handed_at, left=left):
+            async for delta in self._follow(leg, request, last=handed_at, kv_since=handed_at):
                 first_leg.is_finished = True  # the completion engine has claimed the KV lease
                 yield delta
         finally:
@@ -226,7 +220,7 @@ class Dispatcher:
                     req_id, num_tokens, first.num_cached_tokens)
 
     async def _first_delta(self, role: str, request: GenerateRequest, keys: RequestKeys,
-                           legs: list[_Leg]) -> tuple[_Leg, TokenDelta]:
+                           legs: list[Leg]) -> tuple[Leg, TokenDelta]:
         failed_up: set[str] = set()  # engines that failed the request and are still up
         last_error = ""
         for attempt in range(1 + self.prompt_retry_limit):
@@ -252,7 +246,7 @@ class Dispatcher:
             await self._abort_before_retry(request.req_id, leg)
         raise EngineFailure(last_error, started=False, role=role)
 
-    async def _abort_before_retry(self, req_id: str, leg: _Leg) -> None:
+    async def _abort_before_retry(self, req_id: str, leg: Leg) -> None:
         """Abort `leg` now, not in a task: a retry on the same socket (the engine restarted
         behind the same address) must not overtake its own abort."""
         leg.is_finished = True
@@ -264,16 +258,16 @@ class Dispatcher:
             logger.warning("request %s: abort to %s not sent: %s", req_id, leg.record.address, exc)
 
     async def _send(self, role: str, request: GenerateRequest, keys: RequestKeys,
-                    legs: list[_Leg], exclude: set[str] = frozenset()) -> _Leg:
+                    legs: list[Leg], exclude: set[str] = frozenset()) -> Leg:
         record, num_blocks, _ = await self.pool.wait_choose(role, keys, exclude)
         client = self.pool.client(record.address)
         self.pool.acquire(record.address, num_blocks)
-        leg = _Leg(record, client, client.open(request.req_id), num_blocks=num_blocks)
+        leg = Leg(record, client, client.open(request.req_id), num_blocks=num_blocks)
         legs.append(leg)
         await client.send(request)
         return leg
 
-    async def _first_choices(self, leg: _Leg, first: TokenDelta, n: int) -> list[TokenDelta]:
+    async def _first_choices(self, leg: Leg, first: TokenDelta, n: int) -> list[TokenDelta]:
         """A prompt engine's first delta of each of the n choices (one token each; the KV
         handle on one of them unless every choice finished); EngineFailure otherwise."""
         firsts = [first]
@@ -282,22 +276,22 @@ class Dispatcher:
             if is_error(delta):
                 raise EngineFailure(f"prompt engine {leg.record.engine_id} failed: "
                                     f"{delta.error or delta.finish_reason}", started=False,
-                                    role="prompt", reason=delta.finish_reason)
+                                    role=PROMPT, reason=delta.finish_reason)
             if len(delta.token_ids) != 1 or not 0 <= delta.index < n or \
                     any(d.index == delta.index for d in firsts[:-1]):
                 raise EngineFailure(f"prompt engine {leg.record.engine_id} sent "
                                     f"{len(delta.token_ids)} first tokens for choice "
-                                    f"{delta.index} of {n}", started=False, role="prompt")
+                                    f"{delta.index} of {n}", started=False, role=PROMPT)
             if len(firsts) == n:
                 return firsts
             firsts.append(await self._wait(leg, self.first_token_timeout_s))
 
-    async def _follow(self, leg: _Leg, started: bool, last: float,
-                      kv_since: float | None = None, left: set[int] | None = None,
+    async def _follow(self, leg: Leg, request: RouterRequest, last: float,
+                      kv_since: float | None = None,
                       first: TokenDelta | None = None) -> AsyncIterator[TokenDelta]:
-        """Deltas of `leg` (from `first`, when given) until each choice in `left` (default:
-        the one choice 0) has a finish reason; an error delta raises EngineFailure."""
-        left = {0} if left is None else left
+        """Deltas of `leg` (from `first`, when given) until each of the request's open choices
+        has a finish reason; an error delta raises EngineFailure."""
+        role, engine_id = leg.record.role, leg.record.engine_id
         while True:
             timeout = self.first_token_timeout_s if kv_since is not None else self.token_timeout_s
             is_first = first is not None  # already awaited (and timed) by the caller
@@ -308,26 +302,26 @@ class Dispatcher:
                 kv_since, last = None, now
             if is_error(delta):
                 self.pool.mark_failed(leg.record.address)
-                raise EngineFailure(f"{leg.record.role} engine {leg.record.engine_id} failed: "
-                                    f"{delta.error or delta.finish_reason}", started=started,
-                                    role=leg.record.role, reason=delta.finish_reason)
-            if delta.index not in left:  # from a socket: a choice that is not (or no more) running
-                raise EngineFailure(f"{leg.record.role} engine {leg.record.engine_id} sent "
-                                    f"choice {delta.index}, not one of {sorted(left)}",
-                                    started=started, role=leg.record.role)
+                raise EngineFailure(f"{role} engine {engine_id} failed: "
+                                    f"{delta.error or delta.finish_reason}", started=True,
+                                    role=role, reason=delta.finish_reason)
+            if not request.is_open(delta.index):  # from a socket: not (or no more) running
+                raise EngineFailure(f"{role} engine {engine_id} sent choice {delta.index}, "
+                                    f"not one of {request.open_choices()}", started=True,
+                                    role=role)
             if delta.token_ids and not is_first:
                 per_token = (now - last) / len(delta.token_ids)
                 for _ in delta.token_ids:
                     self.metrics.itl.observe(per_token)
                 last = now
             if delta.finish_reason:
-                left.discard(delta.index)
-                leg.is_finished = not left
+                request.choices[delta.index].is_engine_finished = True
+                leg.is_finished = not request.open_choices()
             yield delta
-            if not left:
+            if not request.open_choices():
                 return
 
-    async def _wait(self, leg: _Leg, timeout_s: float) -> TokenDelta:
+    async def _wait(self, leg: Leg, timeout_s: float) -> TokenDelta:
         """The leg's next delta, or a synthetic error delta on timeout or a vanished engine."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -346,14 +340,14 @@ class Dispatcher:
                     return TokenDelta(req_id="", finish_reason=_GONE,
                                       error="engine left the registry or disconnected")
 
-    def _abort_leg(self, req_id: str, leg: _Leg) -> None:
+    def _abort_leg(self, req_id: str, leg: Leg) -> None:
         leg.is_finished = True
         leg.client.close_request(req_id)
         task = asyncio.get_running_loop().create_task(leg.client.abort(req_id))
         self._abort_tasks.add(task)
         task.add_done_callback(self._abort_tasks.discard)
 
-    def _end(self, req_id: str, legs: list[_Leg]) -> None:
+    def _end(self, req_id: str, legs: list[Leg]) -> None:
         for leg in legs:
             self.pool.release(leg.record.address, leg.num_blocks)
             if not leg.is_finished:

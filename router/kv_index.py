@@ -6,7 +6,7 @@ An engine's entries are dropped, and the engine must be subscribed again, when:
   - a delta's `seq` is not one past the last one (the engine's queue to us dropped a message),
   - a message names another `instance_id` than the snapshot did (a restarted engine),
   - a message is malformed or would make the engine hold more keys than it has blocks,
-  - its connection dropped, or it left the registry (EnginePool calls `drop`).
+  - its connection dropped, or it left the registry (router/membership.py calls `drop`).
 Nothing from the socket is trusted: key bytes are checked for length and count before use.
 
 `RequestKeys` computes a prompt's block keys once per (block size, seed) among the engines
@@ -16,6 +16,7 @@ that are scored, with the engines' own function (the compiled scheduler's, torch
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from baton.engine.block_keys import compute_block_keys
@@ -58,6 +59,11 @@ class KvIndex:
         entry = self._engines.get(address)
         return len(entry.keys) if entry is not None else 0
 
+    def block_size(self, address: str) -> int | None:
+        """The engine's tokens per block, once its snapshot has said (router/selection.py)."""
+        entry = self._engines.get(address)
+        return entry.block_size if entry is not None else None
+
     def drop(self, address: str) -> None:
         self._engines.pop(address, None)
 
@@ -95,13 +101,17 @@ class KvIndex:
         entry = self._engines.get(address)
         if entry is None or not entry.keys:
             return 0
-        held = entry.keys
-        num = 0
-        for key in request.keys_for(entry.block_size, entry.seed):
-            if key not in held:  # a chain: a block past a miss cannot be a prefix hit
-                break
-            num += 1
-        return num
+        return prefix_overlap(request.keys_for(entry.block_size, entry.seed), entry.keys)
+
+
+def prefix_overlap(keys: list[int], held: Set[int]) -> int:
+    """How many of `keys`, from the first, are in `held`."""
+    num = 0
+    for key in keys:
+        if key not in held:  # a chain: a block past a miss cannot be a prefix hit
+            break
+        num += 1
+    return num
 
 
 def _from_snapshot(msg: KvEvents) -> EngineKeys:

@@ -3,6 +3,8 @@
 The first delta is awaited before any response is started, so a request no engine can take is
 still a proper 503 rather than a stream that breaks. Leaving the delta loop early (stop string,
 client gone) closes the dispatcher's generator, which aborts the request in the engines.
+The request's state is one RouterRequest (router/request.py): the dispatcher puts each delta's
+tokens on its choice, this module its text, logprobs and the finish reason the client is told.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,50 +26,13 @@ from router.logprobs import CompletionLogprobs, TokenText, chat_content
 from router.metrics import RouterMetrics
 from router.openai_protocol import APIError
 from router.prepare import Prepared
+from router.request import RouterChoice, RouterRequest
 from router.text import ModelInfo, TextStream
 from router.tools import parse_answer
 
 logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.2
-
-
-@dataclass
-class _Progress:
-    num_generated: int = 0
-    num_cached_tokens: int = 0  # prompt tokens the engines took from their prefix caches
-    finish_reason: str | None = None
-    # logprobs asked: the completions shape, or chat's content entries (`chat_sent` of them
-    # already streamed)
-    completion_logprobs: CompletionLogprobs | None = None
-    chat_logprobs: list[dict] = field(default_factory=list)
-    chat_sent: int = 0
-
-    def take_logprobs(self) -> dict | None:
-        """Streaming: the logprobs of the tokens since the last chunk, in the choice's shape."""
-        if self.completion_logprobs is not None:
-            return self.completion_logprobs.take()
-        if self.chat_sent < len(self.chat_logprobs):
-            start, self.chat_sent = self.chat_sent, len(self.chat_logprobs)
-            return {"content": self.chat_logprobs[start:]}
-        return None
-
-    def logprobs_body(self, prep: Prepared) -> dict | None:
-        if not prep.logprobs:
-            return None
-        if self.completion_logprobs is not None:
-            return self.completion_logprobs.body()
-        return {"content": self.chat_logprobs}
-
-
-@dataclass
-class _Choice:
-    """One choice of the answer (n > 1: several, each its own text, stop strings, logprobs)."""
-
-    index: int
-    text: TextStream
-    progress: _Progress
-    num_deltas: int = 0
 
 
 class Server:
@@ -81,8 +45,8 @@ class Server:
         self.token_text = TokenText(info.tokenizer)
 
     async def respond(self, prep: Prepared, request: Request, arrival: float):
-        deltas = self.dispatcher.generate(prep.req_id, prep.prompt_token_ids, prep.sampling,
-                                          arrival)
+        state = self._new_request(prep, arrival)
+        deltas = self.dispatcher.generate(state)
         first: TokenDelta | None = None
         try:
             first = await _unless_gone(request, deltas.__anext__())
@@ -99,31 +63,36 @@ class Server:
             if first is None:  # closing runs the generator's `finally`: engines abort
                 await deltas.aclose()
         if prep.stream:
-            body = self._stream(prep, first, deltas, arrival)
+            body = self._stream(prep, state, first, deltas)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return await _unless_gone(request, self._collect(prep, first, deltas, arrival))
+            return await _unless_gone(request, self._collect(prep, state, first, deltas))
         except _ClientGone:
             self.metrics.aborts.labels("client_gone").inc()
             return JSONResponse({"error": "client disconnected"}, status_code=499)
 
-    def _start(self, prep: Prepared, first: TokenDelta) -> list[_Choice]:
-        """Each choice's text and progress, with the echoed prompt (and its logprobs) in: the
-        prompt was scored once, on the request's first delta."""
+    def _new_request(self, prep: Prepared, arrival: float) -> RouterRequest:
+        """The request's router-side state: each choice with its text stream and, when asked,
+        its completions-shaped logprobs."""
         choices = []
         for index in range(prep.sampling.n):
-            text = TextStream(self.info.tokenizer, prep.stop, prep.min_tokens)
-            progress = _Progress()
+            choice = RouterChoice(index, TextStream(self.info.tokenizer, prep.stop,
+                                                    prep.min_tokens))
             if prep.kind == "completion" and prep.logprobs:
-                progress.completion_logprobs = CompletionLogprobs(self.token_text)
+                choice.completion_logprobs = CompletionLogprobs(self.token_text)
+            choices.append(choice)
+        return RouterRequest(prep.req_id, prep.prompt_token_ids, prep.sampling, arrival, choices)
+
+    def _start(self, prep: Prepared, state: RouterRequest, first: TokenDelta) -> None:
+        """The echoed prompt (and its logprobs) into each choice: the prompt was scored once,
+        on the request's first delta."""
+        for choice in state.choices:
             if prep.echo:
-                text.text = prep.prompt_text
+                choice.text.text = prep.prompt_text
                 if prep.logprobs:
-                    self._echo_logprobs(prep, first, progress.completion_logprobs)
-            choices.append(_Choice(index, text, progress))
-        choices[0].progress.num_cached_tokens = first.num_cached_tokens
-        return choices
+                    self._echo_logprobs(prep, first, choice.completion_logprobs)
+        state.num_cached_tokens = first.num_cached_tokens
 
     def _echo_logprobs(self, prep: Prepared, first: TokenDelta,
                        logprobs: CompletionLogprobs) -> None:
@@ -139,7 +108,7 @@ class Server:
         logprobs.add(ids[1:], first.prompt_logprobs, first.prompt_top_token_ids,
                      first.prompt_top_logprobs)
 
-    def _add_logprobs(self, prep: Prepared, delta: TokenDelta, progress: _Progress) -> None:
+    def _add_logprobs(self, prep: Prepared, delta: TokenDelta, choice: RouterChoice) -> None:
         if not prep.logprobs or not delta.token_ids:
             return
         n = len(delta.token_ids)
@@ -147,37 +116,37 @@ class Server:
                 or len(delta.top_logprobs) != len(delta.top_token_ids):
             raise EngineFailure(f"engine sent {len(delta.logprobs)} logprobs for {n} tokens",
                                 started=True)
-        if progress.completion_logprobs is not None:
-            progress.completion_logprobs.add(delta.token_ids, delta.logprobs,
-                                             delta.top_token_ids, delta.top_logprobs)
+        if choice.completion_logprobs is not None:
+            choice.completion_logprobs.add(delta.token_ids, delta.logprobs,
+                                           delta.top_token_ids, delta.top_logprobs)
         else:
-            progress.chat_logprobs.extend(chat_content(
+            choice.chat_logprobs.extend(chat_content(
                 self.token_text, delta.token_ids, delta.logprobs, delta.top_token_ids,
                 delta.top_logprobs))
 
-    async def _collect(self, prep: Prepared, first: TokenDelta, deltas, arrival: float):
+    async def _collect(self, prep: Prepared, state: RouterRequest, first: TokenDelta, deltas):
         try:
-            choices = self._start(prep, first)
+            self._start(prep, state, first)
             async with aclosing(deltas):
-                async for event in self._events(prep, first, deltas, choices):
+                async for event in self._events(prep, state, first, deltas):
                     del event  # each choice's text.text accumulates its pieces
         except EngineFailure as exc:
             raise APIError(502, f"Engine failure: {exc}", "engine_error",
                            code="engine_failure") from None
-        self._observe_done(prep, choices, arrival)
+        self._observe_done(state)
         return JSONResponse({
             "id": prep.req_id, "object": _OBJECT[prep.kind], "created": prep.created,
-            "model": prep.model, "choices": [self._choice_body(prep, c) for c in choices],
-            "usage": _usage(prep, choices)})
+            "model": prep.model, "choices": [self._choice_body(prep, c) for c in state.choices],
+            "usage": _usage(state)})
 
     @staticmethod
-    def _choice_body(prep: Prepared, choice: _Choice) -> dict:
-        progress, text = choice.progress, choice.text
-        body = {"index": choice.index, "logprobs": progress.logprobs_body(prep),
-                "finish_reason": progress.finish_reason}
+    def _choice_body(prep: Prepared, choice: RouterChoice) -> dict:
+        text = choice.text
+        body = {"index": choice.index, "logprobs": choice.logprobs_body(prep.logprobs),
+                "finish_reason": choice.finish_reason}
         if prep.tool_mode:
             fields, body["finish_reason"] = parse_answer(prep.tool_mode, text.text,
-                                                         progress.finish_reason)
+                                                         choice.finish_reason)
             body["message"] = {"role": "assistant", **fields}
         elif prep.kind == "chat":
             body["message"] = {"role": "assistant", "content": text.text}
@@ -185,18 +154,19 @@ class Server:
             body["text"] = text.text
         return body
 
-    async def _events(self, prep: Prepared, first: TokenDelta, deltas: AsyncIterator[TokenDelta],
-                      choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str, bool]]:
+    async def _events(self, prep: Prepared, state: RouterRequest, first: TokenDelta,
+                      deltas: AsyncIterator[TokenDelta]
+                      ) -> AsyncIterator[tuple[RouterChoice, str, bool]]:
         """(choice, text delta, whether it just finished) until every choice has its finish
         reason. A piece may be empty: a token whose text is held back still has logprobs."""
         delta = first
         while True:
-            choice = choices[delta.index]  # the dispatcher checked the index
-            if not choice.progress.finish_reason:  # one stopped by a stop string reads on
+            choice = state.choices[delta.index]  # the dispatcher checked the index
+            if not choice.finish_reason:  # one stopped by a stop string reads on
                 event = self._advance(prep, choice, delta)
                 if event is not None:
                     yield event
-            if all(c.progress.finish_reason for c in choices):
+            if state.is_answered:
                 return  # returning closes `deltas`: the engines abort what still runs
             try:
                 delta = await deltas.__anext__()
@@ -204,47 +174,47 @@ class Server:
                 raise EngineFailure("the engine stream ended without a finish reason",
                                     started=True) from None
 
-    def _advance(self, prep: Prepared, choice: _Choice,
-                 delta: TokenDelta) -> tuple[_Choice, str, bool] | None:
-        progress, text = choice.progress, choice.text
+    def _advance(self, prep: Prepared, choice: RouterChoice,
+                 delta: TokenDelta) -> tuple[RouterChoice, str, bool] | None:
+        text = choice.text
         if prep.drop_output and not choice.num_deltas:
             # echo with max_tokens 0: the engines' one token is not shown
             delta = TokenDelta(delta.req_id, finish_reason=delta.finish_reason or "length")
         choice.num_deltas += 1
-        progress.num_generated += len(delta.token_ids)
-        self._add_logprobs(prep, delta, progress)
+        choice.num_generated += len(delta.token_ids)
+        self._add_logprobs(prep, delta, choice)
         piece = text.add(delta.token_ids)
         if text.is_stopped:
-            progress.finish_reason = "stop"
+            choice.finish_reason = "stop"
             self.metrics.aborts.labels("stop_string").inc()
         elif delta.finish_reason:
             piece += text.flush()
-            progress.finish_reason = delta.finish_reason
-        if piece or prep.logprobs or progress.finish_reason:
-            return choice, piece, bool(progress.finish_reason)
+            choice.finish_reason = delta.finish_reason
+        if piece or prep.logprobs or choice.finish_reason:
+            return choice, piece, bool(choice.finish_reason)
         return None
 
-    async def _stream(self, prep: Prepared, first: TokenDelta, deltas,
-                      arrival: float) -> AsyncIterator[bytes]:
+    async def _stream(self, prep: Prepared, state: RouterRequest, first: TokenDelta,
+                      deltas) -> AsyncIterator[bytes]:
         usage_null = {"usage": None} if prep.include_usage else {}
         try:
             async with aclosing(deltas):
-                choices = self._start(prep, first)
-                for c in choices:
+                self._start(prep, state, first)
+                for c in state.choices:
                     if prep.kind == "chat":
                         yield self._chunk(prep, c.index, {"role": "assistant", "content": ""},
                                           None, usage_null)
                     elif prep.echo:
                         yield self._chunk(prep, c.index, c.text.text, None, usage_null,
-                                          c.progress.take_logprobs())
-                async for choice, piece, finished in self._events(prep, first, deltas, choices):
+                                          c.take_logprobs())
+                async for choice, piece, finished in self._events(prep, state, first, deltas):
                     for chunk in self._event_chunks(prep, choice, piece, finished, usage_null):
                         yield chunk
             if prep.include_usage:
                 yield _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
                             "created": prep.created, "model": prep.model, "choices": [],
-                            "usage": _usage(prep, choices)})
-            self._observe_done(prep, choices, arrival)
+                            "usage": _usage(state)})
+            self._observe_done(state)
         except EngineFailure as exc:
             logger.warning("request %s failed mid-stream: %s", prep.req_id, exc)
             yield _sse(APIError(502, f"Engine failure: {exc}", "engine_error",
@@ -254,22 +224,22 @@ class Server:
             raise
         yield b"data: [DONE]\n\n"
 
-    def _event_chunks(self, prep: Prepared, choice: _Choice, piece: str, finished: bool,
+    def _event_chunks(self, prep: Prepared, choice: RouterChoice, piece: str, finished: bool,
                       usage_null: dict) -> list[bytes]:
         """The SSE chunks of one event: its text (a tool answer is parsed whole, at its end),
         then, when the choice finished, its finish reason."""
-        chunks, progress = [], choice.progress
+        chunks = []
         if not prep.tool_mode:
-            logprobs = progress.take_logprobs()
+            logprobs = choice.take_logprobs()
             if piece or logprobs:
                 chunks.append(self._chunk(prep, choice.index, piece, None, usage_null, logprobs))
         if finished:
-            finish_reason = progress.finish_reason
+            finish_reason = choice.finish_reason
             if prep.tool_mode:
                 fields, finish_reason = parse_answer(prep.tool_mode, choice.text.text,
                                                      finish_reason)
                 chunks.append(self._chunk(prep, choice.index, _tool_delta(fields), None,
-                                          usage_null, progress.take_logprobs()))
+                                          usage_null, choice.take_logprobs()))
             chunks.append(self._chunk(prep, choice.index, "", finish_reason, usage_null))
         return chunks
 
@@ -284,23 +254,23 @@ class Server:
         return _sse({"id": prep.req_id, "object": _CHUNK_OBJECT[prep.kind],
                      "created": prep.created, "model": prep.model, "choices": [choice], **extra})
 
-    def _observe_done(self, prep: Prepared, choices: list[_Choice], arrival: float) -> None:
-        self.metrics.e2e.observe(time.monotonic() - arrival)
-        self.metrics.prompt_tokens.inc(len(prep.prompt_token_ids))
-        self.metrics.generated_tokens.inc(sum(c.progress.num_generated for c in choices))
+    def _observe_done(self, state: RouterRequest) -> None:
+        self.metrics.e2e.observe(time.monotonic() - state.arrival)
+        self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
+        self.metrics.generated_tokens.inc(state.num_generated())
 
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
 
 
-def _usage(prep: Prepared, choices: list[_Choice]) -> dict:
+def _usage(state: RouterRequest) -> dict:
     """The prompt once (it was prefilled once), the outputs of every choice."""
-    num_prompt = len(prep.prompt_token_ids)
-    num_generated = sum(c.progress.num_generated for c in choices)
+    num_prompt = len(state.prompt_token_ids)
+    num_generated = state.num_generated()
     return {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
             "total_tokens": num_prompt + num_generated,
-            "prompt_tokens_details": {"cached_tokens": choices[0].progress.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": state.num_cached_tokens}}
 
 
 def _tool_delta(fields: dict) -> dict:

@@ -134,9 +134,9 @@ class _Connected:
 def _pool(routing: str = "cache-aware") -> EnginePool:
     pool = EnginePool(RouterConfig(engines=["prompt=tcp://a", "prompt=tcp://b"], routing=routing),
                       RouterMetrics())
-    pool._records = {"prompt": [EngineRecord("prompt", f"p-{x}", f"tcp://{x}", block_size=BS)
-                                for x in "ab"]}
-    pool._clients = {f"tcp://{x}": _Connected() for x in "ab"}
+    pool.membership.records = {"prompt": [EngineRecord("prompt", f"p-{x}", f"tcp://{x}",
+                                                        block_size=BS) for x in "ab"]}
+    pool.membership.clients = {f"tcp://{x}": _Connected() for x in "ab"}
     return pool
 
 
