@@ -6,7 +6,8 @@ every engine command, the router, `baton probe` and `baton up`.
     --insecure              plain TCP on every internal wire: benchmarks only, and loud
 
 A process given neither refuses to start: an engine never listens unauthenticated by accident.
-`baton up` makes a private key dir itself (nothing to configure on one host).
+`baton up` makes a private key dir itself (nothing to configure on one host); for many hosts
+`baton keys DIR` writes one, to be turned into a Secret (deploy/k8s/README in the manifests).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
-from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys
+from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
 logger = logging.getLogger(__name__)
 
@@ -48,3 +50,20 @@ def resolve_keys(key_dir: str, insecure: bool, who: str) -> ClusterKeys | None:
 
 def keys_from_args(args: argparse.Namespace, who: str) -> ClusterKeys | None:
     return resolve_keys(args.cluster_key_dir, args.insecure, who)
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="write a new cluster key dir (CURVE server and client "
+                       "pairs) for --cluster-key-dir or a Kubernetes Secret")
+    p.add_argument("key_dir", help="directory to create (0700; files 0600)")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if os.path.exists(args.key_dir) and os.listdir(args.key_dir):
+        print(f"baton keys: {args.key_dir} exists and is not empty", file=sys.stderr)
+        return 1
+    root = generate(args.key_dir)
+    print(f"cluster keys written to {root}; for Kubernetes:\n  kubectl create secret generic "
+          f"baton-cluster-keys --from-file={root}")
+    return 0
