@@ -39,12 +39,13 @@ PROMPT = ("The history of the city begins with a small town by the river where p
 
 
 # ---------------------------------------------------------------------------- serving
-def start_cluster(mode: str, port: int, key_env: dict) -> subprocess.Popen:
+def start_cluster(mode: str, port: int, key_env: dict, log_dir: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--no-cpu-pinning",
             "--no-metrics", *(["--insecure"] if mode == "insecure" else []),
             "--", "--num-threads", "1"]
+    log = open(log_dir / f"baton_up_{mode}.log", "w")  # noqa: SIM115 (lives with the child)
     return subprocess.Popen(argv, cwd=ROOT, env=key_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stderr=log, text=True, start_new_session=True)
 
 
 def wait_up(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -62,7 +63,7 @@ def one_request(port: int, max_tokens: int) -> tuple[float, float]:
     """(TTFT, TPOT) in seconds of one streamed completion."""
     body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "stream": True,
                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     start = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -83,15 +84,26 @@ def serving(args: argparse.Namespace) -> dict:
 
     env = {k: v for k, v in os.environ.items() if k != ENV_KEY_DIR}  # baton up makes its own
     ports = {"curve": args.port, "insecure": args.port + 1}
-    procs = {m: start_cluster(m, ports[m], env) for m in MODES}
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = {m: start_cluster(m, ports[m], env, log_dir) for m in MODES}
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    errors = {m: [] for m in MODES}
     try:
         for m in MODES:
             wait_up(procs[m], 600)
             one_request(ports[m], 4)  # warm-up: first-request paths, handshakes
         for r in range(args.rounds):
             for m in (MODES if r % 2 == 0 else MODES[::-1]):
-                samples = [one_request(ports[m], args.max_tokens) for _ in range(args.requests)]
+                samples = []
+                for _ in range(args.requests):
+                    try:
+                        samples.append(one_request(ports[m], args.max_tokens))
+                    except (OSError, AssertionError) as exc:  # kept in the report, not hidden
+                        errors[m].append(f"round {r}: {exc!r}")
+                        print(f"  round {r} {m}: request failed: {exc!r}", flush=True)
+                if not samples:
+                    continue
                 runs[m].append({"ttft_ms": 1e3 * statistics.median(s[0] for s in samples),
                                 "tpot_ms": 1e3 * statistics.median(s[1] for s in samples)})
                 print(f"  round {r} {m:<9} ttft {runs[m][-1]['ttft_ms']:7.1f} ms  "
@@ -104,7 +116,7 @@ def serving(args: argparse.Namespace) -> dict:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return runs
+    return runs, errors
 
 
 # ---------------------------------------------------------------------------- KV pulls
@@ -200,6 +212,7 @@ def main() -> None:
     ap.add_argument("--kv-reps", type=int, default=7, help="interleaved KV pulls per mode")
     ap.add_argument("--kv-mib", type=int, default=32, help="MiB of the large KV pull")
     ap.add_argument("--skip-serving", action="store_true")
+    ap.add_argument("--log-dir", default="/tmp/secure_cost_logs", help="baton up logs")
     ap.add_argument("--out", default=str(HERE / "results" / "secure_cost.json"))
     args = ap.parse_args()
     report: dict = {"host_cpus": os.cpu_count(), "python": platform.python_version(),
@@ -207,11 +220,15 @@ def main() -> None:
     print("KV pulls (interleaved):", flush=True)
     kv = kv_pulls(args)
     report["kv"] = {m: {k: summary(v) for k, v in d.items()} for m, d in kv.items()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))  # the KV part survives a failure
+    print_table(report)
     if not args.skip_serving:
         print("serving, c1 (interleaved):", flush=True)
-        runs = serving(args)
+        runs, errors = serving(args)
         report["serving"] = {m: {k: summary([r[k] for r in rs]) for k in ("ttft_ms", "tpot_ms")}
-                             for m, rs in runs.items()}
+                             for m, rs in runs.items() if rs}
+        report["serving_errors"] = errors
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print_table(report)
@@ -222,7 +239,7 @@ def print_table(report: dict) -> None:
             ("serving", "c1 TTFT ms", "ttft_ms"), ("serving", "c1 TPOT ms", "tpot_ms")]
     print(f"{'figure':<18} {'curve (min..max)':>26} {'insecure (min..max)':>26} {'cost':>7}")
     for part, name, key in rows:
-        if not report[part]:
+        if set(report[part]) != set(MODES):
             continue
         on, off = report[part]["curve"][key], report[part]["insecure"][key]
         worse = off["median"] / on["median"] - 1 if key == "big_gbps" else \
