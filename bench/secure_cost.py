@@ -216,7 +216,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "secure_cost.json"))
     args = ap.parse_args()
     report: dict = {"host_cpus": os.cpu_count(), "python": platform.python_version(),
-                    "args": vars(args), "serving": {}, "kv": {}}
+                    # no paths of this machine in a committed result
+                    "args": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
+                    "serving": {}, "kv": {}}
     print("KV pulls (interleaved):", flush=True)
     kv = kv_pulls(args)
     report["kv"] = {m: {k: summary(v) for k, v in d.items()} for m, d in kv.items()}
