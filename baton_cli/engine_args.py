@@ -13,6 +13,7 @@ import socket
 import sys
 
 from baton.engine.config import EngineConfig
+from baton.ops.cluster_keys import add_key_args, keys_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                             "quantized modes, --num-threads in the exact one)")
     g.add_argument("--cpus", default="",
                    help="pin the process to these CPUs, e.g. 0 or 2-3 or 0,2 (default: no pinning)")
+    add_key_args(p.add_argument_group("cluster keys"))
     m = p.add_argument_group("model and cache")
     m.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -114,13 +116,19 @@ def add_probe_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--json", action="store_true",
                    help="print the engine's stats as one JSON object (counters flattened)")
+    add_key_args(p)
     p.set_defaults(func=run_probe)
 
 
 def run_probe(args: argparse.Namespace) -> int:
     from baton.service.client import probe_engine
 
-    stats = probe_engine(args.address, args.timeout)
+    try:
+        keys = keys_from_args(args, "baton probe")
+    except ValueError as exc:
+        print(f"baton probe: {exc}", file=sys.stderr)
+        return 2
+    stats = probe_engine(args.address, args.timeout, keys=keys)
     if stats is None:
         print(f"no answer from {args.address} within {args.timeout}s", file=sys.stderr)
         return 1

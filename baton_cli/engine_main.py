@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from baton.engine import EngineConfig, LLMEngine
+from baton.ops.cluster_keys import keys_from_args
 from baton.ops.cpus import engine_threads, parse_cpus
 from baton.ops.dp import DPConfig, DPGroup
 from baton.ops.registry import RegistryConfig, make_registry
@@ -49,11 +50,12 @@ CADENCE = ("prefill_attempt_interval", "prefill_any_attempt_interval", "prefill_
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
+    """The KV side channel's config; `args.cluster_keys` is what main() resolved."""
     if role == PROMPT:
         return TransferConfig(host=args.host, side_channel_port=args.side_channel_port,
-                              lease_ttl_s=args.lease_ttl)
+                              lease_ttl_s=args.lease_ttl, keys=args.cluster_keys)
     return TransferConfig(host=args.host, transfer_timeout_s=args.kv_timeout,
-                          claim_ttl_s=max(60.0, 2 * args.kv_timeout))
+                          claim_ttl_s=max(60.0, 2 * args.kv_timeout), keys=args.cluster_keys)
 
 
 def _normal_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
@@ -118,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
     engine_id = args.engine_id if dp_size == 1 else f"{args.engine_id}-dp{rank}"
     port = args.port + rank if args.port else 0
     try:
+        args.cluster_keys = keys_from_args(args, f"baton {role} engine {engine_id}")
         if args.cpus:
             # Before torch starts its OpenMP threads: they inherit the mask.
             os.sched_setaffinity(0, parse_cpus(args.cpus))
@@ -133,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
         service = EngineService(worker, ServiceConfig(
             engine_id=engine_id, host=args.host, port=port,
             drain_timeout_s=args.drain_timeout, heartbeat_s=args.registry_ttl / 3,
-            advertise_host=args.advertise_host), registry=registry, dp=dp, metrics=metrics)
+            advertise_host=args.advertise_host, keys=args.cluster_keys), registry=registry, dp=dp, metrics=metrics)
         if metrics is not None:
             metrics.serve(args.host, args.metrics_port + rank)
     except (ValueError, OSError) as exc:  # model not found, port in use, bad flag values

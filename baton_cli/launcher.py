@@ -6,6 +6,11 @@ Start-up waits for each engine to answer a stats request and for the router's /h
 child that exits or a wait that times out during start-up stops everything with one clear
 message. Once up, a child that exits is restarted (baton/ops/supervisor.py: same engine id and
 port, backoff, a limit) while the others keep serving; SIGTERM or Ctrl-C stops them all.
+
+Every internal wire is CURVE-authenticated: unless given `--cluster-key-dir`, the launcher
+generates the cluster's keys at start into a private temp dir (0700, files 0600) that every
+child gets with `--cluster-key-dir` and that is removed at stop. `--insecure` (benchmarks)
+passes `--insecure` to every child instead.
 """
 
 from __future__ import annotations
@@ -13,15 +18,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 
+from baton.ops.cluster_keys import INSECURE_WARNING, add_key_args
 from baton.ops.cpus import cpu_shares, engine_threads
 from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
 from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 from baton_cli.engine_args import ROLE_COMMANDS, add_common_args
+from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,8 @@ class LaunchConfig:
     metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # once up, for every child
     routing: str = "cache-aware"  # the router's --routing (router/engine_pool.py)
+    cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
+    insecure: bool = False  # no CURVE on the internal wires (benchmarks only)
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -57,6 +67,12 @@ class LaunchConfig:
         if self.num_normal_engines and disagg:
             raise ValueError("run either normal engines or prompt+completion engines, not both")
         role_engine_args(self.engine_args, "normal")  # an unknown flag fails here, not at start
+        if self.insecure and self.cluster_key_dir:
+            raise ValueError("--insecure and --cluster-key-dir contradict each other")
+        for flag in ("--cluster-key-dir", "--insecure"):
+            if flag in self.engine_args:
+                raise ValueError(f"give {flag} to `baton up` itself, not after --: the router "
+                                 "and every engine must share it")
 
 
 def role_engine_args(engine_args: list[str], role: str) -> list[str]:
@@ -89,10 +105,10 @@ def role_engine_args(engine_args: list[str], role: str) -> list[str]:
     return kept
 
 
-def _engine_answers(address: str) -> bool:
+def _engine_answers(address: str, keys: ClusterKeys | None) -> bool:
     from baton.service.client import probe_engine
 
-    return probe_engine(address, timeout_s=0.2) is not None
+    return probe_engine(address, timeout_s=0.2, keys=keys) is not None
 
 
 def _http_ok(url: str) -> bool:
@@ -105,12 +121,13 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def wait_engine_ready(address: str, deadline: float, child: Child) -> None:
+def wait_engine_ready(address: str, deadline: float, child: Child,
+                      keys: ClusterKeys | None = None) -> None:
     from baton.service.client import probe_engine
 
     while time.monotonic() < deadline:
         child.check_alive()
-        if probe_engine(address, timeout_s=0.5) is not None:
+        if probe_engine(address, timeout_s=0.5, keys=keys) is not None:
             return
     raise LaunchError(f"{child.name} at {address} not ready in time")
 
@@ -139,9 +156,31 @@ class Launcher:
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self._stopping = False
         self.supervisor: Supervisor | None = None
+        self.keys: ClusterKeys | None = None
+        self.key_args: list[str] = []
+        self._own_key_dir = ""  # generated here: removed at stop
+
+    def _setup_keys(self) -> list[str]:
+        """The children's key flags; generates the keys unless given a dir or --insecure."""
+        cfg = self.config
+        if cfg.insecure:
+            logger.warning(INSECURE_WARNING, "baton up")
+            return ["--insecure"]
+        key_dir = cfg.cluster_key_dir
+        if not key_dir:
+            key_dir = self._own_key_dir = str(generate())
+            logger.info("cluster keys generated in %s (removed at stop)", key_dir)
+        try:
+            self.keys = ClusterKeys.load(key_dir)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+        if not (self.keys.can_serve and self.keys.can_dial):
+            raise LaunchError(f"{key_dir} must hold both secrets on one host")
+        return ["--cluster-key-dir", key_dir]
 
     def start(self) -> None:
         cfg = self.config
+        self.key_args = self._setup_keys()
         if not port_is_free(cfg.host, cfg.router_port):
             raise LaunchError(f"router port {cfg.host}:{cfg.router_port} is already in use "
                               "(pass --port to choose another)")
@@ -160,7 +199,7 @@ class Launcher:
             idx = counts[role] = counts.get(role, -1) + 1
             self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
         for child in self.children:
-            wait_engine_ready(self.engine_addresses[child.name], deadline, child)
+            wait_engine_ready(self.engine_addresses[child.name], deadline, child, self.keys)
         self._start_router(deadline)
 
     def _model_args(self) -> list[str]:
@@ -172,10 +211,12 @@ class Launcher:
         argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
                 "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
-                *self._model_args(), *self._metrics_args(engine_id),
+                *self._model_args(), *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
-        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address)))
+        keys = self.keys
+        self.children.append(Child(engine_id, argv,
+                                   is_ready=lambda: _engine_answers(address, keys)))
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -189,7 +230,7 @@ class Launcher:
         cfg = self.config
         argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url,
-                "--routing", cfg.routing, *self._model_args()]
+                "--routing", cfg.routing, *self._model_args(), *self.key_args]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
         router = Child("router", argv, env, is_ready=lambda: _http_ok(health))
@@ -219,6 +260,9 @@ class Launcher:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._own_key_dir:
+            shutil.rmtree(self._own_key_dir, ignore_errors=True)
+            self._own_key_dir = ""
 
     def served_model(self) -> str:
         """The model id the router serves (clients must name it), or a placeholder."""
@@ -275,6 +319,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds the restarts are counted over")
     p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's engine choice (see baton router --help)")
+    add_key_args(p)
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -292,7 +337,10 @@ def run(args: argparse.Namespace) -> int:
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
-            routing=args.routing)
+            routing=args.routing, insecure=args.insecure,
+            # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
+            cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(
+                ENV_KEY_DIR, "") else args.cluster_key_dir)
     except ValueError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2

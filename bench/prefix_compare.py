@@ -58,8 +58,10 @@ def engine_addresses(log_path: Path) -> dict[str, str]:
 
 def engine_stats(address: str) -> dict[str, float]:
     from baton.service.client import probe_engine
+    from kv_transfer.auth import keys_from_env
 
-    stats = probe_engine(address, timeout_s=5.0)
+    # main() exported the key dir every `baton up` here uses
+    stats = probe_engine(address, timeout_s=5.0, keys=keys_from_env())
     return {} if stats is None else dict(stats.extra)
 
 
@@ -125,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    import os
+
+    from kv_transfer.auth import ENV_KEY_DIR, generate
+
+    # One key dir for every `baton up` (they inherit it) and for the stats probes.
+    os.environ.setdefault(ENV_KEY_DIR, str(generate()))
     records = [run_setup(name, args) for name in args.setups]
     rows = [row(r) for r in records]
     by = {r["setup"]: r for r in rows}

@@ -6,6 +6,8 @@ import dataclasses
 import ipaddress
 from typing import Any
 
+from kv_transfer.auth import ClusterKeys
+
 OPS = ("READ", "WRITE")
 MEM_TYPES = ("DRAM", "VRAM")  # NIXL memory types: host memory, a GPU's memory
 
@@ -34,6 +36,10 @@ class TransferConfig:
     max_msg_bytes: int = 8 << 20
     # Environment for UCX, applied before the NIXL agent starts (e.g. {"UCX_TLS": "^cma"}).
     ucx_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # CURVE keys of the side channel (kv_transfer/auth.py): the exporter serves with the server
+    # pair and admits only the cluster's client key, the importer dials with the client pair.
+    # None = plain TCP, for benchmarks and tests of the insecure mode only.
+    keys: ClusterKeys | None = None
 
     def __post_init__(self) -> None:
         try:

@@ -22,6 +22,7 @@ class FailReason(str, enum.Enum):
     LEASE_EXPIRED = "lease_expired"
     ALREADY_CLAIMED = "already_claimed"
     UNKNOWN_REQUEST = "unknown_request"
+    BAD_CREDENTIAL = "bad_credential"  # a claim without the lease's credential
     BAD_HANDLE = "bad_handle"  # ids, counts or sizes out of range / not matching
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
     TIMEOUT = "timeout"

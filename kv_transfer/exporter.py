@@ -4,9 +4,12 @@ Life of one request on the prompt engine:
 1. prefill ends; the engine calls hold(request_id, block_ids, num_tokens) and gets a KVHandle
    for the router; the lease runs for lease_ttl_s.
 2. an importer handshakes once (agent metadata, pool shape, fingerprint), then sends a Claim
-   for the request over the side channel; the lease now waits for the reader (claim_ttl_s).
+   for the request over the side channel with the handle's lease credential (wrong or reused:
+   refused); the lease now waits for the reader (claim_ttl_s).
 3. the importer READs the blocks; the Release notification that NIXL delivers after the read
    ends the lease and on_free(request_id, block_ids) gives the blocks back to the engine.
+   The side channel is CURVE with a ZAP check when config.keys is set (kv_transfer/auth.py): a
+   peer without the cluster's client key never gets an answer, and is counted (auth_refused).
 4. a lease nobody claims in time, a claim with no release in time, or abort(request_id)
    ends it the same way (abort of a claimed lease waits for the reader to let go).
 """
@@ -25,6 +28,7 @@ import zmq
 
 from kv_transfer import protocol as proto
 from kv_transfer.agent import NixlAgent
+from kv_transfer.auth import RefusalCounter
 from kv_transfer.blocks import check_block_ids
 from kv_transfer.config import PoolSpec, TransferConfig
 from kv_transfer.errors import BadHandleError, FailReason
@@ -60,9 +64,17 @@ class KVExporter:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_msg_bytes)
+        self._refusals: RefusalCounter | None = None
+        if config.keys is not None:
+            config.keys.apply_server(self._sock, "kv_side_channel")
+            self._refusals = RefusalCounter(self._sock, "kv_side_channel")
+        else:
+            logger.warning("KV side channel of %s is NOT authenticated (no cluster keys)",
+                           engine_id)
         port = config.side_channel_port or "*"
         self._sock.bind(f"tcp://{config.host}:{port}")
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._num_refused = 0  # written by the poller thread under the lock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-exporter-{engine_id}",
                                         daemon=True)
@@ -84,7 +96,8 @@ class KVExporter:
             lease = self._table.hold(request_id, list(block_ids), num_tokens,
                                      time.monotonic() + ttl)
         return proto.KVHandle(self.engine_id, self.address, self.instance_id, request_id,
-                              list(lease.block_ids), num_tokens, list(block_keys))
+                              list(lease.block_ids), num_tokens, list(block_keys),
+                              lease.credential)
 
     def abort(self, request_id: str) -> bool:
         """Drop the lease; True if its blocks were freed now (False: unknown or claimed,
@@ -105,6 +118,8 @@ class KVExporter:
             snap["leases_active"] = len(self._table.leases)
             snap["leases_claimed_active"] = sum(
                 1 for x in self._table.leases.values() if x.claimed_by)
+            if self._refusals is not None:
+                snap["auth_refused"] = self._num_refused
         snap["instance_id"] = self.instance_id
         return snap
 
@@ -115,6 +130,8 @@ class KVExporter:
             return
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._refusals is not None:
+            self._refusals.close()
         self._sock.close(linger=0)
         self.agent.close()
 
@@ -133,6 +150,10 @@ class KVExporter:
                     self._drain_socket()
                 self._handle_notifs()
                 self._expire()
+                if self._refusals is not None:
+                    num_refused = self._refusals.drain()
+                    with self._lock:
+                        self._num_refused = num_refused
             except Exception:  # a bug must not kill the side channel silently
                 logger.exception("KV exporter poller step failed")
 
@@ -175,7 +196,8 @@ class KVExporter:
                 deadline = time.monotonic() + self.config.claim_ttl_s
                 with self._lock:
                     reason, text = self._table.claim(msg.request_id, msg.agent_name, ids,
-                                                     deadline, time.monotonic())
+                                                     deadline, time.monotonic(),
+                                                     msg.credential)
                     if reason is not None:
                         self._table.counters[f"claims_rejected_{reason.value}"] += 1
         if reason is None:

@@ -3,18 +3,25 @@
 Pure bookkeeping with the clock passed in, so it is tested without sockets. Life of a lease:
 hold -> (claim -> release | claim deadline) | lease deadline | abort. Every path that ends a
 lease returns it to the caller exactly once, and the caller frees its blocks.
+
+A lease is claimed only with its credential: 128 random bits made at hold, handed out in the
+KV handle, compared in constant time, good for one claim (a second claim, even with the right
+credential, is refused: the lease is claimed or over).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
+import secrets
 
 from kv_transfer.blocks import check_block_ids
 from kv_transfer.errors import FailReason
 
 # How many ended request ids are remembered to answer a late claim precisely.
 _REMEMBER = 4096
+CREDENTIAL_BYTES = 16  # 128 bits: unguessable within any lease's lifetime
 
 
 @dataclasses.dataclass
@@ -25,6 +32,7 @@ class Lease:
     deadline: float
     claimed_by: str = ""  # importer's NIXL agent name once claimed
     is_aborted: bool = False  # aborted while claimed: freed when the reader lets go
+    credential: bytes = dataclasses.field(default=b"", repr=False)  # set by hold()
 
 
 class LeaseTable:
@@ -41,7 +49,8 @@ class LeaseTable:
         if request_id in self.leases:
             raise ValueError(f"request {request_id!r} already holds a lease")
         ids = check_block_ids(block_ids, self.num_blocks, f"hold({request_id!r})")
-        lease = Lease(request_id, ids, num_tokens, deadline)
+        lease = Lease(request_id, ids, num_tokens, deadline,
+                      credential=secrets.token_bytes(CREDENTIAL_BYTES))
         self.leases[request_id] = lease
         self._ended.pop(request_id, None)
         self._block_leases.update(ids)
@@ -49,11 +58,14 @@ class LeaseTable:
         return lease
 
     def claim(self, request_id: str, agent: str, block_ids: list[int], deadline: float,
-              now: float) -> tuple[FailReason | None, str]:
+              now: float, credential: bytes = b"") -> tuple[FailReason | None, str]:
         lease = self.leases.get(request_id)
         if lease is None:
             reason = self._ended.get(request_id, FailReason.UNKNOWN_REQUEST)
             return reason, f"no lease for request {request_id!r} ({reason.value})"
+        # Before any other answer: without the credential a peer learns nothing of the lease.
+        if not hmac.compare_digest(credential, lease.credential):
+            return FailReason.BAD_CREDENTIAL, f"wrong credential for the lease of {request_id!r}"
         if lease.claimed_by or lease.is_aborted:
             return FailReason.ALREADY_CLAIMED, f"request {request_id!r} already claimed"
         if lease.deadline <= now:

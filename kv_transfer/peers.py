@@ -8,6 +8,7 @@ import logging
 import zmq
 
 from kv_transfer import protocol as proto
+from kv_transfer.auth import ClusterKeys
 from kv_transfer.config import PoolSpec
 
 logger = logging.getLogger(__name__)
@@ -47,10 +48,13 @@ class Peer:
         return bool(self.instance_id) and self.hs_seq < 0
 
     @classmethod
-    def connect(cls, ctx: zmq.Context, address: str, max_msg_bytes: int) -> Peer:
+    def connect(cls, ctx: zmq.Context, address: str, max_msg_bytes: int,
+                keys: ClusterKeys | None = None) -> Peer:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+        if keys is not None:
+            keys.apply_client(sock)
         sock.connect(address)
         return cls(address, sock)
 

@@ -8,7 +8,7 @@ so a frame is a short msgpack array whose first item names the type. New fields 
     Handshake(seq)          ->
                             <-       HandshakeReply(seq, instance, agent metadata, pool shape,
                                                     fingerprint)
-    Claim(seq, request, instance, agent, block ids) ->
+    Claim(seq, request, instance, agent, block ids, credential) ->
                             <-       ClaimReply(seq, request, ok | reason)
     NIXL READ of the claimed blocks, carrying the notification Release(request, instance)
 """
@@ -20,7 +20,7 @@ import msgspec
 # Bumped whenever a message changes shape; part of the fingerprint, so two engines
 # that would misread each other refuse to talk instead of corrupting a transfer. It is the KV
 # wire's own version, not the Baton release's: kv_transfer depends on nothing in baton.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the lease credential in KVHandle and Claim
 
 
 class Fingerprint(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -55,6 +55,9 @@ class KVHandle(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     # Prefix-cache keys of the prompt's full blocks (a hash chain over their tokens, seeded
     # with the model fingerprint): a completion engine holding some of them pulls only the rest.
     block_keys: list[int] = []
+    # The lease's single-use secret (16 random bytes): only a claim carrying it is granted. It
+    # reaches the completion engine inside this handle, over the CURVE-encrypted engine wires.
+    credential: bytes = b""
 
 
 class Handshake(msgspec.Struct, tag="hs", array_like=True, omit_defaults=True):
@@ -82,6 +85,7 @@ class Claim(msgspec.Struct, tag="claim", array_like=True, omit_defaults=True):
     instance_id: str
     agent_name: str  # the importer's NIXL agent: only it may release the lease
     block_ids: list[int]
+    credential: bytes = b""  # the handle's lease credential
 
 
 class ClaimReply(msgspec.Struct, tag="claim_ok", array_like=True, omit_defaults=True):

@@ -209,7 +209,7 @@ class PullLoop:
         h = pull.handle
         peer = self.peers.get(h.side_channel)
         if peer is None:
-            peer = Peer.connect(self.ctx, h.side_channel, self.cfg.max_msg_bytes)
+            peer = Peer.connect(self.ctx, h.side_channel, self.cfg.max_msg_bytes, self.cfg.keys)
             self.peers[peer.address] = peer
             self.poller.register(peer.sock, zmq.POLLIN)
         if peer.hs_seq >= 0:
@@ -239,7 +239,7 @@ class PullLoop:
         pull.seq, pull.peer, pull.deadline = self.seq, peer, now + self.cfg.rpc_timeout_s
         self.claims[self.seq] = pull
         peer.sock.send(proto.encode(proto.Claim(self.seq, h.request_id, h.instance_id,
-                                                self.agent.name, remote_ids)))
+                                                self.agent.name, remote_ids, h.credential)))
 
     def _post(self, pull: Pull) -> None:
         peer, h = pull.peer, pull.handle

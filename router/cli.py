@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 
+from baton.ops.cluster_keys import add_key_args
+
 logger = logging.getLogger(__name__)
 
 
@@ -57,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "load; least-loaded: load only")
     p.add_argument("--kv-overlap-weight", type=float, default=1.0,
                    help="cache-aware cost = weight * blocks the engine lacks + active blocks")
+    add_key_args(p)
     p.set_defaults(func=run)
 
 
@@ -79,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         num_prepare_workers=args.prepare_workers, routing=args.routing,
-        kv_overlap_weight=args.kv_overlap_weight)
+        kv_overlap_weight=args.kv_overlap_weight, cluster_key_dir=args.cluster_key_dir,
+        insecure=args.insecure)
     logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=logging.getLogger().getEffectiveLevel(), access_log=False,

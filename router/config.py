@@ -6,7 +6,9 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from baton.ops.cluster_keys import resolve_keys
 from baton.protocol import MAX_CHOICES, ROLES
+from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
 
@@ -74,10 +76,23 @@ class RouterConfig:
     routing: str = "cache-aware"
     # cache-aware cost = kv_overlap_weight * blocks the engine lacks + its active blocks.
     kv_overlap_weight: float = 1.0
+    # The cluster's CURVE keys (kv_transfer/auth.py) the engine sockets dial with; empty =
+    # $BATON_CLUSTER_KEY_DIR. One of the two, or `insecure`, is required.
+    cluster_key_dir: str = ""
+    # Plain TCP to the engines: benchmarks only (a warning at start).
+    insecure: bool = False
+    # Loaded from cluster_key_dir by __post_init__; None exactly when insecure.
+    cluster_keys: ClusterKeys | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.api_key:
             self.api_key = os.environ.get("BATON_API_KEY", "")
+        if not self.cluster_key_dir and not self.insecure:
+            self.cluster_key_dir = os.environ.get(ENV_KEY_DIR, "")
+        self.cluster_keys = resolve_keys(self.cluster_key_dir, self.insecure, "baton router")
+        if self.cluster_keys is not None and not self.cluster_keys.can_dial:
+            raise ValueError(f"cluster_key_dir {self.cluster_key_dir!r} lacks "
+                             "client.key_secret, which the router dials with")
         try:
             ipaddress.ip_address(self.host)
         except ValueError:

@@ -9,6 +9,10 @@ their timeout.
 With a `KvIndex` (cache-aware routing) the client subscribes to the engine's KV events on every
 (re)connection and feeds them to the index; a dropped connection drops the engine's entries,
 and a message the index refuses (a gap, a restart) makes it subscribe again.
+
+Every socket dials CURVE with the cluster's client key pair (kv_transfer/auth.py) unless the
+router runs `--insecure`: the keys are the router process's, set once by `use_cluster_keys`
+(router/app.py) or passed per client.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from baton.protocol import (
     SubscribeKvEvents,
     TokenDelta,
 )
+from kv_transfer.auth import ClusterKeys
 from router.kv_index import KvIndex
 
 logger = logging.getLogger(__name__)
@@ -39,11 +44,22 @@ logger = logging.getLogger(__name__)
 # Error finish reason the router puts into a request's queue when its engine's connection drops.
 DISCONNECTED = "engine_disconnected"
 
+# The keys of this router process's cluster (one router serves one cluster): what a client
+# built without explicit keys dials with. None = plain TCP (--insecure).
+_process_keys: ClusterKeys | None = None
+
+
+def use_cluster_keys(keys: ClusterKeys | None) -> None:
+    """Set the keys every EngineClient made afterwards without `keys` dials with."""
+    global _process_keys
+    _process_keys = keys
+
 
 class EngineClient:
     """The router's side of one engine: send requests, receive their deltas."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, kv_index: KvIndex | None = None):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, kv_index: KvIndex | None = None,
+                 keys: ClusterKeys | None = None):
         self.address = address
         self.kv_index = kv_index
         self.kv_subscribed_at = -1e9  # monotonic time of the last SubscribeKvEvents sent
@@ -54,8 +70,12 @@ class EngineClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a message: every wait has a timeout
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        keys = keys if keys is not None else _process_keys
+        if keys is not None:
+            keys.apply_client(self._sock)
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._sock.connect(address)
         self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
         self._replies: dict[int, asyncio.Future[ControlReply]] = {}  # control requests by nonce
@@ -137,9 +157,15 @@ class EngineClient:
     async def _monitor_loop(self) -> None:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
-            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                # Keys of another cluster (or none, or CURVE on one side only): TCP connects,
+                # the handshake never completes, and the engine stays unusable.
+                logger.error("engine %s refused the handshake: check that it and this router "
+                             "share the cluster keys (--cluster-key-dir / --insecure)",
+                             self.address)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # TCP up is not enough under CURVE
                 self.is_connected = True
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.kv_index is not None:
+                if self.kv_index is not None:
                     # A new connection is a new engine-side subscriber list: ask again.
                     await self.subscribe_kv_events()
             elif event == zmq.EVENT_DISCONNECTED:

@@ -11,6 +11,10 @@ from pathlib import Path
 from baton.ops.redis_server import free_port
 from baton.protocol import EngineStats
 from baton.service.client import EngineClient, probe_engine
+from kv_transfer.auth import keys_from_env
+
+# The session's cluster keys (tests/conftest.py): the engines get them from the environment.
+KEYS = keys_from_env()
 
 # Small pools and one thread each: several engines share this machine's two cores. The exact
 # mode (the servers' default is auto, int4 on the default model): these tests compare with
@@ -36,7 +40,7 @@ class EngineProcess:
                                          start_new_session=True)
 
     def wait_ready(self, deadline: float) -> EngineProcess:
-        while probe_engine(self.address, timeout_s=0.5) is None:
+        while probe_engine(self.address, timeout_s=0.5, keys=KEYS) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"engine {self.engine_id} did not start:\n{self.tail()}")
             time.sleep(0.2)
@@ -46,7 +50,7 @@ class EngineProcess:
         return self.log.read_text(errors="replace")[-n:]
 
     def client(self) -> EngineClient:
-        return EngineClient(self.address)
+        return EngineClient(self.address, keys=KEYS)
 
     def stats(self) -> EngineStats:
         with self.client() as client:

@@ -1,10 +1,25 @@
-"""Project-wide fixtures: a real redis-server, and the free==total check."""
+"""Project-wide fixtures: a real redis-server, the cluster's CURVE keys, the free==total check.
+
+Every internal wire is authenticated, in tests too: this file makes one cluster key dir per
+test session and exports it as $BATON_CLUSTER_KEY_DIR before any test module is imported, so
+engine and router processes started by tests (and `baton up`) inherit it, and every helper that
+dials or serves an engine or KV socket loads it through `cluster_keys` / `keys_from_env()`.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 
 import pytest
+
+from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
+
+if not os.environ.get(ENV_KEY_DIR):
+    _KEY_DIR = str(generate())
+    os.environ[ENV_KEY_DIR] = _KEY_DIR
+    atexit.register(shutil.rmtree, _KEY_DIR, True)
 
 # NIXL/UCX: stay on loopback and keep start-up quiet in every test process and its children.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -30,3 +45,9 @@ def redis_url(redis_server) -> str:
     client.flushdb()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def cluster_keys() -> ClusterKeys:
+    """The session's cluster keys (both pairs), the ones $BATON_CLUSTER_KEY_DIR names."""
+    return ClusterKeys.load(os.environ[ENV_KEY_DIR])

@@ -1,7 +1,8 @@
 """A small synchronous client of the engine wire, for the launcher, tests and operators.
 
 The router has its own asyncio client; this one sends a request and waits for replies with a
-timeout, over a fresh DEALER socket that is closed before returning.
+timeout, over a fresh DEALER socket that is closed before returning. With cluster keys it
+dials CURVE (kv_transfer/auth.py); an engine serving CURVE never answers a client without them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from baton.protocol import (
     decode_to_router,
     encode,
 )
+from kv_transfer.auth import ClusterKeys
 
 
 class EngineTimeout(TimeoutError):
@@ -33,11 +35,14 @@ class EngineTimeout(TimeoutError):
 
 
 class EngineClient:
-    def __init__(self, address: str, ctx: zmq.Context | None = None):
+    def __init__(self, address: str, ctx: zmq.Context | None = None,
+                 keys: ClusterKeys | None = None):
         self.address = address
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply_client(self.sock)
         self.sock.connect(address)
         self._inbox: collections.deque[TokenDelta | EngineStats | ControlReply] = \
             collections.deque()
@@ -106,9 +111,11 @@ class EngineClient:
         return merged
 
 
-def probe_engine(address: str, timeout_s: float = 1.0) -> EngineStats | None:
-    """The engine's stats, or None when it does not answer within the timeout."""
-    with EngineClient(address) as client:
+def probe_engine(address: str, timeout_s: float = 1.0,
+                 keys: ClusterKeys | None = None) -> EngineStats | None:
+    """The engine's stats, or None when it does not answer within the timeout (a CURVE engine
+    never answers a probe without the cluster keys)."""
+    with EngineClient(address, keys=keys) as client:
         try:
             return client.stats(timeout_s)
         except EngineTimeout:

@@ -14,6 +14,9 @@ One process, one thread of control:
 4. SIGTERM/SIGINT: stop taking work (new requests finish at once with reason `abort` and an
    error), let in-flight work finish for `drain_timeout_s`, abort what is left, deregister from
    the registry, close the socket.
+With `ServiceConfig.keys` the socket serves CURVE and its ZAP handler admits only the cluster's
+client key (kv_transfer/auth.py): a peer without it never gets an answer, and each refused
+handshake is counted (`baton_auth_refused_total{endpoint="engine"}`).
 With `metrics` (baton/service/metrics.py) the loop also publishes a stats snapshot for Prometheus at
 the registry-snapshot cadence, times and counts every request it tracks, and stops the HTTP
 server last.
@@ -50,6 +53,7 @@ from baton.protocol import (
     encode,
 )
 from baton.service.metrics import EngineMetrics
+from kv_transfer.auth import ClusterKeys, RefusalCounter
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,9 @@ class ServiceConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight work may still run
     max_messages_per_step: int = 256  # bound on socket draining between two steps
     heartbeat_s: float = 1.0
+    # CURVE keys of the request socket (kv_transfer/auth.py); None = plain TCP, which only
+    # `--insecure` asks for (benchmarks).
+    keys: ClusterKeys | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -118,6 +125,10 @@ class EngineService:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, not vanishes
         # ZMQ drops (and disconnects) a peer whose message exceeds this, before we see it.
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.refusals: RefusalCounter | None = None
+        if config.keys is not None:
+            config.keys.apply_server(self.sock, "engine")
+            self.refusals = RefusalCounter(self.sock, "engine")
         if config.port:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
         else:
@@ -164,6 +175,8 @@ class EngineService:
             if self._heartbeat is not None:
                 self._heartbeat.stop()
             self.worker.close()
+            if self.refusals is not None:
+                self.refusals.close()
             self.sock.close(0)
             if self.metrics is not None:
                 self.metrics.close()
@@ -211,6 +224,8 @@ class EngineService:
             self._publish_kv_events()
         now = time.monotonic()
         if now - self._snapshot_at >= self._snapshot_every_s:
+            if self.refusals is not None:
+                self.refusals.drain()
             self._snapshot, self._snapshot_at = self.record(), now
             if self.metrics is not None:
                 self.metrics.publish(self.stats())
@@ -346,6 +361,8 @@ class EngineService:
         self.worker.fill_stats(stats)
         stats.extra["num_bad_messages"] = float(self.counters.num_bad_messages)
         stats.extra["uptime_s"] = time.time() - self.counters.started_at
+        if self.refusals is not None:
+            stats.extra["auth_refused"] = float(self.refusals.num_refused)
         return stats
 
     def record(self) -> EngineRecord:

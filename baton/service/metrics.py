@@ -70,6 +70,8 @@ _COMPLETION_COUNTERS = [
     ("baton_kv_blocks_reused", "Prompt KV blocks found in this engine's prefix cache instead "
      "of pulled", "kv_blocks_reused"),
 ]
+# (endpoint label, stats.extra key) of the CURVE refusal counters (kv_transfer/auth.py).
+_AUTH_ENDPOINTS = [("engine", "auth_refused"), ("kv_side_channel", "kv_auth_refused")]
 _FAILED_PREFIX = "kv_failed_"  # the importer's per-reason failure counters, in stats.extra
 
 
@@ -110,6 +112,9 @@ class _SnapshotCollector(Collector):
         if self.role == "completion":
             counters += _COMPLETION_COUNTERS
             yield self._failures(stats)
+        refused = self._refused(stats)
+        if refused is not None:
+            yield refused
         for name, text, key in counters:
             family = CounterMetricFamily(name, text, labels=LABELS)
             family.add_metric(self.labels, _value(stats, key))
@@ -118,6 +123,19 @@ class _SnapshotCollector(Collector):
     def _gauge(self, name: str, text: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, text, labels=LABELS)
         family.add_metric(self.labels, float(value))
+        return family
+
+    def _refused(self, stats: EngineStats) -> CounterMetricFamily | None:
+        """Peers refused at the CURVE handshake, per socket (absent with --insecure)."""
+        endpoints = [(endpoint, stats.extra[key]) for endpoint, key in _AUTH_ENDPOINTS
+                     if key in stats.extra]
+        if not endpoints:
+            return None
+        family = CounterMetricFamily("baton_auth_refused", "Peers refused at the handshake "
+                                     "for want of the cluster's CURVE client key, by socket",
+                                     labels=[*LABELS, "endpoint"])
+        for endpoint, value in endpoints:
+            family.add_metric([*self.labels, endpoint], value)
         return family
 
     def _failures(self, stats: EngineStats) -> CounterMetricFamily:

@@ -299,3 +299,30 @@ def test_dockerfile_exposes_every_declared_port():
                for p in ln.split()[1:]}
     declared = {p for _, c in baton_containers() for p in ports_of(c).values()}
     assert declared <= exposed, f"not EXPOSEd: {sorted(declared - exposed)}"
+
+
+def _key_volume(deployment: dict) -> dict:
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"].get("volumes", [])}
+    assert "cluster-keys" in volumes, deployment["metadata"]["name"]
+    return volumes["cluster-keys"]["secret"]
+
+
+def test_every_baton_container_gets_the_cluster_keys_from_a_secret():
+    """CURVE on every internal wire: each container reads its keys from the Secret's files
+    (owner-only), via $BATON_CLUSTER_KEY_DIR (so `baton probe` has them too), never --insecure;
+    the router is given no server secret."""
+    for deployment, c in baton_containers():
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        key_dir = env.get("BATON_CLUSTER_KEY_DIR")
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        assert key_dir and mounts["cluster-keys"]["mountPath"] == key_dir, c["name"]
+        assert mounts["cluster-keys"].get("readOnly") is True
+        assert "--insecure" not in c["args"]
+        secret = _key_volume(deployment)
+        assert secret["secretName"] == "baton-cluster-keys"
+        assert secret["defaultMode"] & 0o077 == 0, "secret files must be owner-only"
+        paths = {i["path"] for i in secret.get("items", [])}
+        if argv_of(c)[0] == "router":
+            assert paths == {"server.key", "client.key", "client.key_secret"}
+        else:
+            assert not paths  # engines: all four files (serve, and dial + probe)

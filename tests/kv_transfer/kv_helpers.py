@@ -11,11 +11,14 @@ import kv_peer
 import numpy as np
 
 from kv_transfer import KVImporter
+from kv_transfer.auth import keys_from_env
 
 NUM_BLOCKS = 64
 BLOCK_BYTES = 16384
 # Short timeouts so a dead peer shows within a second or two.
-FAST = dict(rpc_timeout_s=1.0, transfer_timeout_s=5.0, claim_ttl_s=8.0, lease_ttl_s=20.0)
+# With the session's cluster keys (tests/conftest.py): the side channel is CURVE, as in Baton.
+FAST = dict(rpc_timeout_s=1.0, transfer_timeout_s=5.0, claim_ttl_s=8.0, lease_ttl_s=20.0,
+            keys=keys_from_env())
 
 
 class LocalPool:

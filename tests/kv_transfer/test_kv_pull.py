@@ -225,11 +225,12 @@ def test_timeouts_are_validated():
         KVImporter(bytearray(10), TransferConfig(), fingerprint())
 
 
-def test_side_channel_survives_garbage(peer, importer, local_pool):
+def test_side_channel_survives_garbage(peer, importer, local_pool, cluster_keys):
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    cluster_keys.apply_client(sock)  # an authenticated peer sending garbage
     sock.connect(peer.address)
     try:
         for junk in [b"", b"\xff\x00garbage", msgspec.msgpack.encode(["claim", 1, 2, 3])]:

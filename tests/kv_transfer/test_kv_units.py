@@ -34,33 +34,33 @@ def test_merge_runs_needs_both_sides_consecutive():
 
 def test_lease_lifecycle():
     t = LeaseTable(16)
-    t.hold("a", [1, 2], 32, deadline=10.0)
+    cred = t.hold("a", [1, 2], 32, deadline=10.0).credential
     # A prompt sharing a's first block through the prefix cache is leased on its own.
     t.hold("b", [1, 3], 32, deadline=10.0)
     assert t.num_leased_blocks() == 3
     assert t.abort("b").block_ids == [1, 3] and t.num_leased_blocks() == 2
     with pytest.raises(ValueError, match="already holds"):
         t.hold("a", [4], 16, deadline=10.0)
-    assert t.claim("a", "imp", [2, 1], 20.0, now=1.0)[0] == FailReason.BAD_HANDLE
-    assert t.claim("a", "imp", [1, 2], 20.0, now=1.0) == (None, "")
-    assert t.claim("a", "imp", [1, 2], 20.0, now=1.0)[0] == FailReason.ALREADY_CLAIMED
+    assert t.claim("a", "imp", [2, 1], 20.0, 1.0, cred)[0] == FailReason.BAD_HANDLE
+    assert t.claim("a", "imp", [1, 2], 20.0, 1.0, cred) == (None, "")
+    assert t.claim("a", "imp", [1, 2], 20.0, 1.0, cred)[0] == FailReason.ALREADY_CLAIMED
     assert t.release("a", "someone-else") is None
     assert t.release("a", "imp").block_ids == [1, 2]
-    assert t.claim("a", "imp", [1, 2], 20.0, now=1.0)[0] == FailReason.ALREADY_CLAIMED
+    assert t.claim("a", "imp", [1, 2], 20.0, 1.0, cred)[0] == FailReason.ALREADY_CLAIMED
     assert t.claim("zzz", "imp", [1], 20.0, now=1.0)[0] == FailReason.UNKNOWN_REQUEST
     assert not t.leases and t.num_leased_blocks() == 0
 
 
 def test_lease_expiry_and_abort():
     t = LeaseTable(16)
-    t.hold("x", [1], 16, deadline=1.0)
+    x = t.hold("x", [1], 16, deadline=1.0).credential
     t.hold("y", [2], 16, deadline=5.0)
-    t.hold("z", [3], 16, deadline=5.0)
-    assert t.claim("x", "imp", [1], 9.0, now=2.0)[0] == FailReason.LEASE_EXPIRED
+    z = t.hold("z", [3], 16, deadline=5.0).credential
+    assert t.claim("x", "imp", [1], 9.0, 2.0, x)[0] == FailReason.LEASE_EXPIRED
     assert [x.request_id for x in t.expire(now=2.0)] == ["x"]
-    assert t.claim("x", "imp", [1], 9.0, now=2.0)[0] == FailReason.LEASE_EXPIRED
+    assert t.claim("x", "imp", [1], 9.0, 2.0, x)[0] == FailReason.LEASE_EXPIRED
     assert t.abort("y").block_ids == [2]
-    assert t.claim("z", "imp", [3], 9.0, now=2.0) == (None, "")
+    assert t.claim("z", "imp", [3], 9.0, 2.0, z) == (None, "")
     assert t.abort("z") is None  # claimed: freed when the reader lets go
     assert t.release("z", "imp").block_ids == [3]
     assert t.counters["leases_expired"] == 1 and t.counters["leases_aborted"] == 2
@@ -69,8 +69,8 @@ def test_lease_expiry_and_abort():
 
 def test_claimed_lease_expires_at_claim_deadline():
     t = LeaseTable(16)
-    t.hold("c", [4], 16, deadline=1.0)
-    assert t.claim("c", "imp", [4], 3.0, now=0.5) == (None, "")
+    cred = t.hold("c", [4], 16, deadline=1.0).credential
+    assert t.claim("c", "imp", [4], 3.0, 0.5, cred) == (None, "")
     assert t.expire(now=2.0) == []
     assert [x.request_id for x in t.expire(now=3.5)] == ["c"]
     assert t.counters["claims_expired"] == 1
@@ -106,11 +106,11 @@ def test_pool_spec_from_tensor_and_array():
 
 def test_wire_is_tagged_array_like():
     fp = proto.Fingerprint("m", "float32", 2, 2, 64, 16)
-    claim = proto.Claim(3, "r", "inst", "agent", [1, 2])
+    claim = proto.Claim(3, "r", "inst", "agent", [1, 2], b"\x01" * 16)
     raw = proto.encode(claim)
     assert msgspec.msgpack.decode(raw)[0] == "claim"
     assert proto.decode_to_exporter(raw) == claim
-    h = KVHandle("p0", "tcp://127.0.0.1:5000", "inst", "r", [1, 2], 32)
+    h = KVHandle("p0", "tcp://127.0.0.1:5000", "inst", "r", [1, 2], 32, [], b"\x02" * 16)
     assert proto.decode_handle(proto.encode(h)) == h
     reply = proto.HandshakeReply(1, "p0", "i", "a", b"md", 4096, 8, 16, fp)
     assert proto.decode_to_importer(proto.encode(reply)) == reply

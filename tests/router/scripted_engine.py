@@ -31,6 +31,7 @@ from baton.protocol import (
     decode_to_engine,
     encode,
 )
+from kv_transfer.auth import keys_from_env, stop_authenticator
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ScriptedEngine:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        keys_from_env().apply_server(self._sock, "engine")  # as a real engine: CURVE + ZAP
         if port:  # an engine restarted behind its old address
             self._sock.bind(f"tcp://127.0.0.1:{port}")
         else:
@@ -74,6 +76,7 @@ class ScriptedEngine:
         self._stop.set()
         self._thread.join(5)
         self._sock.close(linger=0)
+        stop_authenticator(self._ctx)
         self._ctx.term()
 
     def _run(self) -> None:

@@ -21,7 +21,7 @@ import pytest
 from baton.protocol import SamplingOptions
 from baton_cli.main import _SUBCOMMANDS
 from router.config import RouterConfig
-from tests.cluster import EngineProcess, wait_for, wait_whole
+from tests.cluster import KEYS, EngineProcess, wait_for, wait_whole
 from tests.router import kv_rounds
 from tests.router.conftest import serve_router
 
@@ -89,7 +89,7 @@ def _engine_text(engine: EngineProcess, info, ids: list[int], max_tokens: int) -
 
     sampling = SamplingOptions(max_tokens=max_tokens, temperature=0.0,
                                stop_token_ids=list(info.stop_token_ids))
-    with EngineClient(engine.address) as client:
+    with EngineClient(engine.address, keys=KEYS) as client:
         result = client.generate(ids, sampling, timeout_s=120)
     assert result.finish_reason in ("stop", "length"), result.error
     return info.tokenizer.decode(result.token_ids)
@@ -190,7 +190,7 @@ def _engine_ids(engine: EngineProcess, info, ids: list[int], **sampling) -> list
 
     options = SamplingOptions(temperature=0.0, stop_token_ids=list(info.stop_token_ids),
                               **sampling)
-    with EngineClient(engine.address) as client:
+    with EngineClient(engine.address, keys=KEYS) as client:
         result = client.generate(ids, options, timeout_s=120)
     assert result.finish_reason in ("stop", "length"), result.error
     return result.token_ids
@@ -295,7 +295,7 @@ def test_n_choices_fork_one_prompt(deployments, model_info):
     assert _completion_choices(deployments["normal"], body)[0] == normal
     from baton.service.client import EngineClient
 
-    with EngineClient(engine.address) as direct:
+    with EngineClient(engine.address, keys=KEYS) as direct:
         for i, (text, _) in enumerate(normal):
             alone = direct.generate(tok.encode(prompt), SamplingOptions(
                 max_tokens=6, temperature=1.0, seed=11, sample_index=i,

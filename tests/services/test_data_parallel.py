@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from baton.ops.redis_server import free_port
 from baton.protocol import SamplingOptions
 from baton.service.client import EngineClient
-from tests.cluster import EngineProcess, start_all, wait_whole
+from tests.cluster import KEYS, EngineProcess, start_all, wait_whole
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def test_two_ranks_skewed_load_agree_on_every_step(tmp_path):
         jobs.append((rank1_address, [777] * 5))
 
         def run(job):
-            with EngineClient(job[0]) as c:
+            with EngineClient(job[0], keys=KEYS) as c:
                 return c.generate(job[1], opts, timeout_s=120)
 
         with cf.ThreadPoolExecutor(len(jobs)) as pool:

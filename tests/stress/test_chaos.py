@@ -33,7 +33,7 @@ import pytest
 
 from baton.ops.redis_server import free_port
 from baton.service.client import probe_engine
-from tests.cluster import is_whole
+from tests.cluster import KEYS, is_whole
 
 pytestmark = pytest.mark.slow
 
@@ -168,7 +168,7 @@ async def _chaos(baton: _Baton, role: str, rng: random.Random, kills: list[dict]
             await asyncio.sleep(0.2)  # the last victim is still restarting
         await asyncio.sleep(rng.uniform(2.0, 4.0))  # let it take requests again
         while True:  # until an engine holds requests that its death must disturb
-            stats = {e: await asyncio.to_thread(probe_engine, baton.engines[e], 2.0)
+            stats = {e: await asyncio.to_thread(probe_engine, baton.engines[e], 2.0, KEYS)
                      for e in victims}
             running = {e: _held(s) for e, s in stats.items()}
             if max(running.values()) >= MIN_HELD:
@@ -210,7 +210,7 @@ def _wait_back_and_whole(baton: _Baton, kills: list[dict], timeout_s: float = 24
             assert time.monotonic() < deadline, f"{engine} not back:\n{baton.tail()}"
             time.sleep(0.2)
     while True:  # an orphaned lease (its puller was killed) ends within --lease-ttl
-        stats = {e: probe_engine(a, timeout_s=5.0) for e, a in baton.engines.items()}
+        stats = {e: probe_engine(a, timeout_s=5.0, keys=KEYS) for e, a in baton.engines.items()}
         if all(s is not None and is_whole(s) for s in stats.values()):
             return
         assert time.monotonic() < deadline, f"pools not whole: {stats}"

@@ -20,9 +20,11 @@ os.environ.update({"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"})
 import kv_peer  # noqa: E402
 
 from kv_transfer import KVImporter, TransferConfig, TransferState  # noqa: E402
+from kv_transfer.auth import keys_from_env  # noqa: E402
 
 NUM_BLOCKS, BLOCK_BYTES, MAX_PULL, WINDOW = 2048, 16384, 64, 16
-CFG = dict(rpc_timeout_s=1.0, transfer_timeout_s=5.0, claim_ttl_s=8.0, lease_ttl_s=20.0)
+CFG = dict(rpc_timeout_s=1.0, transfer_timeout_s=5.0, claim_ttl_s=8.0, lease_ttl_s=20.0,
+           keys=keys_from_env())  # the session's cluster keys (tests/conftest.py)
 # Outcomes each event may end in; a plain pull on a live peer must be DONE.
 ALLOWED = {
     "plain": {"done"},
