@@ -31,7 +31,6 @@ from baton.protocol import ROLES
 from router import api_models, openapi_doc
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.engine_client import use_cluster_keys
 from router.engine_pool import EnginePool, NoEngineError
 from router.limits import RequestLimits
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -62,7 +61,6 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
             model = dataclasses.replace(info, name=config.model_name or info.name,
                                         max_model_len=config.max_model_len or info.max_model_len,
                                         max_n=config.max_n)
-        use_cluster_keys(config.cluster_keys)  # what every engine socket dials with
         pool = EnginePool(config, metrics, registry)
         await pool.start()
         dispatcher = Dispatcher(pool, metrics, config.first_token_timeout_s,

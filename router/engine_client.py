@@ -10,9 +10,8 @@ With a `KvIndex` (cache-aware routing) the client subscribes to the engine's KV 
 (re)connection and feeds them to the index; a dropped connection drops the engine's entries,
 and a message the index refuses (a gap, a restart) makes it subscribe again.
 
-Every socket dials CURVE with the cluster's client key pair (kv_transfer/auth.py) unless the
-router runs `--insecure`: the keys are the router process's, set once by `use_cluster_keys`
-(router/app.py) or passed per client.
+Every socket dials CURVE with the cluster's client key pair (kv_transfer/auth.py, passed in by
+the router's membership from its config) unless the router runs `--insecure`.
 """
 
 from __future__ import annotations
@@ -44,17 +43,6 @@ logger = logging.getLogger(__name__)
 # Error finish reason the router puts into a request's queue when its engine's connection drops.
 DISCONNECTED = "engine_disconnected"
 
-# The keys of this router process's cluster (one router serves one cluster): what a client
-# built without explicit keys dials with. None = plain TCP (--insecure).
-_process_keys: ClusterKeys | None = None
-
-
-def use_cluster_keys(keys: ClusterKeys | None) -> None:
-    """Set the keys every EngineClient made afterwards without `keys` dials with."""
-    global _process_keys
-    _process_keys = keys
-
-
 class EngineClient:
     """The router's side of one engine: send requests, receive their deltas."""
 
@@ -70,7 +58,6 @@ class EngineClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a message: every wait has a timeout
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        keys = keys if keys is not None else _process_keys
         if keys is not None:
             keys.apply_client(self._sock)
         self._monitor = self._sock.get_monitor_socket(

@@ -51,7 +51,8 @@ class EnginePool:
         registry = registry or make_registry(
             RegistryConfig(url=config.registry_url, prefix=config.registry_prefix), config.engines)
         self.kv_index = KvIndex() if config.routing == "cache-aware" else None
-        self.membership = Membership(registry, config.connect_grace_s, metrics, self.kv_index)
+        self.membership = Membership(registry, config.connect_grace_s, metrics, self.kv_index,
+                                     config.cluster_keys)
         self.load = LoadTracker(config.failure_cooldown_s)
         self.policy: SelectionPolicy = (
             LeastLoaded() if self.kv_index is None

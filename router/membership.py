@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from baton.ops.registry import EngineRecord, Registry
 from baton.protocol import COMPLETION, PROMPT, ROLES
+from kv_transfer.auth import ClusterKeys
 from router.engine_client import EngineClient
 from router.kv_index import KvIndex
 from router.metrics import RouterMetrics
@@ -36,8 +37,11 @@ class Membership:
     """The registry's latest snapshot per role and the router's socket to each engine."""
 
     def __init__(self, registry: Registry, connect_grace_s: float, metrics: RouterMetrics,
-                 kv_index: KvIndex | None = None):
+                 kv_index: KvIndex | None = None, keys: ClusterKeys | None = None):
+        """`keys`: the cluster's client key pair every engine socket dials with (CURVE);
+        None = plain TCP (--insecure)."""
         self.registry = registry
+        self.keys = keys
         self.connect_grace_s = connect_grace_s
         self.metrics = metrics
         self.kv_index = kv_index
@@ -72,7 +76,7 @@ class Membership:
             if record.address not in self.clients:
                 logger.info("engine %s (%s) at %s", record.engine_id, record.role, record.address)
                 self.clients[record.address] = EngineClient(self._ctx, record.address,
-                                                            self.kv_index)
+                                                            self.kv_index, self.keys)
         await self._close_departed(now)
         if self.kv_index is not None:
             await self._sync_kv_index(now)
