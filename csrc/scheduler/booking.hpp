@@ -31,6 +31,8 @@ inline std::shared_ptr<ProcessResult> Scheduler::process_outputs(SchedulerOutput
   // Every running sequence one token longer keeps LCFS order (see running_clean_).
   bool keep_clean = !out.prompt_run && out.running_epoch == running_epoch_;
   for (int i = 0; i < n; ++i) {
+    if (i + 2 * kPrefetchAhead < n) prefetch_hot_lines(seqs[i + 2 * kPrefetchAhead].get());
+    if (i + kPrefetchAhead < n) prefetch_token_tail(seqs[i + kPrefetchAhead].get());
     book_row_(out, i, tokens, width, *res, chunks);
     keep_clean &= res->num_accepted[i] == 1 && !seqs[i]->is_finished();
   }
@@ -106,14 +108,16 @@ inline void Scheduler::finish_prefill_(const SequencePtr &seq, ProcessResult &re
 // KV positions of rejected drafts are given back.
 inline int Scheduler::book_decode_(Sequence &seq, const int32_t *row, int width, int num_drafts, ProcessResult &res) {
   int accepted = 0;
-  if (!seq.draft.accepted_tokens.empty()) seq.draft.accepted_tokens.clear();
+  // Without speculation no sequence holds drafts: the draft ledger's line stays untouched.
+  const bool speculative = cfg_.num_speculative_tokens > 0;
+  if (speculative && !seq.draft.accepted_tokens.empty()) seq.draft.accepted_tokens.clear();
   for (int j = 1; j <= num_drafts && j < width && !seq.is_finished(); ++j) {
     if (row[j] < 0) break;
     seq.draft.accepted_tokens.push_back(row[j]);
     append_token_(seq, row[j], res);
     accepted += 1;
   }
-  seq.draft.num_accepted += accepted;
+  if (speculative) seq.draft.num_accepted += accepted;
   if (!seq.is_finished()) {
     append_token_(seq, row[0], res);
     accepted += 1;

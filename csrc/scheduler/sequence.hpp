@@ -271,13 +271,18 @@ using SequencePtr = std::shared_ptr<Sequence>;
 
 // The per-sequence passes walk sequences scattered over the heap: above a few
 // hundred running sequences each one is a cache miss the core waits for. These
-// ask for a sequence a few iterations ahead of its use.
+// ask for a sequence a few iterations ahead of its use, in two stages where
+// the token array is needed, since its address sits in the hot lines.
 constexpr int kPrefetchAhead = 8;  // iterations; measured with bench/scheduler_bench.py
 
 inline void prefetch_hot_lines(const Sequence *seq) {
   const char *p = reinterpret_cast<const char *>(seq);
   __builtin_prefetch(p + 64, 1);
   __builtin_prefetch(p + 128, 1);
+}
+inline void prefetch_token_tail(const Sequence *seq) {
+  const auto &ids = seq->data.token_ids;
+  __builtin_prefetch(ids.data() + ids.size(), 1);  // the next token's slot; the last token is in its line or the one before
 }
 
 }  // namespace baton
