@@ -1,7 +1,7 @@
 """The Kubernetes manifests and the Dockerfile agree with the real CLI and with each other.
 
 Every `baton ...` command line in a manifest is parsed by the real parser
-(`baton.cli.build_parser()`), so a renamed flag, a port that no longer matches its
+(`baton_cli.main.build_parser()`), so a renamed flag, a port that no longer matches its
 containerPort, a probe aimed at the wrong port, a Service that selects nothing or a Redis URL
 that points nowhere fails here instead of in a cluster.
 """

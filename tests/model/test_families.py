@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from baton.sampler import SamplingParams
 
 from baton.engine import EngineConfig, LLMEngine
 from baton.model import ModelLoadError, load_model
+from baton.sampling.params import SamplingParams
 
 VOCAB = 2048  # the models' and the word-level tokenizer's
 NUM_NEW = 12
