@@ -14,10 +14,13 @@ import sys
 
 from baton.engine.config import EngineConfig
 from baton.ops.cluster_keys import add_key_args, keys_from_args
+from baton.protocol import COMPLETION, NORMAL, PROMPT
 
 logger = logging.getLogger(__name__)
 
-ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engine": "completion"}
+# engine command -> its role
+ROLE_COMMANDS = {"engine": NORMAL, "prompt-engine": PROMPT, "completion-engine": COMPLETION}
+COMMAND_OF = {role: command for command, role in ROLE_COMMANDS.items()}
 
 
 def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -39,7 +42,7 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="SIGTERM: seconds in-flight work may still run")
     g.add_argument("--num-threads", type=int, default=0,
                    help="torch threads (0 = this engine's share of the cores)")
-    if role != "prompt":  # a prompt engine runs no step without a prompt in it
+    if role != PROMPT:  # a prompt engine runs no step without a prompt in it
         g.add_argument("--decode-threads", type=int, default=0,
                        help="torch threads for a step with no prompt in it (0 = auto: 1 in the "
                             "quantized modes, --num-threads in the exact one)")
@@ -65,7 +68,7 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of cached prompt prefixes "
                    "(on by default; --no-enable-prefix-caching turns it off)")
-    if role == "normal":  # the only role that chooses between a prompt and a decode step
+    if role == NORMAL:  # the only role that chooses between a prompt and a decode step
         c = p.add_argument_group("prefill cadence (docs/scheduler.md S33, S40)")
         c.add_argument("--prefill-attempt-interval", type=int,
                        default=EngineConfig.prefill_attempt_interval,
@@ -78,19 +81,19 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="decode steps after a prompt step before the next prefill attempt "
                             "(S40), so running streams advance during a burst of prompts; "
                             "0 = prompt steps back to back while prompts wait")
-    if role in ("normal", "prompt"):
+    if role in (NORMAL, PROMPT):
         m.add_argument("--data-parallel-size", type=int, default=1,
                        help="ranks, one scheduler each, voting on the step type over gloo")
         m.add_argument("--data-parallel-master-port", type=int, default=0,
                        help="gloo rendezvous port on --host (needed when size > 1)")
         m.add_argument("--data-parallel-rank", type=int, default=0, help=argparse.SUPPRESS)
-    if role == "prompt":
+    if role == PROMPT:
         k = p.add_argument_group("kv transfer")
         k.add_argument("--side-channel-port", type=int, default=0,
                        help="KV side channel port (0 = ephemeral)")
         k.add_argument("--lease-ttl", type=float, default=30.0,
                        help="seconds a prompt's KV waits for its completion engine")
-    if role == "completion":
+    if role == COMPLETION:
         k = p.add_argument_group("kv transfer")
         k.add_argument("--kv-timeout", type=float, default=30.0,
                        help="seconds one KV pull may take before the request fails")

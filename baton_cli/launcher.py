@@ -28,7 +28,8 @@ from baton.ops.cluster_keys import INSECURE_WARNING, add_key_args
 from baton.ops.cpus import cpu_shares, engine_threads
 from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
 from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
-from baton_cli.engine_args import ROLE_COMMANDS, add_common_args
+from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
+from baton_cli.engine_args import COMMAND_OF, ROLE_COMMANDS, add_common_args
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class LaunchConfig:
                              f"{self.num_completion_engines} completion)")
         if self.num_normal_engines and disagg:
             raise ValueError("run either normal engines or prompt+completion engines, not both")
-        role_engine_args(self.engine_args, "normal")  # an unknown flag fails here, not at start
+        role_engine_args(self.engine_args, NORMAL)  # an unknown flag fails here, not at start
         if self.insecure and self.cluster_key_dir:
             raise ValueError("--insecure and --cluster-key-dir contradict each other")
         for flag in ("--cluster-key-dir", "--insecure"):
@@ -90,7 +91,7 @@ def role_engine_args(engine_args: list[str], role: str) -> list[str]:
     unknown = unknown_to(role)
     if not unknown:
         return list(engine_args)
-    elsewhere = [r for r in ("normal", "prompt", "completion") if r != role]
+    elsewhere = [r for r in ROLES if r != role]
     nobody = [a for a in unknown if all(a in unknown_to(r) for r in elsewhere)]
     if nobody:
         raise ValueError(f"no engine takes the engine flag(s) {' '.join(nobody)} "
@@ -188,9 +189,9 @@ class Launcher:
             self.redis = RedisServer(cfg.host).start()
             self.redis_url = self.redis.url
         deadline = time.monotonic() + cfg.ready_timeout_s
-        roles = ([("engine", "normal")] * cfg.num_normal_engines
-                 + [("prompt-engine", "prompt")] * cfg.num_prompt_engines
-                 + [("completion-engine", "completion")] * cfg.num_completion_engines)
+        roles = ([(COMMAND_OF[NORMAL], NORMAL)] * cfg.num_normal_engines
+                 + [(COMMAND_OF[PROMPT], PROMPT)] * cfg.num_prompt_engines
+                 + [(COMMAND_OF[COMPLETION], COMPLETION)] * cfg.num_completion_engines)
         threads = engine_threads(len(roles))
         pinned = cfg.pin_cpus and "--cpus" not in cfg.engine_args
         shares = cpu_shares(len(roles), threads) if pinned else []

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from baton.engine.scheduler import EngineType
 from baton.model.modes import check_dtype_name, check_quantization
-from baton.protocol import ROLES
+from baton.protocol import NORMAL, ROLES
 
 # Each role runs the scheduler in the mode of the same name.
 ROLE_TYPES = {role: EngineType.__members__[role.upper()] for role in ROLES}
@@ -53,7 +53,7 @@ class EngineConfig:
     decode_threads: int = 0
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
-    engine_type: str = "normal"
+    engine_type: str = NORMAL
     # Weight-only quantization: none | int8 | int4 (CPU kernels for decode steps,
     # `baton/model/quant.py`), or auto: int4 for a file whose layers are Q4 blocks, else none
     # (the servers' default). The exact mode: dtype float32, quantization none, which the

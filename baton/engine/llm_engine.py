@@ -36,6 +36,7 @@ from baton.engine.kv_events import KvEventSource
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig
+from baton.protocol import COMPLETION, NORMAL
 from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
 from baton.sampling.params import SamplingParams
 from baton.sampling.samples import PromptSpan
@@ -77,7 +78,7 @@ class LLMEngine:
             max_model_len=max_len, enable_chunked_prefill=config.enable_chunked_prefill,
             # A completion engine cannot recompute (it has no prefill path): a preempted
             # request finishes with insufficient_system_resource instead.
-            stop_preempted_request=config.engine_type == "completion", watermark=config.watermark,
+            stop_preempted_request=config.engine_type == COMPLETION, watermark=config.watermark,
             prefill_attempt_interval=config.prefill_attempt_interval,
             prefill_any_attempt_interval=config.prefill_any_attempt_interval,
             prefill_min_decode_steps=config.prefill_min_decode_steps,
@@ -360,7 +361,7 @@ class LLMEngine:
                outputs: list[RequestOutput]) -> None:
         """After booking: the other choices' first tokens; NORMAL forks those that go on, a
         PROMPT engine hands them off with the carrier (its worker names them in the hand-off)."""
-        forks = self.config.engine_type == "normal" and req.request_id in self._requests
+        forks = self.config.engine_type == NORMAL and req.request_id in self._requests
         for j in split.others():
             token, lp, reason = split.token_ids[j], split.logprobs[j], split.reasons[j]
             if forks and not reason:
@@ -368,7 +369,7 @@ class LLMEngine:
                 rid = child.request_id
             else:
                 rid = choice_id(req.wire_id, j)
-                if not reason and self.config.engine_type == "normal":
+                if not reason and self.config.engine_type == NORMAL:
                     reason = req.finish_reason or "abort"  # the carrier failed: no fork
             self.num_generated_tokens += 1
             outputs.append(RequestOutput(rid, [token], [lp] if req.params.logprobs else None,

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from baton.protocol import EngineStats, TokenDelta
+from baton.protocol import COMPLETION, PROMPT, EngineStats, TokenDelta
 from kv_transfer.errors import FailReason, TransferState
 from kv_transfer.pulls import TransferResult
 
@@ -105,11 +105,11 @@ class _SnapshotCollector(Collector):
         yield self._gauge("baton_kv_cache_usage_perc", "KV-cache usage: 1 means every block "
                           "is in use (cached-free blocks count as free)", used)
         counters = list(_COUNTERS)
-        if self.role == "prompt":
+        if self.role == PROMPT:
             counters += _PROMPT_COUNTERS
             yield self._gauge("baton_kv_leases_active", "Handed-off prompts whose KV blocks "
                               "are still under a lease", _value(stats, "kv_leases_active"))
-        if self.role == "completion":
+        if self.role == COMPLETION:
             counters += _COMPLETION_COUNTERS
             yield self._failures(stats)
         refused = self._refused(stats)
@@ -173,7 +173,7 @@ class EngineMetrics:
         # req_id -> (arrival, last token delta or 0.0); the service forgets what it drops.
         self._times: dict[str, tuple[float, float]] = {}
         self._transfer_seconds = None
-        if role == "completion":
+        if role == COMPLETION:
             self._transfer_seconds = self._histogram(
                 "baton_kv_transfer_seconds", "One successful KV pull, start to result: "
                 "handshake (first time per peer), claim, NIXL READ", _TRANSFER_BUCKETS)
