@@ -295,6 +295,7 @@ class Scheduler {
   std::unique_ptr<BlockManager> state_manager_;
   AllReduceMin all_reduce_min_;
   uint32_t decode_step_{0};
+  bool after_prompt_step_{false};  // S40: a prompt step has run (the gap applies after one)
   int decode_stride_hint_{0};  // the last decode step's block_tables width: the next one's usually
   int64_t next_seq_id_{0};
   int outstanding_prompt_steps_{0};

@@ -16,6 +16,7 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule() {
   for (auto &f : swept) out->finished.push_back(std::move(f));
   if (out->prompt_run) {
     decode_step_ = 0;
+    after_prompt_step_ = true;
     if (out->num_seqs() > 0) outstanding_prompt_steps_ += 1;
   } else {
     decode_step_ += 1;
@@ -35,7 +36,7 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_() {
   // prefill_min_decode_steps decode steps, so a burst of prompts alternates with decodes
   // instead of stalling every running stream for the whole burst. decode_step_ is the same on
   // every data-parallel rank, so the ranks still vote at the same steps.
-  if (decode_step_ < static_cast<uint32_t>(cfg_.prefill_min_decode_steps))
+  if (after_prompt_step_ && decode_step_ < static_cast<uint32_t>(cfg_.prefill_min_decode_steps))
     return schedule_decode_();
   bool is_any_point = decode_step_ != 0 && decode_step_ % cfg_.prefill_any_attempt_interval == 0;
   bool is_all_point = decode_step_ % cfg_.prefill_attempt_interval == 0;

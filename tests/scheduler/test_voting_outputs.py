@@ -1,4 +1,4 @@
-"""S33-S39: step type, data-parallel voting, step outputs."""
+"""S33-S40: step type, data-parallel voting, step outputs, prefill cadence."""
 
 from __future__ import annotations
 
@@ -28,6 +28,51 @@ def test_s33_attempt_points() -> None:
     sched.add_sequence("late", [10] * 16, 1000)
     out, _ = step(sched)  # decode_step 3: ALL point
     assert out.prompt_run and out.request_ids == ["late"]
+    drain(sched)
+
+
+def test_s40_decode_steps_between_prompt_steps() -> None:
+    """A burst of prompts alternates with decode steps: after each prompt step, the running
+    sequence gets `prefill_min_decode_steps` decode steps before the next prompt is tried;
+    with 0 (the seed's rule) the burst runs back to back."""
+    def kinds(gap: int) -> list[bool]:
+        sched = create_scheduler(prefill_attempt_interval=1, prefill_any_attempt_interval=1,
+                                 prefill_min_decode_steps=gap, max_num_batched_tokens=16)
+        sched.add_sequence("old", [10] * 16, 1000)
+        step(sched)
+        for i in range(3):
+            sched.add_sequence(f"burst-{i}", [11] * 16, 1000)
+        seen = []
+        for _ in range(9):
+            out, _ = step(sched)
+            seen.append(bool(out.prompt_run))
+        drain(sched)
+        return seen
+
+    assert kinds(0) == [True, True, True] + [False] * 6
+    assert kinds(2) == [False, False, True, False, False, True, False, False, True]
+
+
+def test_s40_votes_stay_on_the_shared_counter() -> None:
+    """Ranks vote only at decode-step counts every rank shares: a rank with nothing running
+    skips the same attempt points as one with running sequences (no collective is missed)."""
+    calls = []
+
+    def reducer(v: int) -> int:
+        calls.append(v)
+        return v
+
+    sched = create_scheduler(all_reduce_min=reducer, prefill_attempt_interval=1,
+                             prefill_any_attempt_interval=1, prefill_min_decode_steps=3)
+    sched.add_sequence("a", [10] * 16, 10)
+    out, _ = step(sched)  # a prompt step: decode_step resets to 0
+    assert out.prompt_run
+    calls.clear()
+    for _ in range(3):
+        step(sched)  # decode_step 0, 1, 2: below the gap, no vote
+    assert calls == []
+    step(sched)  # decode_step 3: an attempt point again
+    assert calls
     drain(sched)
 
 
