@@ -50,6 +50,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="pin the process to these CPUs, e.g. 0 or 2-3 or 0,2 (default: no pinning)")
     add_key_args(p.add_argument_group("cluster keys"))
     m = p.add_argument_group("model and cache")
+    m.add_argument("--mock", default="", metavar="PROFILE.json",
+                   help="a mock engine: the real engine loop, scheduler and KV transfer over a "
+                        "runner that sleeps the profile's predicted step time (baton profile) "
+                        "and emits deterministic tokens; no torch, no weights, a tiny KV pool")
     m.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     m.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],

@@ -40,7 +40,8 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         # Standalone, assume one other engine shares the host (the launcher passes the share).
-        num_threads=args.num_threads or engine_threads(2), decode_threads=getattr(args, "decode_threads", 0),
+        num_threads=args.num_threads or engine_threads(2),
+        decode_threads=getattr(args, "decode_threads", 0),
         **{name: getattr(args, name) for name in CADENCE if hasattr(args, name)},
         engine_type=role)
 
@@ -80,8 +81,33 @@ assert tuple(ROLE_WORKERS) == ROLES
 
 def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: str,
                  metrics: EngineMetrics | None = None):
-    engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min)
+    runner = mock_runner(args) if args.mock else None  # None: the model's (torch)
+    engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min,
+                       runner=runner)
     return ROLE_WORKERS[role](engine, args, engine_id, metrics)
+
+
+# Flags that mean something only to a model runner, at their defaults: with --mock one set
+# otherwise is refused by name (a mock has no model, no torch threads, no dtype).
+MOCK_UNUSED = {"model": "", "dtype": "float32", "quantization": "auto", "device": "",
+               "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0}
+
+
+def mock_runner(args: argparse.Namespace):
+    """The mock engine's runner: the profile's step times, a pool of --num-blocks (default the
+    profiled engine's) holding a few bytes per token, so KV pulls move real bytes."""
+    from baton.perf.mock_runner import MockRunner
+    from baton.perf.profile import load
+
+    for name, default in MOCK_UNUSED.items():
+        if getattr(args, name, default) != default:
+            raise ValueError(f"--{name.replace('_', '-')} has no meaning for a mock engine "
+                             f"(--mock): got {getattr(args, name)!r}")
+    profile = load(args.mock)  # a ProfileError (a ValueError) names the file and field
+    if args.block_size != profile.model.block_size:
+        raise ValueError(f"--block-size {args.block_size} differs from the profile's "
+                         f"{profile.model.block_size} (--mock {args.mock})")
+    return MockRunner(profile, args.num_blocks, kv_pool=True)
 
 
 def spawn_other_ranks(args: argparse.Namespace, argv: list[str]) -> list[subprocess.Popen]:

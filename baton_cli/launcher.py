@@ -54,6 +54,8 @@ class LaunchConfig:
     routing: str = "cache-aware"  # the router's --routing (router/engine_pool.py)
     cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
     insecure: bool = False  # no CURVE on the internal wires (benchmarks only)
+    mock: str = ""  # a profile: every engine a mock engine (--mock), the router unchanged
+
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -70,6 +72,11 @@ class LaunchConfig:
         role_engine_args(self.engine_args, NORMAL)  # an unknown flag fails here, not at start
         if self.insecure and self.cluster_key_dir:
             raise ValueError("--insecure and --cluster-key-dir contradict each other")
+        if self.mock and self.model:
+            raise ValueError("--mock engines have no model: drop --model (the router "
+                             "tokenizes with the default model's tokenizer)")
+        if "--mock" in self.engine_args:
+            raise ValueError("give --mock to `baton up` itself, not after --")
         for flag in ("--cluster-key-dir", "--insecure"):
             if flag in self.engine_args:
                 raise ValueError(f"give {flag} to `baton up` itself, not after --: the router "
@@ -211,8 +218,8 @@ class Launcher:
         port = free_port(cfg.host)
         argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
-                "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
-                *self._model_args(), *self._metrics_args(engine_id), *self.key_args,
+                *(["--mock", cfg.mock] if cfg.mock else ["--num-threads", str(threads)]),
+                *(["--cpus", cpus] if cpus else []), *self._model_args(), *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
         keys = self.keys
@@ -307,6 +314,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--normal-engines", type=int, default=0,
                    help="co-located engines instead of prompt+completion (sets those to 0)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--mock", default="", metavar="PROFILE.json",
+                   help="mock engines (baton engine --mock): the profile's step times, no "
+                        "model; the router tokenizes with the default model's tokenizer")
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -338,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
-            routing=args.routing, insecure=args.insecure,
+            routing=args.routing, insecure=args.insecure, mock=args.mock,
             # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
             cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(
                 ENV_KEY_DIR, "") else args.cluster_key_dir)

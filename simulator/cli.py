@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
+                   help="the router's selection policy (router/selection.py), as `baton up`")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0,
                    help="routing cost of a prompt block an engine lacks (router's default 1)")
     g.add_argument("--link-gbit", type=float, default=0.0,
@@ -72,7 +74,8 @@ def configs_from_args(args: argparse.Namespace):
         raise ValueError("--link-latency-ms needs --link-gbit")
     cfg = SimConfig(fleet=fleet, request_rate=args.request_rate,
                     num_requests=args.num_requests, slos_ms=parse_slos(args.goodput),
-                    kv_overlap_weight=args.kv_overlap_weight, label=args.label)
+                    kv_overlap_weight=args.kv_overlap_weight, label=args.label,
+                    routing=args.routing)
     workload, trace = workload_from_args(args)
     return cfg, workload, trace
 

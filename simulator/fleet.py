@@ -2,8 +2,10 @@
 
 A request's life in the simulator:
 1. It arrives at its workload time (a trace's timestamp, a Poisson draw, or, for a later turn of
-   a conversation, the end of the turn before). The policy picks an engine of the first role
-   (normal, or prompt) by cost over the engines' KV-event keys; `add_request` queues it.
+   a conversation, the end of the turn before). The router's own selection policy
+   (router/selection.py, the class the router runs) picks an engine of the first role (normal,
+   or prompt) from candidates carrying each engine's load and active blocks, over a `KeySets`
+   view of the keys each engine's KV events reported; `add_request` queues it.
 2. An engine with work steps: `LLMEngine.step()` runs the real scheduler and the mock runner,
    which reports the profile's predicted step time; the step's outputs land that much later,
    when the engine may step again. Arrivals in between wait in `waiting`, as on a real engine.
@@ -27,13 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine import AllocStatus, EngineConfig, LLMEngine
-from baton.engine.block_keys import compute_block_keys
 from baton.perf.mock_runner import MockRunner
 from baton.perf.profile import Profile
 from baton.sampling.params import SamplingParams
 from baton.workload.results import RequestResult
 from baton.workload.synthetic import RequestSpec
-from simulator.policy import Candidate, SelectionPolicy
+from router.kv_index import RequestKeys
+from router.selection import Candidate, KeySets, SelectionPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +87,8 @@ class SimEngine:
         self.keys: set[int] = set()  # what its KV events said it holds
         self.busy = False
         self._step_s = 0.0
-        self.num_inflight = 0  # the router's view (Candidate)
-        self.active_blocks = 0
+        self.num_inflight = 0  # the router's books: its requests in flight here (the load)
+        self.active_blocks = 0  # and the blocks they add (Choice.num_active_blocks)
         self.admissions: deque[Handoff] = deque()  # COMPLETION: waiting for blocks (LATER)
         self.num_pulled_blocks = 0
 
@@ -119,18 +121,16 @@ class SimEngine:
     def _drain_keys(self) -> None:
         ok, stored, removed = self.events.scheduler.drain_kv_events()
         if not ok:  # the log overflowed: a snapshot, as a subscriber would get
-            self.keys = {int(k) for k in self.events.scheduler.prefix_cache_keys()}
+            self.keys.clear()  # in place: the policy's KeySets holds this set
+            self.keys.update(int(k) for k in self.events.scheduler.prefix_cache_keys())
             return
         self.keys.difference_update(int(k) for k in removed)
         self.keys.update(int(k) for k in stored)
 
-    def overlap(self, keys: list[int]) -> int:
-        num = 0
-        for key in keys:
-            if key not in self.keys:
-                break
-            num += 1
-        return num
+    def candidate(self) -> Candidate:
+        """This engine as the router's policy sees it."""
+        return Candidate(self.name, float(self.num_inflight), self.active_blocks,
+                         self.sim.block_size)
 
 
 @dataclass
@@ -141,8 +141,7 @@ class Flight:
     token_ids: list[int]
     result: RequestResult
     arrival_s: float
-    keys: list[int] = field(default_factory=list)  # block keys of its prompt's full blocks
-    num_blocks: int = 0  # blocks the whole prompt takes
+    keys: RequestKeys  # its prompt's block keys, as the router computes them
     engine: SimEngine | None = None  # where it is now (the router's books)
     charged: int = 0  # active blocks charged to `engine`
     last_token_s: float = 0.0
@@ -158,9 +157,13 @@ class Handoff:
 
 
 class Simulation:
-    def __init__(self, profile: Profile, config: FleetConfig, policy: SelectionPolicy,
+    """The fleet and its event queue. `make_policy` builds the router's selection policy over
+    the fleet's cache view (e.g. `lambda cache: OverlapMinusLoad(cache, 1.0)`)."""
+
+    def __init__(self, profile: Profile, config: FleetConfig,
+                 make_policy: Callable[[KeySets], SelectionPolicy],
                  on_done: Callable[[Flight], None] | None = None) -> None:
-        self.profile, self.config, self.policy = profile, config, policy
+        self.profile, self.config = profile, config
         self.now = 0.0
         self._queue: list = []
         self._seq = itertools.count()
@@ -169,9 +172,14 @@ class Simulation:
                  [("prompt", config.num_prompt), ("completion", config.num_completion)])
         self.engines = {role: [SimEngine(self, f"{role}-{i}", role) for i in range(n)]
                         for role, n in roles}
+        self._by_name = {e.name: e for es in self.engines.values() for e in es}
         first = self.engines.get("normal") or self.engines["prompt"]
         self.block_size = profile.model.block_size
         self.key_seed = first[0].engine.prefix_cache_seed
+        # What the router's KV index would hold: each engine's keys as its events reported.
+        self.cache = KeySets({e.name: e.keys for es in self.engines.values() for e in es},
+                             self.block_size, self.key_seed)
+        self.policy = make_policy(self.cache)
         self.flights: dict[str, Flight] = {}
         self.num_handoffs_failed = 0
 
@@ -188,13 +196,9 @@ class Simulation:
     # ------------------------------------------------------------------ routing
     def _choose(self, role: str, flight: Flight) -> SimEngine:
         engines = self.engines[role]
-        cands = [Candidate(e.name, e.num_inflight, e.active_blocks, e.overlap(flight.keys))
-                 for e in engines]
-        i = self.policy.choose(role, flight.num_blocks, cands)
-        engine = engines[i]
-        active = flight.num_blocks - cands[i].overlap_blocks if role == "prompt" \
-            else flight.num_blocks
-        self._charge(flight, engine, active)
+        choice = self.policy.select(role, [e.candidate() for e in engines], flight.keys)
+        engine = self._by_name[choice.engine_id]
+        self._charge(flight, engine, choice.num_active_blocks)
         return engine
 
     def _charge(self, flight: Flight, engine: SimEngine, blocks: int) -> None:
@@ -217,9 +221,7 @@ class Simulation:
     def _arrive(self, spec: RequestSpec, token_ids: list[int]) -> None:
         res = RequestResult(spec.idx, spec.kind, prompt_tokens=len(token_ids),
                             expected_output_tokens=spec.max_tokens, start_s=self.now)
-        flight = Flight(spec, token_ids, res, self.now)
-        flight.keys = compute_block_keys(token_ids, self.block_size, self.key_seed).tolist()
-        flight.num_blocks = -(-len(token_ids) // self.block_size)
+        flight = Flight(spec, token_ids, res, self.now, RequestKeys(token_ids))
         rid = f"r{spec.idx}"
         self.flights[rid] = flight
         role = "prompt" if self.config.is_disaggregated else "normal"

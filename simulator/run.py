@@ -12,8 +12,10 @@ from baton.workload.results import RequestResult, summarize
 from baton.workload.synthetic import RequestSpec, WorkloadConfig
 from baton.workload.trace import TraceConfig
 from baton.workload.words import WordTokenizer
+from router.selection import KeySets, LeastLoaded, OverlapMinusLoad, SelectionPolicy
 from simulator.fleet import FleetConfig, Flight, Simulation
-from simulator.policy import OverlapMinusLoad, SelectionPolicy
+
+ROUTING_POLICIES = ("cache-aware", "least-loaded")  # the router's --routing choices
 
 
 @dataclass
@@ -24,6 +26,7 @@ class SimConfig:
     slos_ms: dict[str, float] = field(default_factory=dict)
     kv_overlap_weight: float = 1.0  # the policy's weight of a missing prompt block
     label: str = "sim"
+    routing: str = "cache-aware"  # the router's --routing: which router/selection.py policy
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
@@ -31,10 +34,21 @@ class SimConfig:
                              f"{self.request_rate}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if not 0 <= self.kv_overlap_weight < math.inf:
+            raise ValueError(f"kv_overlap_weight must be >= 0 and finite, got "
+                             f"{self.kv_overlap_weight}")
+
+    def make_policy(self, cache: KeySets) -> SelectionPolicy:
+        """The policy the router builds for this `--routing` (router/engine_pool.py)."""
+        if self.routing == "least-loaded":
+            return LeastLoaded()
+        return OverlapMinusLoad(cache, self.kv_overlap_weight)
 
 
 def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig,
-             trace: TraceConfig | None = None, policy: SelectionPolicy | None = None) -> dict:
+             trace: TraceConfig | None = None) -> dict:
     """Run the workload over the fleet in virtual time; the result record."""
     wall0 = time.perf_counter()
     specs = build_specs(workload, trace, cfg.num_requests)
@@ -54,8 +68,7 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig,
             history = flight.token_ids + flight.output_ids + tok.encode(nxt.prompt)
             sim.submit(nxt, history, sim.now)
 
-    policy = policy or OverlapMinusLoad(cfg.kv_overlap_weight)
-    sim = Simulation(profile, cfg.fleet, policy, on_done)
+    sim = Simulation(profile, cfg.fleet, cfg.make_policy, on_done)
     for unit, t in zip(unit_list, unit_arrivals(unit_list, cfg.request_rate, workload.seed),
                        strict=True):
         sim.submit(unit[0], tok.encode(unit[0].text), t)
@@ -67,6 +80,7 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig,
     bench = {"endpoint": "sim", "request_rate": "inf" if math.isinf(cfg.request_rate)
              else cfg.request_rate, "num_requests": len(specs), "slos_ms": cfg.slos_ms,
              "label": cfg.label, "kv_overlap_weight": cfg.kv_overlap_weight,
+             "routing": cfg.routing,
              "fleet": asdict(cfg.fleet), "profile": profile.model.fingerprint}
     return {"label": cfg.label, "model": f"mock/{profile.model.name}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench": bench,

@@ -1,7 +1,8 @@
 """Data parallelism: N ranks, one scheduler each, voting on the step type over gloo.
 
 The compiled scheduler's votes (S34/S35) call a MIN all-reduce callback; here it goes through a
-`torch.distributed` gloo group on loopback (or the operator's network). Ranks must call the
+`torch.distributed` gloo group on loopback (or the operator's network); torch is imported only
+for a group of more than one rank (a mock engine imports none). Ranks must call the
 collective the same number of times: the service loop asks `any_rank_has_work()` once per
 iteration, so idle ranks keep stepping (empty prompt steps) while any rank has work.
 """
@@ -11,9 +12,6 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +39,12 @@ class DPGroup:
     def __init__(self, config: DPConfig):
         self.config = config
         self.rank, self.size = config.rank, config.size
-        self._buf = torch.zeros(1, dtype=torch.int64)
+        self._buf = None
         if config.size > 1:
+            import torch
+            import torch.distributed as dist
+
+            self._buf = torch.zeros(1, dtype=torch.int64)
             dist.init_process_group(
                 "gloo", init_method=f"tcp://{config.master_addr}:{config.master_port}",
                 rank=config.rank, world_size=config.size,
@@ -53,6 +55,8 @@ class DPGroup:
     def all_reduce_min(self, value: int) -> int:
         if self.size == 1:
             return int(value)
+        import torch.distributed as dist
+
         self._buf.fill_(int(value))
         dist.all_reduce(self._buf, op=dist.ReduceOp.MIN)
         return int(self._buf.item())
@@ -62,5 +66,8 @@ class DPGroup:
         return self.all_reduce_min(0 if flag else 1) == 0
 
     def close(self) -> None:
-        if self.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

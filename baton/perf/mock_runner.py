@@ -4,7 +4,10 @@ It fulfils `baton.engine.runner_api.Runner`: every sampled row gets a determinis
 hash of the row's prompt length, its last prompt token and its output position, never an EOS
 id), and each step costs what the profile predicts. Where that cost goes is the caller's
 choice: a mock engine process sleeps it (`on_step=None`), the simulator hands it to its
-virtual clock (`on_step=clock`). Its KV pool is a placeholder: no bytes move in the simulator.
+virtual clock (`on_step=clock`). A mock engine process gets a tiny KV pool (`kv_pool=True`, a
+numpy array NIXL registers like a real one) that each step fills with bytes fixed by the token
+and its position, so a KV pull moves real bytes that a test can compare; the simulator's runner
+has none (no bytes move in virtual time).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from baton.sampling.samples import PromptSpan, StepSamples
 from baton.workload.words import WordTokenizer
 
 EOS_TOKEN_ID = 0
+MOCK_HEAD_DIM = 8  # bytes per token per K or V in the mock pool (one layer, one head)
 
 
 @dataclass
@@ -37,7 +41,12 @@ class MockKvSpec:
 
     profile_fingerprint: str
     block_size: int
-    bytes_per_block: int
+    bytes_per_block: int  # the measured engine's: what a pull of one block costs in the profile
+    # The mock pool's layout (kv_transfer's Fingerprint): never equal to a real engine's.
+    dtype: str = "uint8"
+    num_layers: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = MOCK_HEAD_DIM
 
     def fingerprint(self) -> str:
         return f"mock-{self.profile_fingerprint}"
@@ -55,9 +64,10 @@ class MockRunner:
     """Deterministic tokens at the profile's predicted step time."""
 
     def __init__(self, profile: Profile, num_blocks: int = 0,
-                 on_step: Callable[[float], None] | None = None) -> None:
+                 on_step: Callable[[float], None] | None = None, kv_pool: bool = False) -> None:
         """`num_blocks`: the pool (null block included), 0 = the profiled engine's.
-        `on_step(seconds)`: where a step's predicted time goes; None sleeps it."""
+        `on_step(seconds)`: where a step's predicted time goes; None sleeps it.
+        `kv_pool`: allocate the tiny KV pool a mock engine process transfers."""
         m = profile.model
         self.profile = profile
         self.config = MockModelConfig(vocab_size=m.vocab_size, max_position=m.max_position)
@@ -65,10 +75,13 @@ class MockRunner:
         self.model_path = f"mock/{m.name}"
         self.quantization = m.quantization
         self.kv_spec = MockKvSpec(m.fingerprint, m.block_size, m.kv_bytes_per_block)
-        self.kv_cache = None  # nothing to register: the simulator moves no bytes
         self._num_blocks = num_blocks or m.num_blocks
         if self._num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (null block included), got {num_blocks}")
+        # [blocks, layers=1, 2, block_size, kv_heads=1, head_dim] bytes, block-major as a real
+        # pool (kv_transfer.config.PoolSpec); None: the simulator moves no bytes.
+        self.kv_cache = (np.zeros((self._num_blocks, 1, 2, m.block_size, 1, MOCK_HEAD_DIM),
+                                  dtype=np.uint8) if kv_pool else None)
         self.on_step = on_step
         self.num_steps = 0
         self.busy_s = 0.0  # predicted time of every step run
@@ -92,6 +105,8 @@ class MockRunner:
             raise ValueError("the mock runner runs no grammar")
         if choice_params is not None and any(c for c in choice_params):
             raise ValueError("the mock runner draws no extra choices (n > 1)")
+        if self.kv_cache is not None:
+            self._write_kv(sched_out)
         n = len(seq_ids)
         tokens = np.zeros(n, dtype=np.int32)
         vocab = self.config.vocab_size
@@ -113,3 +128,25 @@ class MockRunner:
             self.on_step(seconds)
         return StepSamples(token_ids=tokens, logprobs=np.zeros(n, dtype=np.float32),
                            top=[None] * n, prompt=[None] * n)
+
+    def _write_kv(self, sched_out) -> None:
+        """Each token's K/V bytes: its id and position, as a model's would depend on them.
+        A fork's tail block is copied first (S16), as the real runner does."""
+        pool = self.kv_cache
+        for src, dst in np.asarray(sched_out.clone_blocks).reshape(-1, 2).tolist():
+            if dst:
+                pool[dst] = pool[src]
+        slots = np.asarray(sched_out.slot_mapping, dtype=np.int64)
+        if not len(slots):
+            return
+        bs = self.kv_spec.block_size
+        values = mock_kv_bytes(np.asarray(sched_out.input_ids, dtype=np.int64),
+                               np.asarray(sched_out.positions, dtype=np.int64))
+        pool[slots // bs, 0, :, slots % bs, 0, :] = values[:, None, :]
+
+
+def mock_kv_bytes(token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[tokens, MOCK_HEAD_DIM] bytes a mock engine stores for these tokens."""
+    h = (token_ids * 0x9E3779B1 + positions * 0x85EBCA77) & 0xFFFFFFFF
+    shifts = np.arange(MOCK_HEAD_DIM, dtype=np.int64) * 4
+    return ((h[:, None] >> shifts[None, :]) & 0xFF).astype(np.uint8)

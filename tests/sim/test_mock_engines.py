@@ -1,0 +1,128 @@
+"""Mock engines as processes (`--mock PROFILE.json`): the real engine loop, scheduler, ZMQ,
+registry, router and KV transfer (NIXL moves the mock pool's bytes), with only the model
+replaced by the profile's step times; no torch imported, no weights loaded."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from baton.ops.redis_server import free_port
+from baton.service.client import probe_engine
+from baton.workload.words import WORDS
+from tests.cluster import KEYS, is_whole
+
+PROFILE = str(Path(__file__).resolve().parents[1] / "data" / "profile_test.json")
+ENGINE_FLAGS = ["--num-blocks", "96", "--max-num-seqs", "8"]
+NUM_REQUESTS, MAX_TOKENS = 12, 8
+
+
+def test_a_mock_engine_process_imports_no_torch():
+    code = f"""
+import sys
+from baton_cli.main import build_parser
+from baton_cli.engine_main import build_worker
+from baton.ops.dp import DPConfig, DPGroup
+args = build_parser().parse_args(["prompt-engine", "--mock", {PROFILE!r}, "--num-blocks", "32",
+                                  "--insecure"])
+args.cluster_keys = None
+worker = build_worker(args, "prompt", DPGroup(DPConfig()), "p0")
+assert type(worker.engine.kv_cache).__module__ == "numpy", type(worker.engine.kv_cache)
+loaded = [m for m in ("torch", "baton.model.runner", "baton.model.loader") if m in sys.modules]
+assert not loaded, loaded
+print("ok", worker.handoff.side_channel)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "ok tcp://" in done.stdout, done.stderr[-3000:]
+
+
+def test_mock_flags_that_mean_nothing_are_refused():
+    from baton_cli.main import main as baton_main
+
+    assert baton_main(["engine", "--mock", PROFILE, "--num-threads", "2"]) == 1
+    assert baton_main(["engine", "--mock", PROFILE, "--block-size", "32"]) == 1
+    assert baton_main(["up", "--mock", PROFILE, "--model", "x.gguf"]) == 2
+
+
+class _Lines:
+    def __init__(self, pipe) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True).start()
+
+
+def _start(fleet: list[str]) -> tuple[subprocess.Popen, int, _Lines, _Lines]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", PROFILE,
+         "--no-cpu-pinning", *fleet, "--", *ENGINE_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    deadline = time.monotonic() + 60
+    while not any("Ctrl-C stops" in line for line in out.lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines[-40:])
+        time.sleep(0.2)
+    return proc, port, out, err
+
+
+def _ask(port: int, i: int) -> tuple[str, str, int]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                    timeout=30)
+    words = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(20 + 5 * i))
+    # Every other request repeats one prompt: the second one is a prefix-cache hit.
+    content = words if i % 2 else "time year people way day man thing woman life child"
+    resp = client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, temperature=0,
+        messages=[{"role": "user", "content": content}])
+    return resp.choices[0].message.content, resp.choices[0].finish_reason, \
+        resp.usage.completion_tokens
+
+
+@pytest.mark.slow  # multi-process deployments, as tests/services/test_launcher.py
+@pytest.mark.parametrize("fleet", [["--prompt-engines", "1", "--completion-engines", "1"],
+                                   ["--normal-engines", "1"]], ids=["pd-1+1", "normal-1"])
+def test_baton_up_mock_serves_the_openai_client(fleet):
+    proc, port, out, err = _start(fleet)
+    try:
+        engines = {m.group(1): m.group(2) for m in map(
+            re.compile(r"^\s+((?:prompt|completion|normal)-\d+)\s+(tcp://\S+)").search,
+            out.lines) if m}
+        assert len(engines) == (2 if "--prompt-engines" in fleet else 1), out.lines
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: _ask(port, i), range(NUM_REQUESTS)))
+        assert all(a[1:] == ("length", MAX_TOKENS) and a[0] for a in answers), answers
+        # Deterministic tokens: the same prompt, the same text (here through the prefix cache).
+        assert len({a[0] for a in answers[0::2]}) == 1
+        deadline = time.monotonic() + 20
+        while True:
+            stats = {e: probe_engine(a, timeout_s=5.0, keys=KEYS) for e, a in engines.items()}
+            if all(s is not None and is_whole(s) for s in stats.values()):
+                break
+            assert time.monotonic() < deadline, f"pools not whole: {stats}"
+            time.sleep(0.2)
+        if "completion-0" in stats:  # NIXL moved the mock pool's bytes
+            extra = stats["completion-0"].extra
+            assert extra["kv_pulls_done"] == NUM_REQUESTS and extra["kv_bytes_total"] > 0
+        for child in psutil.Process(proc.pid).children():
+            argv = child.cmdline()
+            if "--engine-id" in argv:  # no torch library mapped in an engine process
+                assert "--mock" in argv
+                assert not [m.path for m in child.memory_maps() if "libtorch" in m.path]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
