@@ -136,12 +136,12 @@ def test_up_serves_restarts_the_killed_and_ctrl_c_stops_every_child():
         killed = _child(proc, "completion-engine")
         survivors = [c for c in children if c.pid != killed.pid and killed not in c.parents()]
         killed.kill()
-        stderr.wait_for("completion-0 exited (signal 9); restarting in 1 s (restart 1 of 5)", 30)
+        stderr.wait_for("completion-0 exited (signal 9); restarting in 0 s (restart 1 of 5)", 30)
         stderr.wait_for("completion-0 is back (restart 1 of 5", 180)
         assert all(c.is_running() for c in survivors)
         _ask(port)
         _child(proc, "router").kill()  # the router is supervised too
-        stderr.wait_for("router exited (signal 9); restarting in 1 s (restart 1 of 5)", 30)
+        stderr.wait_for("router exited (signal 9); restarting in 0 s (restart 1 of 5)", 30)
         stderr.wait_for("router is back (restart 1 of 5", 120)
         _ask(port)
         children = _descendants(proc)
