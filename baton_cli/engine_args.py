@@ -14,6 +14,16 @@ import sys
 
 logger = logging.getLogger(__name__)
 
+STARTUP_HELP = """start-up: when it is ready to serve, the engine logs one INFO line with where its
+start-up went, each phase from the end of the previous one:
+  imports           process start (/proc/self/stat) to the engine's code running
+  weights           the model loaded (load cache hit / miss / off / bad: a cache file not used)
+  kv pool + runner  the KV pool allocated, the model runner built
+  engine core       the scheduler and the engine around the runner
+  transfer agent    the role's worker (a prompt or completion engine's NIXL agent)
+  service           socket bound, registry record and metrics up
+e.g. "start-up 4.1 s: imports 2.3, weights 0.9 (hit), kv pool + runner 0.2, ..."."""
+
 ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engine": "completion"}
 
 
@@ -50,6 +60,12 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                         "when the file's layers are Q4 blocks (the default model's are) and the "
                         "dtype is float32 on CPU, else none; the exact mode is --dtype float32 "
                         "--quantization none")
+    m.add_argument("--load-cache-dir", default="",
+                   help="the load cache: a model's first load in a dtype and quantization writes "
+                   "what the loader produced here, later starts map it instead of parsing the "
+                   "file (default: $BATON_LOAD_CACHE_DIR, else ~/.cache/baton/load)")
+    m.add_argument("--no-load-cache", action="store_true",
+                   help="load the model file itself, neither reading nor writing the load cache")
     m.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     m.add_argument("--num-blocks", type=int, default=0,
@@ -82,7 +98,8 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
 def add_parser_for(command: str):
     def add_parser(sub: argparse._SubParsersAction) -> None:
         role = ROLE_COMMANDS[command]
-        p = sub.add_parser(command, help=f"run a {role} engine")
+        p = sub.add_parser(command, help=f"run a {role} engine", epilog=STARTUP_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         add_common_args(p, role)
         p.set_defaults(func=run_engine, role=role)
     return add_parser
