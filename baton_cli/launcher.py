@@ -105,14 +105,22 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def wait_engine_ready(address: str, deadline: float, child: Child) -> None:
+def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadline: float,
+                       ready_s: dict[str, float], spawned_at: dict[str, float]) -> None:
+    """Probe every engine until each answers, all together, so each one's time-to-ready
+    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it."""
     from baton.service.client import probe_engine
 
-    while time.monotonic() < deadline:
-        child.check_alive()
-        if probe_engine(address, timeout_s=0.5) is not None:
-            return
-    raise LaunchError(f"{child.name} at {address} not ready in time")
+    waiting = [c for c in children if c.name in addresses]
+    while waiting:
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"{', '.join(c.name for c in waiting)} not ready in time")
+        for child in list(waiting):
+            child.check_alive()
+            if probe_engine(addresses[child.name], timeout_s=0.5) is not None:
+                ready_s[child.name] = time.monotonic() - spawned_at[child.name]
+                logger.info("%s ready in %.1f s", child.name, ready_s[child.name])
+                waiting.remove(child)
 
 
 def wait_http_ready(url: str, deadline: float, child: Child) -> None:
@@ -137,6 +145,8 @@ class Launcher:
         self.redis_url = config.redis_url
         self.engine_addresses: dict[str, str] = {}
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
+        self.spawned_at: dict[str, float] = {}  # child -> time.monotonic() of its spawn
+        self.ready_s: dict[str, float] = {}  # child -> seconds from its spawn to ready
         self._stopping = False
         self.supervisor: Supervisor | None = None
 
@@ -159,8 +169,8 @@ class Launcher:
         for i, (command, role) in enumerate(roles):
             idx = counts[role] = counts.get(role, -1) + 1
             self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
-        for child in self.children:
-            wait_engine_ready(self.engine_addresses[child.name], deadline, child)
+        wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
+                           self.spawned_at)
         self._start_router(deadline)
 
     def _model_args(self) -> list[str]:
@@ -175,6 +185,7 @@ class Launcher:
                 *self._model_args(), *self._metrics_args(engine_id),
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
+        self.spawned_at[engine_id] = time.monotonic()
         self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address)))
 
     def _metrics_args(self, engine_id: str) -> list[str]:
@@ -185,16 +196,28 @@ class Launcher:
         self.metrics_urls[engine_id] = f"http://{self.config.host}:{port}/metrics"
         return ["--metrics-port", str(port)]
 
+    def _load_cache_args(self) -> list[str]:
+        """The engines' load cache flags, for the router's tokenizer too."""
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("--load-cache-dir", default="")
+        p.add_argument("--no-load-cache", action="store_true")
+        known = p.parse_known_args(self.config.engine_args)[0]
+        return ["--no-load-cache"] if known.no_load_cache else \
+            ["--load-cache-dir", known.load_cache_dir] if known.load_cache_dir else []
+
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
         argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url,
-                "--routing", cfg.routing, *self._model_args()]
+                "--routing", cfg.routing, *self._model_args(), *self._load_cache_args()]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
+        self.spawned_at["router"] = time.monotonic()
         router = Child("router", argv, env, is_ready=lambda: _http_ok(health))
         self.children.append(router)
         wait_http_ready(health, deadline, router)
+        self.ready_s["router"] = time.monotonic() - self.spawned_at["router"]
+        logger.info("router ready in %.1f s", self.ready_s["router"])
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise the children until a signal (returns 0), or until the router or every
@@ -240,10 +263,11 @@ class Launcher:
         model = self.served_model()
         auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
+        ready = {name: f"  ready in {s:.1f} s" for name, s in self.ready_s.items()}
         lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
                                             if name in self.metrics_urls else "")
-                  for name, addr in self.engine_addresses.items()]
-        lines += [f"  {'router':<14} {base}/metrics"]
+                  + ready.get(name, "") for name, addr in self.engine_addresses.items()]
+        lines += [f"  {'router':<14} {base}/metrics" + ready.get("router", "")]
         lines += ["Try:",
                   f"  curl -s {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
                   f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
