@@ -17,7 +17,8 @@ The key:
 Each file holds its key and checksums of its payload (`checksum`, `bulk_checksum`); a file whose key differs, or whose bytes
 do not match their checksums, is a miss (a warning), rebuilt, never used. Writers write a
 temporary file beside the final one, fsync it and rename it over: two engines starting at once
-both write whole files, and a reader sees one of them or none.
+both write whole files, and a reader sees one of them or none. A directory keeps the
+`KEEP_MODEL_FILES` most recently used model files (and `KEEP_TOKENIZER_FILES` tokenizers).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from baton.model_files import default_model_path
 logger = logging.getLogger(__name__)
 
 LOAD_CACHE_ENV = "BATON_LOAD_CACHE_DIR"
+# Files of each kind kept in a cache directory, the most recently used (a hit touches its file):
+# an edit of the loader code keys every model anew, and the default model's int4 file is 636 MB.
+KEEP_MODEL_FILES = 4
+KEEP_TOKENIZER_FILES = 16
 FORMAT = 1  # of the cache files themselves
 _EDGE = 2**20  # bytes hashed at each end of a weight file
 _ROOT = Path(__file__).resolve().parent
@@ -124,6 +129,28 @@ def atomic_write(final: Path, write: Callable[[object], None]) -> None:
         os.close(dir_fd)
 
 
+def touch(file: Path) -> None:
+    """Mark a cache file as used now (eviction keeps the most recently used)."""
+    try:
+        os.utime(file)
+    except OSError:
+        pass
+
+
+def evict(cache_dir: str | os.PathLike, pattern: str, keep: int) -> None:
+    """Delete all but the `keep` most recently used files matching `pattern` (a reader that
+    has one mapped keeps its pages: unlinking leaves the inode until it is unmapped)."""
+    files = []
+    for f in Path(cache_dir).glob(pattern):
+        try:
+            files.append((f.stat().st_mtime, f))
+        except OSError:
+            continue  # deleted by another engine meanwhile
+    for _, f in sorted(files, reverse=True)[keep:]:
+        f.unlink(missing_ok=True)
+        logger.info("load cache: evicted %s", f)
+
+
 # ---------------------------------------------------------------- tokenizer
 
 
@@ -158,6 +185,7 @@ def save_tokenizer(cache_dir: str | os.PathLike, path: str | os.PathLike | None,
                               "context_length": context_length}, sort_keys=True)
         doc = json.dumps({"key": key, "sum": checksum(payload.encode()), "payload": payload})
         atomic_write(_tokenizer_file(cache_dir, key), lambda f: f.write(doc.encode()))
+        evict(cache_dir, "tokenizer-*.json", KEEP_TOKENIZER_FILES)
     except OSError as e:
         logger.warning("load cache: cannot write the tokenizer cache in %s: %s", cache_dir, e)
 
@@ -178,6 +206,7 @@ def load_tokenizer(cache_dir: str | os.PathLike, path: str | os.PathLike | None)
             checksum(str(doc.get("payload", "")).encode()) != doc.get("sum"):
         logger.warning("load cache: %s has another key or a bad checksum: rebuilding it", f)
         return None
+    touch(f)
     try:
         payload = json.loads(doc["payload"])
         return tokenizer_from_state(payload["tokenizer"]), int(payload["context_length"])

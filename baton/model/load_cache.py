@@ -23,14 +23,17 @@ import torch
 from torch import nn
 
 from baton.load_cache import (
+    KEEP_MODEL_FILES,
     atomic_write,
     bulk_checksum,
     checksum,
+    evict,
     key_digest,
     make_key,
     save_tokenizer,
     tokenizer_from_state,
     tokenizer_state,
+    touch,
 )
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.loader import LoadedModel, default_device, load_model
@@ -69,6 +72,7 @@ def load_with_cache(path: str | os.PathLike | None, dtype: str | torch.dtype,
         t0 = time.perf_counter()
         try:
             loaded = restore(file, key, dev)
+            touch(file)
             logger.info("load cache: hit %s (%.2f s)", file, time.perf_counter() - t0)
             return loaded, "hit"
         except CacheMiss as e:
@@ -78,6 +82,7 @@ def load_with_cache(path: str | os.PathLike | None, dtype: str | torch.dtype,
     t0 = time.perf_counter()
     try:
         save(file, key, loaded)
+        evict(cache_dir, "model-*.pt", KEEP_MODEL_FILES)
         save_tokenizer(cache_dir, path, loaded.tokenizer, loaded.config.max_position)
         logger.info("load cache: wrote %s (%.2f s)", file, time.perf_counter() - t0)
     except OSError as e:

@@ -187,3 +187,14 @@ def _greedy_default(cache_dir: Path | None) -> tuple[list, str]:
                for p in ("What is the capital of France?", "Count to five.")]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     return [o.token_ids for o in outs], engine.runner.startup["load cache"]
+
+
+def test_eviction_keeps_the_most_recently_used(tiny: Path, tmp_path: Path, monkeypatch) -> None:
+    import baton.model.load_cache as model_cache
+
+    monkeypatch.setattr(model_cache, "KEEP_MODEL_FILES", 1)
+    load_with_cache(tiny, "float32", "cpu", "none", tmp_path)
+    load_with_cache(tiny, "float32", "cpu", "auto", tmp_path)
+    assert len(list(tmp_path.glob("model-*.pt"))) == 1
+    assert load_with_cache(tiny, "float32", "cpu", "auto", tmp_path)[1] == "hit"
+    assert load_with_cache(tiny, "float32", "cpu", "none", tmp_path)[1] == "miss"
