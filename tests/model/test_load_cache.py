@@ -198,3 +198,48 @@ def test_eviction_keeps_the_most_recently_used(tiny: Path, tmp_path: Path, monke
     assert len(list(tmp_path.glob("model-*.pt"))) == 1
     assert load_with_cache(tiny, "float32", "cpu", "auto", tmp_path)[1] == "hit"
     assert load_with_cache(tiny, "float32", "cpu", "none", tmp_path)[1] == "miss"
+
+
+def _tiny_hf_folder(folder: Path, tiny_gguf: Path) -> Path:
+    """A random 2-layer Llama as an HF folder (config.json, safetensors, tokenizer.json)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    tok = load_model(tiny_gguf, device="cpu").tokenizer
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    h, f, vocab = 64, 128, tok.vocab_size
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": f,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": vocab, "max_position_embeddings": 256, "tie_word_embeddings": False}))
+    g = torch.Generator().manual_seed(0)
+    w = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=g) * 0.2,
+         "lm_head.weight": torch.randn(vocab, h, generator=g) * 0.2,
+         "model.norm.weight": torch.ones(h)}
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (32, h), "self_attn.v_proj": (32, h),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h),
+              "mlp.down_proj": (h, f)}
+    for i in range(2):
+        w[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(h)
+        w[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(h)
+        for name, shape in shapes.items():
+            w[f"model.layers.{i}.{name}.weight"] = torch.randn(*shape, generator=g) * 0.2
+    save_file(w, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_hf_folder_cached_load_is_the_fresh_load(tiny: Path, tmp_path: Path,
+                                                  quantization: str) -> None:
+    folder = _tiny_hf_folder(tmp_path / "hf", tiny)
+    fresh = load_model(folder, device="cpu", quantization=quantization)
+    assert load_with_cache(folder, "float32", "cpu", quantization, tmp_path / "c")[1] == "miss"
+    cached, outcome = load_with_cache(folder, "float32", "cpu", quantization, tmp_path / "c")
+    assert outcome == "hit" and cached.config == fresh.config
+    want, got = _tensors(fresh.model), _tensors(cached.model)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], t) for k, t in want.items())
+    want_ids, _ = _greedy(folder, quantization, None)
+    assert _greedy(folder, quantization, tmp_path / "c") == (want_ids, "hit")
