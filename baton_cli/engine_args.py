@@ -22,6 +22,7 @@ start-up went, each phase from the end of the previous one:
   engine core       the scheduler and the engine around the runner
   transfer agent    the role's worker (a prompt or completion engine's NIXL agent)
   service           socket bound, registry record and metrics up
+  standby           (--standby only) the wait for the go line, between engine core and the rest
 e.g. "start-up 4.1 s: imports 2.3, weights 0.9 (hit), kv pool + runner 0.2, ..."."""
 
 ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engine": "completion"}
@@ -50,6 +51,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--decode-threads", type=int, default=0,
                        help="torch threads for a step with no prompt in it (0 = auto: 1 in the "
                             "quantized modes, --num-threads in the exact one)")
+    g.add_argument("--standby", action="store_true",
+                   help="a warm spare (baton up --warm-standby): import, load the model and build "
+                   "the engine, then wait for a line on stdin (EOF: exit) before starting the "
+                   "transfer agent, binding the port and registering")
     g.add_argument("--cpus", default="",
                    help="pin the process to these CPUs, e.g. 0 or 2-3 or 0,2 (default: no pinning)")
     m = p.add_argument_group("model and cache")

@@ -83,10 +83,24 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
         clock.mark_split(timed, "engine core")
         if "load cache" in startup:
             clock.notes["weights"] = str(startup["load cache"])
+    if getattr(args, "standby", False):
+        wait_for_go(args.engine_id)
+        if clock is not None:
+            clock.mark("standby")
     worker = ROLE_WORKERS[role](engine, args, engine_id, metrics)
     if clock is not None:
         clock.mark("transfer agent" if role != NORMAL else "worker")
     return worker
+
+
+def wait_for_go(engine_id: str) -> None:
+    """A warm spare's pause: until its supervisor writes a line (promoted) or closes the pipe
+    (exit). It waits without a timeout by design; it dies with the launcher (PDEATHSIG)."""
+    logger.info("%s: warm standby ready, waiting for the go", engine_id)
+    if not sys.stdin.readline():
+        logger.info("%s: standby's pipe closed; exiting", engine_id)
+        raise SystemExit(0)
+    logger.info("%s: standby promoted", engine_id)
 
 
 def spawn_other_ranks(args: argparse.Namespace, argv: list[str]) -> list[subprocess.Popen]:
@@ -121,6 +135,9 @@ def main(args: argparse.Namespace) -> int:
     dp_size = getattr(args, "data_parallel_size", 1)
     rank = getattr(args, "data_parallel_rank", 0)
     children = []
+    if dp_size > 1 and getattr(args, "standby", False):
+        print("--standby runs one rank (--data-parallel-size 1)", file=sys.stderr)
+        return 2
     if dp_size > 1 and rank == 0:
         if not args.port or not args.data_parallel_master_port:
             print("--data-parallel-size > 1 needs --port and --data-parallel-master-port",

@@ -43,6 +43,10 @@ class LaunchConfig:
     metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # once up, for every child
     routing: str = "cache-aware"  # the router's --routing (router/engine_pool.py)
+    # Keep a warm spare of each engine (`--standby`: imported, model loaded, waiting), promoted
+    # when the engine exits: a restart then costs the NIXL agent and the socket. Each spare
+    # costs a process; its weights are the load cache's pages, shared with the engine.
+    warm_standby: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -186,7 +190,9 @@ class Launcher:
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
         self.spawned_at[engine_id] = time.monotonic()
-        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address)))
+        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address),
+                                   standby_argv=[*argv, "--standby"] if cfg.warm_standby
+                                   else None))
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -218,6 +224,8 @@ class Launcher:
         wait_http_ready(health, deadline, router)
         self.ready_s["router"] = time.monotonic() - self.spawned_at["router"]
         logger.info("router ready in %.1f s", self.ready_s["router"])
+        for child in self.children:  # every child is up: now the spares, if asked for
+            child.spawn_standby()
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise the children until a signal (returns 0), or until the router or every
@@ -299,6 +307,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds the restarts are counted over")
     p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's engine choice (see baton router --help)")
+    p.add_argument("--warm-standby", action="store_true",
+                   help="keep a warm spare of each engine (imported, model loaded, waiting), "
+                   "promoted when the engine exits: restarts in about a second")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -316,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
-            routing=args.routing)
+            routing=args.routing, warm_standby=args.warm_standby)
     except ValueError as exc:
         print(f"baton up: {exc}", file=sys.stderr)
         return 2

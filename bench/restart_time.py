@@ -4,8 +4,9 @@ logs "completion-0 is back" (its readiness probe answered), median of --kills.
     .venv/bin/python bench/restart_time.py [--kills 5] [--modes no-cache,cache] [--window 15]
 
 Modes: no-cache (`-- --no-load-cache`: every start parses the GGUF file, as before the load
-cache) and cache (a fresh cache directory: `baton up`'s first start writes it, every restart
-maps it). The supervisor restarts a child at once the first time in its window and backs off
+cache), cache (a fresh cache directory: `baton up`'s first start writes it, every restart maps
+it) and standby (cache, and `baton up --warm-standby`: a restart promotes a spare that has
+loaded the model already; each kill waits for the spare to be ready). The supervisor restarts a child at once the first time in its window and backs off
 after (1, 2, 4 ... s); kills come --window + 1 s after the previous restart was back and
 `baton up` runs with --restart-window --window, so each kill is the first in its window, and
 the table shows the delay the supervisor chose. Each row gives the load average (1 min) at
@@ -39,9 +40,10 @@ STARTUP = re.compile(r"start-up ([\d.]+) s: (.*) \(since process start, pid (\d+
 class Up:
     """`baton up` (1 prompt + 1 completion engine) with its log lines timestamped on arrival."""
 
-    def __init__(self, port: int, window_s: float, engine_args: list[str], env: dict) -> None:
+    def __init__(self, port: int, window_s: float, up_args: list[str], engine_args: list[str],
+                 env: dict) -> None:
         argv = [sys.executable, "-m", "baton_cli", "up", "--port", str(port),
-                "--restart-window", str(window_s), "--no-metrics", "--", *engine_args]
+                "--restart-window", str(window_s), "--no-metrics", *up_args, "--", *engine_args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, **env},
                                      start_new_session=True)
@@ -97,7 +99,8 @@ class Up:
 def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="baton-restart-") as cache:
         engine_args = ["--no-load-cache"] if mode == "no-cache" else ["--load-cache-dir", cache]
-        up = Up(port, args.window, engine_args, {})
+        up_args = ["--warm-standby"] if mode == "standby" else []
+        up = Up(port, args.window, up_args, engine_args, {})
         rows = []
         try:
             t0 = time.monotonic()
@@ -106,6 +109,8 @@ def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict:
             pid = up.completion_pid()
             for k in range(args.kills):
                 time.sleep(args.window + 1.0)  # out of the window: a first crash
+                if mode == "standby":  # the spare (started after the last one was back) waits
+                    up.wait_for("completion-0: warm standby ready", args.ready_timeout)
                 load = os.getloadavg()[0]
                 killed_at = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
@@ -132,7 +137,7 @@ def run_mode(mode: str, args: argparse.Namespace, port: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=5)
-    p.add_argument("--modes", default="no-cache,cache")
+    p.add_argument("--modes", default="no-cache,cache,standby")
     p.add_argument("--window", type=float, default=15.0,
                    help="baton up --restart-window; kills come this + 1 s apart")
     p.add_argument("--port", type=int, default=18123)
