@@ -38,6 +38,7 @@ from baton.load_cache import (
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.loader import LoadedModel, default_device, load_model
 from baton.model.quant import QuantizedWeight, kernels
+from baton.model_files import default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def load_with_cache(path: str | os.PathLike | None, dtype: str | torch.dtype,
     if file.exists():
         t0 = time.perf_counter()
         try:
-            loaded = restore(file, key, dev)
+            loaded = restore(file, key, dev, _read_path(path))
             touch(file)
             logger.info("load cache: hit %s (%.2f s)", file, time.perf_counter() - t0)
             return loaded, "hit"
@@ -183,8 +184,22 @@ def _place(model: nn.Module, entry: list, tensors: dict[str, torch.Tensor],
         raise CacheMiss(f"unknown entry kind {kind!r}")
 
 
-def restore(file: Path, key: dict, device: torch.device) -> LoadedModel:
+def _read_path(path: str | os.PathLike | None) -> str:
+    """The file or folder the loader reads for `path` (`LoadedModel.path`): a cache file may
+    have been written by a load of the same bytes elsewhere (another checkout's copy)."""
+    p = Path(path) if path is not None else Path(default_model_path())
+    if p.is_dir() and not (p / "config.json").is_file():
+        found = sorted(p.glob("*.gguf"))
+        return str(found[0]) if len(found) == 1 else str(p)
+    return str(p)
+
+
+def restore(file: Path, key: dict, device: torch.device, path: str | None = None) -> LoadedModel:
+    """The model in `file` (whose key must be `key`) on `device`; `path` is the `LoadedModel`'s
+    (default: the one the file was written from). CacheMiss when it cannot be used."""
     meta, tensors = _read(file, key)
+    if path is not None:
+        meta["path"] = path
     try:
         config = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(
             meta["config"]["eos_token_ids"])})

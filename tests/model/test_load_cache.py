@@ -243,3 +243,16 @@ def test_hf_folder_cached_load_is_the_fresh_load(tiny: Path, tmp_path: Path,
     assert want.keys() == got.keys() and all(torch.equal(got[k], t) for k, t in want.items())
     want_ids, _ = _greedy(folder, quantization, None)
     assert _greedy(folder, quantization, tmp_path / "c") == (want_ids, "hit")
+
+
+def test_a_copy_of_the_same_file_hits_and_names_itself(tiny: Path, tmp_path: Path) -> None:
+    """Another checkout's copy of the same file (same name, size, mtime, bytes) shares the cache
+    file; the loaded model names the file it was asked for."""
+    import shutil
+
+    load_with_cache(tiny, "float32", "cpu", "auto", tmp_path / "c")
+    (tmp_path / "elsewhere").mkdir()
+    copy = Path(shutil.copy2(tiny, tmp_path / "elsewhere" / tiny.name))
+    for asked in (copy, copy.parent):  # a folder holding just that file: the same files
+        loaded, outcome = load_with_cache(asked, "float32", "cpu", "auto", tmp_path / "c")
+        assert outcome == "hit" and loaded.path == str(copy)
