@@ -23,7 +23,8 @@ start-up went, each phase from the end of the previous one:
   transfer agent    the role's worker (a prompt or completion engine's NIXL agent)
   service           socket bound, registry record and metrics up
   standby           (--standby only) the wait for the go line, between engine core and the rest
-e.g. "start-up 4.1 s: imports 2.3, weights 0.9 (hit), kv pool + runner 0.2, ..."."""
+e.g. "start-up 9.3 s: imports 7.8, weights 0.9 (hit), kv pool + runner 0.0, engine core 0.0,
+transfer agent 0.5, service 0.2 (since process start, pid 11473)" (a restart at load 9)."""
 
 ROLE_COMMANDS = {"engine": "normal", "prompt-engine": "prompt", "completion-engine": "completion"}
 

@@ -1,7 +1,10 @@
 """Where an engine's start-up time goes: one INFO line when it is ready to serve.
 
-    start-up 4.1 s: imports 2.3, weights 0.9 (load cache hit), kv pool + runner 0.2,
-    engine core 0.0, transfer agent 0.5, service 0.2 (since process start, pid 1234)
+    start-up 9.3 s: imports 7.8, weights 0.9 (hit), kv pool + runner 0.0, engine core 0.0,
+    transfer agent 0.5, service 0.2 (since process start, pid 11473)
+
+(a completion engine restarted under `baton up` at load average 9; "hit" is what the load
+cache did, baton/model/load_cache.py).
 
 Phases are marked in order by the composition root (baton_cli/engine_main.py); "imports" runs
 from the process's start, read from /proc/self/stat (the kernel's start time, so the
