@@ -18,6 +18,18 @@ from baton.protocol import COMPLETION, NORMAL, PROMPT
 
 logger = logging.getLogger(__name__)
 
+STARTUP_HELP = """start-up: when it is ready to serve, the engine logs one INFO line with where its
+start-up went, each phase from the end of the previous one:
+  imports           process start (/proc/self/stat) to the engine's code running
+  weights           the model loaded (load cache hit / miss / off / bad: a cache file not used)
+  kv pool + runner  the KV pool allocated, the model runner built
+  engine core       the scheduler and the engine around the runner
+  transfer agent    the role's worker (a prompt or completion engine's NIXL agent)
+  service           socket bound, registry record and metrics up
+  standby           (--standby only) the wait for the go line, between engine core and the rest
+e.g. "start-up 9.3 s: imports 7.8, weights 0.9 (hit), kv pool + runner 0.0, engine core 0.0,
+transfer agent 0.5, service 0.2 (since process start, pid 11473)" (a restart at load 9)."""
+
 # engine command -> its role
 ROLE_COMMANDS = {"engine": NORMAL, "prompt-engine": PROMPT, "completion-engine": COMPLETION}
 COMMAND_OF = {role: command for command, role in ROLE_COMMANDS.items()}
@@ -46,6 +58,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--decode-threads", type=int, default=0,
                        help="torch threads for a step with no prompt in it (0 = auto: 1 in the "
                             "quantized modes, --num-threads in the exact one)")
+    g.add_argument("--standby", action="store_true",
+                   help="a warm spare (baton up --warm-standby): import, load the model and build "
+                   "the engine, then wait for a line on stdin (EOF: exit) before starting the "
+                   "transfer agent, binding the port and registering")
     g.add_argument("--cpus", default="",
                    help="pin the process to these CPUs, e.g. 0 or 2-3 or 0,2 (default: no pinning)")
     add_key_args(p.add_argument_group("cluster keys"))
@@ -61,6 +77,12 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                         "when the file's layers are Q4 blocks (the default model's are) and the "
                         "dtype is float32 on CPU, else none; the exact mode is --dtype float32 "
                         "--quantization none")
+    m.add_argument("--load-cache-dir", default="",
+                   help="the load cache: a model's first load in a dtype and quantization writes "
+                   "what the loader produced here, later starts map it instead of parsing the "
+                   "file (default: $BATON_LOAD_CACHE_DIR, else ~/.cache/baton/load)")
+    m.add_argument("--no-load-cache", action="store_true",
+                   help="load the model file itself, neither reading nor writing the load cache")
     m.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
     m.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     m.add_argument("--num-blocks", type=int, default=0,
@@ -106,7 +128,8 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
 def add_parser_for(command: str):
     def add_parser(sub: argparse._SubParsersAction) -> None:
         role = ROLE_COMMANDS[command]
-        p = sub.add_parser(command, help=f"run a {role} engine")
+        p = sub.add_parser(command, help=f"run a {role} engine", epilog=STARTUP_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         add_common_args(p, role)
         p.set_defaults(func=run_engine, role=role)
     return add_parser

@@ -15,10 +15,12 @@ import subprocess
 import sys
 
 from baton.engine import EngineConfig, LLMEngine
+from baton.load_cache import default_cache_dir
 from baton.ops.cluster_keys import keys_from_args
 from baton.ops.cpus import engine_threads, parse_cpus
 from baton.ops.dp import DPConfig, DPGroup
 from baton.ops.registry import RegistryConfig, make_registry
+from baton.ops.startup import StartupClock
 from baton.ops.supervisor import die_with_parent
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 from baton.service.engine_service import EngineService, ServiceConfig
@@ -43,7 +45,8 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         num_threads=args.num_threads or engine_threads(2),
         decode_threads=getattr(args, "decode_threads", 0),
         **{name: getattr(args, name) for name in CADENCE if hasattr(args, name)},
-        engine_type=role)
+        engine_type=role, load_cache_dir=None if getattr(args, "no_load_cache", False)
+        else getattr(args, "load_cache_dir", "") or default_cache_dir())
 
 
 # The prefill cadence flags (NORMAL engines only): EngineConfig fields of the same names.
@@ -80,11 +83,34 @@ assert tuple(ROLE_WORKERS) == ROLES
 
 
 def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: str,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, clock: StartupClock | None = None):
     runner = mock_runner(args) if args.mock else None  # None: the model's (torch)
     engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min,
                        runner=runner)
-    return ROLE_WORKERS[role](engine, args, engine_id, metrics)
+    if clock is not None:
+        startup = getattr(engine.runner, "startup", {})  # a mock runner has none
+        timed = [(k, v) for k, v in startup.items() if isinstance(v, float)]
+        clock.mark_split(timed, "engine core")
+        if "load cache" in startup:
+            clock.notes["weights"] = str(startup["load cache"])
+    if getattr(args, "standby", False):
+        wait_for_go(args.engine_id)
+        if clock is not None:
+            clock.mark("standby")
+    worker = ROLE_WORKERS[role](engine, args, engine_id, metrics)
+    if clock is not None:
+        clock.mark("transfer agent" if role != NORMAL else "worker")
+    return worker
+
+
+def wait_for_go(engine_id: str) -> None:
+    """A warm spare's pause: until its supervisor writes a line (promoted) or closes the pipe
+    (exit). It waits without a timeout by design; it dies with the launcher (PDEATHSIG)."""
+    logger.info("%s: warm standby ready, waiting for the go", engine_id)
+    if not sys.stdin.readline():
+        logger.info("%s: standby's pipe closed; exiting", engine_id)
+        raise SystemExit(0)
+    logger.info("%s: standby promoted", engine_id)
 
 
 # Flags that mean something only to a model runner, at their defaults: with --mock one set
@@ -133,10 +159,18 @@ def install_signal_handlers(service: EngineService, children: list[subprocess.Po
 
 
 def main(args: argparse.Namespace) -> int:
+    clock = StartupClock()
+    # The model runtime (torch) too, so that "imports" holds every import and "weights" only
+    # the load.
+    import baton.model.runner  # noqa: F401
+    clock.mark("imports")
     role = args.role
     dp_size = getattr(args, "data_parallel_size", 1)
     rank = getattr(args, "data_parallel_rank", 0)
     children = []
+    if dp_size > 1 and getattr(args, "standby", False):
+        print("--standby runs one rank (--data-parallel-size 1)", file=sys.stderr)
+        return 2
     if dp_size > 1 and rank == 0:
         if not args.port or not args.data_parallel_master_port:
             print("--data-parallel-size > 1 needs --port and --data-parallel-master-port",
@@ -153,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
         dp = DPGroup(DPConfig(rank=rank, size=dp_size, master_addr=args.host,
                               master_port=getattr(args, "data_parallel_master_port", 0)))
         metrics = EngineMetrics(engine_id, role) if args.metrics_port else None
-        worker = build_worker(args, role, dp, engine_id, metrics)
+        worker = build_worker(args, role, dp, engine_id, metrics, clock)
         registry = None
         if args.redis_url:
             registry = make_registry(RegistryConfig(
@@ -172,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
     install_signal_handlers(service, children)
     if "torch" in sys.modules:  # a model runner was built (a mock engine has none)
         logger.info("torch threads: %d", sys.modules["torch"].get_num_threads())
-    service.run()
+    service.run(on_ready=lambda _service: (clock.mark("service"), clock.log()))
     dp.close()
     for proc in children:
         proc.wait(timeout=args.drain_timeout + 10)

@@ -55,7 +55,10 @@ class LaunchConfig:
     cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
     insecure: bool = False  # no CURVE on the internal wires (benchmarks only)
     mock: str = ""  # a profile: every engine a mock engine (--mock), the router unchanged
-
+    # Keep a warm spare of each engine (`--standby`: imported, model loaded, waiting), promoted
+    # when the engine exits: a restart then costs the NIXL agent and the socket. Each spare
+    # costs a process; its weights are the load cache's pages, shared with the engine.
+    warm_standby: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
@@ -129,15 +132,23 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def wait_engine_ready(address: str, deadline: float, child: Child,
-                      keys: ClusterKeys | None = None) -> None:
+def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadline: float,
+                       ready_s: dict[str, float], spawned_at: dict[str, float],
+                       keys: ClusterKeys | None = None) -> None:
+    """Probe every engine until each answers, all together, so each one's time-to-ready
+    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it."""
     from baton.service.client import probe_engine
 
-    while time.monotonic() < deadline:
-        child.check_alive()
-        if probe_engine(address, timeout_s=0.5, keys=keys) is not None:
-            return
-    raise LaunchError(f"{child.name} at {address} not ready in time")
+    waiting = [c for c in children if c.name in addresses]
+    while waiting:
+        if time.monotonic() >= deadline:
+            raise LaunchError(f"{', '.join(c.name for c in waiting)} not ready in time")
+        for child in list(waiting):
+            child.check_alive()
+            if probe_engine(addresses[child.name], timeout_s=0.5, keys=keys) is not None:
+                ready_s[child.name] = time.monotonic() - spawned_at[child.name]
+                logger.info("%s ready in %.1f s", child.name, ready_s[child.name])
+                waiting.remove(child)
 
 
 def wait_http_ready(url: str, deadline: float, child: Child) -> None:
@@ -162,6 +173,8 @@ class Launcher:
         self.redis_url = config.redis_url
         self.engine_addresses: dict[str, str] = {}
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
+        self.spawned_at: dict[str, float] = {}  # child -> time.monotonic() of its spawn
+        self.ready_s: dict[str, float] = {}  # child -> seconds from its spawn to ready
         self._stopping = False
         self.supervisor: Supervisor | None = None
         self.keys: ClusterKeys | None = None
@@ -206,8 +219,8 @@ class Launcher:
         for i, (command, role) in enumerate(roles):
             idx = counts[role] = counts.get(role, -1) + 1
             self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
-        for child in self.children:
-            wait_engine_ready(self.engine_addresses[child.name], deadline, child, self.keys)
+        wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
+                           self.spawned_at, self.keys)
         self._start_router(deadline)
 
     def _model_args(self) -> list[str]:
@@ -223,8 +236,10 @@ class Launcher:
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
         keys = self.keys
-        self.children.append(Child(engine_id, argv,
-                                   is_ready=lambda: _engine_answers(address, keys)))
+        self.spawned_at[engine_id] = time.monotonic()
+        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address, keys),
+                                   standby_argv=[*argv, "--standby"] if cfg.warm_standby
+                                   else None))
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -234,16 +249,31 @@ class Launcher:
         self.metrics_urls[engine_id] = f"http://{self.config.host}:{port}/metrics"
         return ["--metrics-port", str(port)]
 
+    def _load_cache_args(self) -> list[str]:
+        """The engines' load cache flags, for the router's tokenizer too."""
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument("--load-cache-dir", default="")
+        p.add_argument("--no-load-cache", action="store_true")
+        known = p.parse_known_args(self.config.engine_args)[0]
+        return ["--no-load-cache"] if known.no_load_cache else \
+            ["--load-cache-dir", known.load_cache_dir] if known.load_cache_dir else []
+
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
         argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url,
-                "--routing", cfg.routing, *self._model_args(), *self.key_args]
+                "--routing", cfg.routing, *self._model_args(), *self.key_args,
+                *self._load_cache_args()]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
+        self.spawned_at["router"] = time.monotonic()
         router = Child("router", argv, env, is_ready=lambda: _http_ok(health))
         self.children.append(router)
         wait_http_ready(health, deadline, router)
+        self.ready_s["router"] = time.monotonic() - self.spawned_at["router"]
+        logger.info("router ready in %.1f s", self.ready_s["router"])
+        for child in self.children:  # every child is up: now the spares, if asked for
+            child.spawn_standby()
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise the children until a signal (returns 0), or until the router or every
@@ -292,10 +322,11 @@ class Launcher:
         model = self.served_model()
         auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
+        ready = {name: f"  ready in {s:.1f} s" for name, s in self.ready_s.items()}
         lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
                                             if name in self.metrics_urls else "")
-                  for name, addr in self.engine_addresses.items()]
-        lines += [f"  {'router':<14} {base}/metrics"]
+                  + ready.get(name, "") for name, addr in self.engine_addresses.items()]
+        lines += [f"  {'router':<14} {base}/metrics" + ready.get("router", "")]
         lines += ["Try:",
                   f"  curl -s {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
                   f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
@@ -331,6 +362,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's engine choice (see baton router --help)")
     add_key_args(p)
+    p.add_argument("--warm-standby", action="store_true",
+                   help="keep a warm spare of each engine (imported, model loaded, waiting), "
+                   "promoted when the engine exits: restarts in about a second")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -349,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
             routing=args.routing, insecure=args.insecure, mock=args.mock,
+            warm_standby=args.warm_standby,
             # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
             cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(
                 ENV_KEY_DIR, "") else args.cluster_key_dir)

@@ -28,18 +28,26 @@ _SUBCOMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with `only` (a subcommand's name) that subcommand's alone: an
+    engine's start then imports no other subcommand's module (the simulator's pulls numpy and
+    the profile code; `python -X importtime`)."""
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for target in _SUBCOMMANDS.values():
+    for name, target in _SUBCOMMANDS.items():
+        if only is not None and name != only:
+            continue
         module_name, func_name = target.split(":")
         getattr(importlib.import_module(module_name), func_name)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The first word naming a subcommand is the command (--log-level's values never do).
+    command = next((a for a in argv if a in _SUBCOMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

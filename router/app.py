@@ -55,7 +55,8 @@ def create_app(config: RouterConfig, info: ModelInfo | None = None,
     async def lifespan(app: FastAPI):
         if info is None:
             model = await asyncio.to_thread(
-                load_model_info, config.model_path, config.model_name, config.max_model_len)
+                load_model_info, config.model_path, config.model_name, config.max_model_len,
+                config.load_cache_dir)
             model.max_n = config.max_n
         else:  # a tokenizer loaded once (tests, embedding) still obeys this config's limits
             model = dataclasses.replace(info, name=config.model_name or info.name,

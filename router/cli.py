@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from baton.load_cache import default_cache_dir
 from baton.ops.cluster_keys import add_key_args
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a static engine (repeatable), e.g. normal=tcp://127.0.0.1:7000")
     p.add_argument("--api-key", default="", help="required bearer key (default $BATON_API_KEY)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default SmolLM2)")
+    p.add_argument("--load-cache-dir", default="",
+                   help="read the tokenizer from the engines' load cache, written there on a miss "
+                   "(default: $BATON_LOAD_CACHE_DIR, else ~/.cache/baton/load)")
+    p.add_argument("--no-load-cache", action="store_true",
+                   help="parse the model file for the tokenizer, no load cache")
     p.add_argument("--served-model-name", default="", help="name clients use (default: the file's)")
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")
     p.add_argument("--refresh", type=float, default=1.0, help="registry refresh period, seconds")
@@ -74,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, registry_url=args.redis_url,
         registry_prefix=args.registry_prefix, engines=args.engine, api_key=args.api_key,
         model_path=args.model, model_name=args.served_model_name,
+        load_cache_dir=None if args.no_load_cache else args.load_cache_dir or default_cache_dir(),
         max_model_len=args.max_model_len, refresh_s=args.refresh,
         first_token_timeout_s=args.first_token_timeout, token_timeout_s=args.token_timeout,
         engine_wait_timeout_s=args.engine_wait_timeout, prompt_retry_limit=args.prompt_retries,

@@ -29,6 +29,9 @@ class RouterConfig:
     api_key: str = ""
     # GGUF file or Hugging Face folder the tokenizer and chat template come from; empty = SmolLM2.
     model_path: str = ""
+    # The load cache (baton/load_cache.py) the tokenizer is read from, and written to on a
+    # miss; None = parse the model file.
+    load_cache_dir: str | None = None
     # Name served by /v1/models and required in requests; empty = derived from the model.
     model_name: str = ""
     # Context length override; 0 = the model's own.

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baton.load_cache import load_tokenizer, save_tokenizer
 from baton.model_files import ModelLoadError, default_model_path, gguf_field, read_gguf
 from baton.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -38,8 +39,11 @@ class ModelInfo:
             self.max_token_chars = max(map(len, vocab), default=1)
 
 
-def load_model_info(path: str = "", name: str = "", max_model_len: int = 0) -> ModelInfo:
-    """Tokenizer and limits of the model at `path` (a GGUF file, a folder; empty = SmolLM2)."""
+def load_model_info(path: str = "", name: str = "", max_model_len: int = 0,
+                    load_cache_dir: str | None = None) -> ModelInfo:
+    """Tokenizer and limits of the model at `path` (a GGUF file, a folder; empty = SmolLM2);
+    a GGUF file's through the load cache in `load_cache_dir` (None: none), which saves parsing
+    its vocabulary (baton/load_cache.py)."""
     resolved = Path(path or default_model_path())
     if not resolved.exists():
         raise ModelLoadError(resolved, "no such file or directory")
@@ -53,7 +57,13 @@ def load_model_info(path: str = "", name: str = "", max_model_len: int = 0) -> M
             if len(found) != 1:
                 raise ModelLoadError(resolved, f"folder holds {len(found)} .gguf files, not 1")
             resolved = found[0]
-        tokenizer, context = _from_gguf(resolved)
+        cached = load_tokenizer(load_cache_dir, resolved) if load_cache_dir else None
+        if cached is not None:
+            tokenizer, context = cached
+        else:
+            tokenizer, context = _from_gguf(resolved)
+            if load_cache_dir:
+                save_tokenizer(load_cache_dir, resolved, tokenizer, context)
     if max_model_len > context:
         logger.warning("max_model_len %d exceeds the model's context %d", max_model_len, context)
     stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

@@ -59,6 +59,10 @@ class EngineConfig:
     # (the servers' default). The exact mode: dtype float32, quantization none, which the
     # library keeps as its default (what its tests compare with transformers).
     quantization: str = "none"
+    # The load cache (baton/load_cache.py): a model's first load in this dtype and quantization
+    # writes what the loader produced here, later loads map it; None = no cache (the library's
+    # default; the engine command's is ~/.cache/baton/load).
+    load_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)

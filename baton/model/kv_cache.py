@@ -19,6 +19,7 @@ Block 0 is the scheduler's null block: block tables are padded with it, nothing 
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,14 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int,
     """A zeroed pool `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
     if num_blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
-    kv = torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+    if torch.device(device).type == "cpu":
+        # Anonymous memory is zero pages from the kernel, each touched on its first write: the
+        # pool costs no start-up time (torch.zeros wrote every byte of a 1 GiB pool: ~1 s).
+        buf = mmap.mmap(-1, num_blocks * spec.bytes_per_block,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        kv = torch.frombuffer(buf, dtype=spec.dtype).view(num_blocks, *spec.block_shape)
+    else:
+        kv = torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
     logger.info("KV pool: %d blocks x %d bytes = %.1f MiB on %s (%s)", num_blocks,
                 spec.bytes_per_block, num_blocks * spec.bytes_per_block / 2**20, device,
                 spec.fingerprint())

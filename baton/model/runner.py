@@ -9,6 +9,7 @@ and samples the rows the engine asks for; the engine never touches a tensor.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,7 +17,8 @@ import torch
 
 from baton.model.backends import Backend, StepBatch, get_backend
 from baton.model.kv_cache import KVCacheSpec, allocate_kv_cache
-from baton.model.loader import LoadedModel, load_model
+from baton.model.load_cache import load_with_cache
+from baton.model.loader import LoadedModel
 from baton.model.logprobs import token_logprobs, top_logprobs
 from baton.model.sampler import Sampler
 from baton.sampling.params import SamplingParams
@@ -48,6 +50,7 @@ class ModelRunner:
             num_blocks = self.kv_spec.num_blocks_for_budget(pool_bytes)
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
+        self.startup: dict[str, float | str] = {}  # build_runner's phases (engine start-up log)
         logger.info("model runner: %s backend, %d KV blocks (+%.0f%% for the backend's rows)",
                     self.backend.name, num_blocks, 100 * self.backend.kv_memory_factor)
 
@@ -191,12 +194,18 @@ class ModelRunner:
 
 
 def build_runner(config, loaded: LoadedModel | None = None) -> ModelRunner:
-    """The runner an `EngineConfig` asks for: torch threads set, the model loaded (or `loaded`
-    reused: tests, benchmarks), the KV pool sized, each step kind's thread count chosen."""
+    """The runner an `EngineConfig` asks for: torch threads set, the model loaded (through the
+    load cache when `config.load_cache_dir` names one; or `loaded` reused: tests, benchmarks),
+    the KV pool sized, each step kind's thread count chosen. `runner.startup` holds the
+    seconds of its phases and what the load cache did."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device,
-                                  quantization=config.quantization)
+    t0 = time.perf_counter()
+    outcome = "given"
+    if loaded is None:
+        loaded, outcome = load_with_cache(config.model, config.dtype, config.device,
+                                          config.quantization, config.load_cache_dir)
+    t1 = time.perf_counter()
     runner = ModelRunner(loaded, config.block_size, config.num_blocks,
                          config.kv_cache_memory_bytes)
     threads = torch.get_num_threads()
@@ -204,4 +213,6 @@ def build_runner(config, loaded: LoadedModel | None = None) -> ModelRunner:
     # EngineConfig.decode_threads for the measurements).
     decode = config.decode_threads or (1 if loaded.quantization != "none" else threads)
     runner.step_threads = {True: threads, False: decode}
+    runner.startup = {"weights": t1 - t0, "kv pool + runner": time.perf_counter() - t1,
+                      "load cache": outcome}
     return runner

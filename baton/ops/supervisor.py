@@ -8,6 +8,9 @@ Life of a child under supervision:
    should cost only the start-up), then after 1 s, 2 s, 4 s ... capped at `max_delay_s`;
 3. the restart starts it again; until its readiness check passes it counts as restarting, and
    the log says when it is back and how long it was gone;
+   With a warm standby (`baton up --warm-standby`, `Child.spawn_standby`), the restart promotes
+   a spare that has imported everything and loaded the model, and a new spare starts once
+   the child is back;
 4. past `max_restarts` restarts within `window_s` it gives up on that child (a crash loop:
    restarting again would only load the model for nothing); the others keep serving.
 One child's death never stops the others; only a signal to the launcher stops them all.
@@ -72,21 +75,48 @@ class LaunchError(RuntimeError):
 
 
 class Child:
-    """One process of `baton up`; `start` again runs the same command line anew."""
+    """One process of `baton up`; `start` again runs the same command line anew.
+
+    With `standby_argv` (an engine's command line with `--standby`), a warm spare of it can be
+    kept (`spawn_standby`): a process that has imported everything and loaded the model, and
+    waits for a line on its stdin before it binds its port; `start` then promotes the spare
+    instead of starting from nothing (the restart costs the NIXL agent and the socket, not the
+    imports and the weights).
+    """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-                 is_ready: Callable[[], bool] | None = None):
+                 is_ready: Callable[[], bool] | None = None,
+                 standby_argv: list[str] | None = None):
         self.name = name
         self.argv = argv
         self.env = env
         self.is_ready = is_ready  # a quick readiness check (an engine probe, the router's /health)
+        self.standby_argv = standby_argv
+        self.standby: subprocess.Popen | None = None
         self.proc = self._spawn()
 
-    def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.argv, preexec_fn=die_with_parent,
+    def _spawn(self, argv: list[str] | None = None, stdin=None) -> subprocess.Popen:
+        return subprocess.Popen(argv or self.argv, preexec_fn=die_with_parent, stdin=stdin,
                                 env={**os.environ, **(self.env or {})})
 
+    def spawn_standby(self) -> None:
+        """Start a warm spare, unless there is one or this child has none."""
+        if self.standby_argv is None or (self.standby is not None and self.standby.poll() is None):
+            return
+        self.standby = self._spawn(self.standby_argv, stdin=subprocess.PIPE)
+        logger.info("%s: warm standby started (pid %d)", self.name, self.standby.pid)
+
     def start(self) -> None:
+        spare, self.standby = self.standby, None
+        if spare is not None and spare.poll() is None:
+            try:
+                spare.stdin.write(b"go\n")
+                spare.stdin.flush()
+                self.proc = spare
+                logger.info("%s: warm standby promoted (pid %d)", self.name, spare.pid)
+                return
+            except OSError:  # it died meanwhile: start from nothing
+                spare.kill()
         self.proc = self._spawn()
 
     def check_alive(self) -> None:
@@ -96,14 +126,18 @@ class Child:
                               f"(command: {' '.join(self.argv)})")
 
     def stop(self, timeout_s: float) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0fs; killing it", self.name, timeout_s)
-            self.proc.kill()
-            self.proc.wait(5)
+        procs = [self.proc] + ([self.standby] if self.standby is not None else [])
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %d) did not stop within %.0fs; killing it", self.name,
+                               proc.pid, timeout_s)
+                proc.kill()
+                proc.wait(5)
 
 
 def describe_exit(code: int) -> str:
@@ -188,6 +222,7 @@ class Supervisor:
         watch.is_restarting, watch.exited_at = False, None
         logger.info("%s is back (restart %d of %d, %.1f s after it exited)", watch.child.name,
                     len(watch.restarts), self.policy.max_restarts, gone_s)
+        watch.child.spawn_standby()  # the next crash's spare, now that this one is up
 
 
 class _ExitedProc:

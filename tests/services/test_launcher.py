@@ -114,6 +114,8 @@ def test_up_serves_restarts_the_killed_and_ctrl_c_stops_every_child():
             banner += line
             assert time.monotonic() < deadline, banner
         assert f"http://127.0.0.1:{port}/v1" in banner and "SmolLM2" in banner
+        for name in ("prompt-0", "completion-0", "router"):  # each child's time-to-ready
+            assert re.search(rf"{name} .* ready in [\d.]+ s", banner), banner
         children = _descendants(proc)
         assert len(children) >= 4  # redis, prompt engine, completion engine, router
         engines = [c for c in children if {"prompt-engine", "completion-engine"} & set(c.cmdline())]

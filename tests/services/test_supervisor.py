@@ -98,3 +98,30 @@ def test_restarts_older_than_the_window_are_forgotten(children):
     now[0] = 14.0  # one restart within the window already: given up
     supervisor.poll()
     assert supervisor.given_up == ["completion-1"]
+
+
+# A spare that says when it got the go (what `--standby` engines do before binding).
+STANDBY = [sys.executable, "-c", "import sys, time; sys.stdin.readline(); print('promoted', "
+           "flush=True); time.sleep(60)"]
+
+
+def test_warm_standby_is_promoted_on_exit_and_replaced_once_back(children, caplog):
+    caplog.set_level(logging.INFO, logger="baton.ops.supervisor")
+    ready = {"ok": True}
+    child = Child("completion-0", SLEEP, is_ready=lambda: ready["ok"], standby_argv=STANDBY)
+    children.append(child)
+    child.spawn_standby()
+    spare = child.standby
+    assert spare is not None and spare.poll() is None
+    supervisor = Supervisor(children, RestartPolicy())
+    child.proc.send_signal(signal.SIGKILL)
+    _poll_until(supervisor, lambda: "completion-0 is back (restart 1 of 5," in caplog.text)
+    assert child.proc is spare and spare.poll() is None  # the spare runs on as the child
+    assert "warm standby promoted" in caplog.text
+    assert child.standby is not None and child.standby is not spare  # the next one, waiting
+    # A spare that died meanwhile is not promoted: the child starts from nothing.
+    child.standby.kill()
+    child.standby.wait(5)
+    child.proc.send_signal(signal.SIGKILL)
+    _poll_until(supervisor, lambda: "completion-0 is back (restart 2 of 5," in caplog.text)
+    assert child.proc.args == SLEEP and child.proc.poll() is None
