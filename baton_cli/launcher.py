@@ -42,7 +42,8 @@ class LaunchConfig:
     num_completion_engines: int = 1
     num_normal_engines: int = 0  # > 0 with no prompt/completion engines: co-located serving
     model: str = ""  # "" = the default model
-    redis_url: str = ""  # "" = start a local redis-server
+    redis_url: str = ""  # "" = start a local redis-server (closed: a generated password)
+    redis_password_file: str = ""  # the password of an external redis_url
     api_key: str = ""
     ready_timeout_s: float = 300.0
     # Flags after `--`, passed to every engine whose role has them (role_engine_args).
@@ -67,6 +68,9 @@ class LaunchConfig:
         if self.num_normal_engines and disagg:
             raise ValueError("run either normal engines or prompt+completion engines, not both")
         role_engine_args(self.engine_args, "normal")  # an unknown flag fails here, not at start
+        if self.redis_password_file and not self.redis_url:
+            raise ValueError("--redis-password-file is for an external --redis-url; the "
+                             "embedded Redis makes its own password")
         if self.insecure and self.cluster_key_dir:
             raise ValueError("--insecure and --cluster-key-dir contradict each other")
         for flag in ("--cluster-key-dir", "--insecure"):
@@ -152,6 +156,8 @@ class Launcher:
         self.children: list[Child] = []
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url
+        self.redis_args: list[str] = (["--redis-password-file", config.redis_password_file]
+                                      if config.redis_password_file else [])
         self.engine_addresses: dict[str, str] = {}
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self._stopping = False
@@ -187,6 +193,7 @@ class Launcher:
         if not self.redis_url:
             self.redis = RedisServer(cfg.host).start()
             self.redis_url = self.redis.url
+            self.redis_args = ["--redis-password-file", self.redis.password_file]
         deadline = time.monotonic() + cfg.ready_timeout_s
         roles = ([("engine", "normal")] * cfg.num_normal_engines
                  + [("prompt-engine", "prompt")] * cfg.num_prompt_engines
@@ -209,7 +216,7 @@ class Launcher:
         cfg = self.config
         port = free_port(cfg.host)
         argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
-                "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
+                "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url, *self.redis_args,
                 "--num-threads", str(threads), *(["--cpus", cpus] if cpus else []),
                 *self._model_args(), *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
@@ -229,7 +236,7 @@ class Launcher:
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
         argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
-                "--port", str(cfg.router_port), "--redis-url", self.redis_url,
+                "--port", str(cfg.router_port), "--redis-url", self.redis_url, *self.redis_args,
                 "--routing", cfg.routing, *self._model_args(), *self.key_args]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
@@ -307,6 +314,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="co-located engines instead of prompt+completion (sets those to 0)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    p.add_argument("--redis-password-file", default="",
+                   help="file holding the password of --redis-url (the user goes in the URL)")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--no-cpu-pinning", action="store_true",
@@ -330,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = LaunchConfig(
             host=args.host, router_port=args.port, model=args.model, redis_url=args.redis_url,
+            redis_password_file=args.redis_password_file,
             num_prompt_engines=0 if normal else args.prompt_engines,
             num_completion_engines=0 if normal else args.completion_engines,
             num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,

@@ -17,6 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", ""),
                    help="engine registry; empty = the static --engine list")
+    p.add_argument("--redis-password-file", default="",
+                   help="file holding the registry's Redis password (default "
+                        "$BATON_REDIS_PASSWORD_FILE); the user goes in the URL")
     p.add_argument("--registry-prefix", default="baton")
     p.add_argument("--engine", action="append", default=[], metavar="ROLE=ADDR[,SIDECHANNEL]",
                    help="a static engine (repeatable), e.g. normal=tcp://127.0.0.1:7000")
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = RouterConfig(
         host=args.host, port=args.port, registry_url=args.redis_url,
+        registry_password_file=args.redis_password_file,
         registry_prefix=args.registry_prefix, engines=args.engine, api_key=args.api_key,
         model_path=args.model, model_name=args.served_model_name,
         max_model_len=args.max_model_len, refresh_s=args.refresh,

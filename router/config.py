@@ -23,6 +23,8 @@ class RouterConfig:
     registry_url: str = ""
     # Key namespace in Redis, the same as the engines' RegistryConfig.prefix.
     registry_prefix: str = "baton"
+    # File holding the registry's Redis password; "" = $BATON_REDIS_PASSWORD_FILE, or none.
+    registry_password_file: str = ""
     # Static engines, `ROLE=ADDRESS[,SIDE_CHANNEL]`, used when registry_url is empty.
     engines: list[str] = field(default_factory=list)
     # Bearer key clients must send; empty = no authentication. Falls back to $BATON_API_KEY.
