@@ -82,7 +82,8 @@ class Server:
             if prep.kind == "completion" and prep.logprobs:
                 choice.completion_logprobs = CompletionLogprobs(self.token_text)
             choices.append(choice)
-        return RouterRequest(prep.req_id, prep.prompt_token_ids, prep.sampling, arrival, choices)
+        return RouterRequest(prep.req_id, prep.prompt_token_ids, prep.sampling, arrival, choices,
+                             cache_salt=prep.cache_salt)
 
     def _start(self, prep: Prepared, state: RouterRequest, first: TokenDelta) -> None:
         """The echoed prompt (and its logprobs) into each choice: the prompt was scored once,
