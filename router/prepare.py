@@ -55,6 +55,7 @@ class Prepared:
     drop_output: bool = False
     tool_mode: str = ""  # chat with tools: "required" or "auto" (router/tools.py)
     cache_salt: str = ""  # the tenant's prefix-cache salt ("" = the shared cache)
+    api_key_name: str = ""  # the named API key it came with (router/api_keys.py)
 
 
 def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
