@@ -5,6 +5,7 @@ multi-frame messages, sent with the cluster's CURVE keys so that they reach the 
   KV side channel   the same process's exporter (kv_transfer/protocol.py)
   router side       the router's EngineClient (router/engine_client.py) with a KvIndex, fed
                     by a socket standing in for an engine, in this process
+  KV importer       tests/kv_transfer/test_kv_fuzz.py (a stand-in exporter answers it)
 
 Each endpoint must not crash (the process and its loops live), not hang (a valid request is
 answered after every burst), and not leak (the engine's pool and leases drain back to whole;
