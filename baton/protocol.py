@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from typing import Annotated
 
 import msgspec
 
@@ -31,6 +32,14 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and vLLM's default on l
 NORMAL, PROMPT, COMPLETION = "normal", "prompt", "completion"
 ROLES = (NORMAL, PROMPT, COMPLETION)
 MAX_CHOICES = 128  # the most choices (n) one request may ask of an engine
+MAX_CACHE_SALT_CHARS = 256  # a cache salt is an opaque tenant tag, not a document
+MAX_REQ_ID_CHARS = 512  # the router's ids are < 100 characters (a uuid, a migration suffix)
+
+# Bounds checked while decoding (a message that breaks one is a ProtocolError, dropped): the
+# fields an engine uses before its request validation runs (a dict key, a set of choices).
+ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS)]
+NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
+CacheSalt = Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -60,11 +69,11 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar: str = ""
     # Choices of the prompt (OpenAI's n): one prefill, n first tokens (choice i draws with
     # sample_index + i), then n forks of one sequence sharing the prompt's KV blocks.
-    n: int = 1
+    n: NumChoices = 1
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):
-    req_id: str
+    req_id: ReqId
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     # COMPLETION role only: where the prompt's KV lies, and the token the prompt engine sampled.
@@ -78,13 +87,16 @@ class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=
     # COMPLETION role with sampling.n > 1: the choices that go on here (those the prompt
     # engine's first token did not finish) and each one's first token and its logprob;
     # first_token_id is first_token_ids[0]. Empty: the one choice 0.
-    choice_indices: list[int] = []
-    first_token_ids: list[int] = []
-    first_logprobs: list[float] = []
+    choice_indices: Annotated[list[int], msgspec.Meta(max_length=MAX_CHOICES)] = []
+    first_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_CHOICES)] = []
+    first_logprobs: Annotated[list[float], msgspec.Meta(max_length=MAX_CHOICES)] = []
+    # A tenant's tag (vLLM's cache_salt): its prompt blocks are keyed from its own seed
+    # (baton/engine/block_keys.py), so they hit only that tenant's cached blocks. "" = shared.
+    cache_salt: CacheSalt = ""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):
-    req_id: str
+    req_id: ReqId
 
 
 class StatsRequest(msgspec.Struct, tag="stats?", array_like=True, omit_defaults=True):

@@ -48,6 +48,9 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    "data parallelism rank r uses PORT + r)")
     g.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", ""),
                    help="registry; empty = no registry (static configuration)")
+    g.add_argument("--redis-password-file", default="",
+                   help="file holding the registry's Redis password (default "
+                        "$BATON_REDIS_PASSWORD_FILE); the user goes in the URL")
     g.add_argument("--registry-prefix", default="baton")
     g.add_argument("--registry-ttl", type=float, default=3.0, help="seconds a record lives")
     g.add_argument("--drain-timeout", type=float, default=30.0,

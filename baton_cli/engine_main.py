@@ -19,7 +19,7 @@ from baton.load_cache import default_cache_dir
 from baton.ops.cluster_keys import keys_from_args
 from baton.ops.cpus import engine_threads, parse_cpus
 from baton.ops.dp import DPConfig, DPGroup
-from baton.ops.registry import RegistryConfig, make_registry
+from baton.ops.registry import RegistryConfig, make_registry, record_signing_key
 from baton.ops.startup import StartupClock
 from baton.ops.supervisor import die_with_parent
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
@@ -192,7 +192,8 @@ def main(args: argparse.Namespace) -> int:
         if args.redis_url:
             registry = make_registry(RegistryConfig(
                 url=args.redis_url, prefix=args.registry_prefix, ttl_s=args.registry_ttl,
-                heartbeat_s=args.registry_ttl / 3))
+                heartbeat_s=args.registry_ttl / 3, password_file=args.redis_password_file,
+                signing_key=record_signing_key(args.cluster_keys)))
         service = EngineService(worker, ServiceConfig(
             engine_id=engine_id, host=args.host, port=port,
             drain_timeout_s=args.drain_timeout, heartbeat_s=args.registry_ttl / 3,

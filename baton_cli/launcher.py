@@ -43,7 +43,8 @@ class LaunchConfig:
     num_completion_engines: int = 1
     num_normal_engines: int = 0  # > 0 with no prompt/completion engines: co-located serving
     model: str = ""  # "" = the default model
-    redis_url: str = ""  # "" = start a local redis-server
+    redis_url: str = ""  # "" = start a local redis-server (closed: a generated password)
+    redis_password_file: str = ""  # the password of an external redis_url
     api_key: str = ""
     ready_timeout_s: float = 300.0
     # Flags after `--`, passed to every engine whose role has them (role_engine_args).
@@ -73,6 +74,9 @@ class LaunchConfig:
         if self.num_normal_engines and disagg:
             raise ValueError("run either normal engines or prompt+completion engines, not both")
         role_engine_args(self.engine_args, NORMAL)  # an unknown flag fails here, not at start
+        if self.redis_password_file and not self.redis_url:
+            raise ValueError("--redis-password-file is for an external --redis-url; the "
+                             "embedded Redis makes its own password")
         if self.insecure and self.cluster_key_dir:
             raise ValueError("--insecure and --cluster-key-dir contradict each other")
         if self.mock and self.model:
@@ -171,6 +175,8 @@ class Launcher:
         self.children: list[Child] = []
         self.redis: RedisServer | None = None
         self.redis_url = config.redis_url
+        self.redis_args: list[str] = (["--redis-password-file", config.redis_password_file]
+                                      if config.redis_password_file else [])
         self.engine_addresses: dict[str, str] = {}
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self.spawned_at: dict[str, float] = {}  # child -> time.monotonic() of its spawn
@@ -208,6 +214,7 @@ class Launcher:
         if not self.redis_url:
             self.redis = RedisServer(cfg.host).start()
             self.redis_url = self.redis.url
+            self.redis_args = ["--redis-password-file", self.redis.password_file]
         deadline = time.monotonic() + cfg.ready_timeout_s
         roles = ([(COMMAND_OF[NORMAL], NORMAL)] * cfg.num_normal_engines
                  + [(COMMAND_OF[PROMPT], PROMPT)] * cfg.num_prompt_engines
@@ -231,8 +238,10 @@ class Launcher:
         port = free_port(cfg.host)
         argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
                 "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
+                *self.redis_args,
                 *(["--mock", cfg.mock] if cfg.mock else ["--num-threads", str(threads)]),
-                *(["--cpus", cpus] if cpus else []), *self._model_args(), *self._metrics_args(engine_id), *self.key_args,
+                *(["--cpus", cpus] if cpus else []), *self._model_args(),
+                *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
         keys = self.keys
@@ -261,7 +270,7 @@ class Launcher:
     def _start_router(self, deadline: float) -> None:
         cfg = self.config
         argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
-                "--port", str(cfg.router_port), "--redis-url", self.redis_url,
+                "--port", str(cfg.router_port), "--redis-url", self.redis_url, *self.redis_args,
                 "--routing", cfg.routing, *self._model_args(), *self.key_args,
                 *self._load_cache_args()]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
@@ -349,6 +358,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="mock engines (baton engine --mock): the profile's step times, no "
                         "model; the router tokenizes with the default model's tokenizer")
     p.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    p.add_argument("--redis-password-file", default="",
+                   help="file holding the password of --redis-url (the user goes in the URL)")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--no-cpu-pinning", action="store_true",
@@ -375,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = LaunchConfig(
             host=args.host, router_port=args.port, model=args.model, redis_url=args.redis_url,
+            redis_password_file=args.redis_password_file,
             num_prompt_engines=0 if normal else args.prompt_engines,
             num_completion_engines=0 if normal else args.completion_engines,
             num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,

@@ -133,7 +133,9 @@ class Admission:
         engine = self.engine
         ids = engine.inputs.check_prompt(req.req_id, req.prompt_token_ids)
         outputs = engine.inputs.check_outputs(req.req_id, req.output_token_ids, params)
-        seed = engine.prefix_cache_seed if engine.config.enable_prefix_caching else None
+        seed = engine.request_key_seed(req.req_id, req.cache_salt)
+        seed = (engine.prefix_cache_seed if seed is None else seed) \
+            if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
                               seed)
         choices = check_choices(req, params, engine.model_config.vocab_size,
@@ -174,7 +176,8 @@ class Admission:
         index, first_token, first_logprob = adm.choices[0]
         alloc = engine.add_prompted_request(req.req_id, adm.prompt_token_ids, outputs,
                                             adm.params, first_token, first_logprob, index,
-                                            block_keys=adm.handle.block_keys)
+                                            block_keys=adm.handle.block_keys,
+                                            cache_salt=req.cache_salt)
         if alloc.status == AllocStatus.OK:
             self.pulling[req.req_id] = adm
             hit = alloc.num_cached_blocks

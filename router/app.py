@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -29,10 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from baton.ops.registry import Registry
 from baton.protocol import ROLES
 from router import api_models, openapi_doc
+from router.api_keys import ApiKeys, per_key_salt
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.engine_pool import EnginePool, NoEngineError
-from router.limits import RequestLimits
+from router.limits import LIMITED_PATHS, RequestLimits
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_protocol import APIError, validation_error
 from router.prepare import Prepared
@@ -99,31 +99,46 @@ def _add_middleware(app: FastAPI, config: RouterConfig, metrics: RouterMetrics) 
     app.add_middleware(RequestLimits, max_request_bytes=config.max_request_bytes,
                        max_concurrent_requests=config.max_concurrent_requests,
                        body_timeout_s=config.body_timeout_s)
-    app.add_middleware(_AuthAndCount, api_key=config.api_key, metrics=metrics)
+    app.add_middleware(_AuthAndCount, api_keys=ApiKeys(config.api_keys) if config.api_keys
+                       else None, metrics=metrics)
 
 
 class _AuthAndCount:
-    def __init__(self, app, api_key: str, metrics: RouterMetrics):
+    def __init__(self, app, api_keys: ApiKeys | None, metrics: RouterMetrics):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else b""
+        self.api_keys = api_keys
         self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.expected and (path.startswith("/v1/") or path in _ADMIN_PATHS):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+        key_name = ""
+        if self.api_keys is not None and (path.startswith("/v1/") or path in _ADMIN_PATHS):
+            key = self.api_keys.identify(dict(scope["headers"]).get(b"authorization", b""))
+            if key is None:
                 self.metrics.requests.labels(_endpoint(path), "401").inc()
                 response = _error(APIError(401, "Invalid or missing API key: send "
                                            "'Authorization: Bearer <key>'",
                                            code="invalid_api_key"))
                 return await response(scope, receive, send)
+            key_name = scope.setdefault("state", {})["api_key_name"] = key.name
+            wait_s = self.api_keys.take(key.name) if path in LIMITED_PATHS else 0
+            if wait_s:
+                self.metrics.requests.labels(_endpoint(path), "429").inc()
+                self.metrics.api_key_requests.labels(key.name, "429").inc()
+                response = _error(APIError(
+                    429, f"Rate limit of API key {key.name!r} reached; retry after {wait_s} s",
+                    "rate_limit_error", code="rate_limit_exceeded"))
+                response.headers["Retry-After"] = str(wait_s)
+                return await response(scope, receive, send)
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
-                self.metrics.requests.labels(_endpoint(path), str(message["status"])).inc()
+                status = str(message["status"])
+                self.metrics.requests.labels(_endpoint(path), status).inc()
+                if key_name:
+                    self.metrics.api_key_requests.labels(key_name, status).inc()
             await send(message)
 
         await self.app(scope, receive, counting_send)
@@ -162,7 +177,11 @@ def _error(exc: APIError) -> JSONResponse:
 async def _off_loop(request: Request, kind: str) -> Prepared:
     """Parse, validate and tokenize the body in a prepare worker (APIError -> 4xx)."""
     raw = await request.body()  # already read, and bounded, by RequestLimits
-    return await request.app.state.prepare_pool.prepare(raw, kind)
+    prep = await request.app.state.prepare_pool.prepare(raw, kind)
+    prep.api_key_name = request.scope.get("state", {}).get("api_key_name", "")
+    if prep.api_key_name and request.app.state.config.cache_salt_per_key:
+        prep.cache_salt = per_key_salt(prep.api_key_name, prep.cache_salt)
+    return prep
 
 
 def _add_routes(app: FastAPI) -> None:

@@ -18,10 +18,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL", ""),
                    help="engine registry; empty = the static --engine list")
+    p.add_argument("--redis-password-file", default="",
+                   help="file holding the registry's Redis password (default "
+                        "$BATON_REDIS_PASSWORD_FILE); the user goes in the URL")
     p.add_argument("--registry-prefix", default="baton")
     p.add_argument("--engine", action="append", default=[], metavar="ROLE=ADDR[,SIDECHANNEL]",
                    help="a static engine (repeatable), e.g. normal=tcp://127.0.0.1:7000")
     p.add_argument("--api-key", default="", help="required bearer key (default $BATON_API_KEY)")
+    p.add_argument("--api-keys-file", default="",
+                   help="YAML file of named API keys, each with its own requests_per_minute "
+                        "(429 past it) and usage counters (default $BATON_API_KEYS_FILE)")
+    p.add_argument("--cache-salt-per-key", action="store_true",
+                   help="each API key's requests share a prefix cache only among themselves")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default SmolLM2)")
     p.add_argument("--load-cache-dir", default="",
                    help="read the tokenizer from the engines' load cache, written there on a miss "
@@ -78,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = RouterConfig(
         host=args.host, port=args.port, registry_url=args.redis_url,
+        registry_password_file=args.redis_password_file, api_keys_file=args.api_keys_file,
+        cache_salt_per_key=args.cache_salt_per_key,
         registry_prefix=args.registry_prefix, engines=args.engine, api_key=args.api_key,
         model_path=args.model, model_name=args.served_model_name,
         load_cache_dir=None if args.no_load_cache else args.load_cache_dir or default_cache_dir(),

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from baton.ops.cluster_keys import resolve_keys
 from baton.protocol import MAX_CHOICES, ROLES
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys
+from router.api_keys import ENV_KEYS_FILE, ApiKey, load_api_keys
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
 
@@ -23,6 +24,13 @@ class RouterConfig:
     registry_url: str = ""
     # Key namespace in Redis, the same as the engines' RegistryConfig.prefix.
     registry_prefix: str = "baton"
+    # Named API keys, each with its own rate limit and usage counters (router/api_keys.py);
+    # "" = $BATON_API_KEYS_FILE, or none. `api_key`, if set too, is one more key, "default".
+    api_keys_file: str = ""
+    # Every request's cache salt is namespaced by its API key's name: keys share no cache.
+    cache_salt_per_key: bool = False
+    # File holding the registry's Redis password; "" = $BATON_REDIS_PASSWORD_FILE, or none.
+    registry_password_file: str = ""
     # Static engines, `ROLE=ADDRESS[,SIDE_CHANNEL]`, used when registry_url is empty.
     engines: list[str] = field(default_factory=list)
     # Bearer key clients must send; empty = no authentication. Falls back to $BATON_API_KEY.
@@ -86,10 +94,22 @@ class RouterConfig:
     insecure: bool = False
     # Loaded from cluster_key_dir by __post_init__; None exactly when insecure.
     cluster_keys: ClusterKeys | None = field(default=None, init=False, repr=False)
+    # The keys a request must show (api_key and api_keys_file's); empty = open.
+    api_keys: list[ApiKey] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.api_key:
             self.api_key = os.environ.get("BATON_API_KEY", "")
+        if not self.api_keys_file:
+            self.api_keys_file = os.environ.get(ENV_KEYS_FILE, "")
+        self.api_keys = load_api_keys(self.api_keys_file) if self.api_keys_file else []
+        if self.api_key:
+            if any(k.name == "default" or k.key == self.api_key for k in self.api_keys):
+                raise ValueError("api_key repeats a key (or the name 'default') of "
+                                 f"{self.api_keys_file}")
+            self.api_keys.append(ApiKey("default", self.api_key))
+        if self.cache_salt_per_key and not self.api_keys:
+            raise ValueError("cache_salt_per_key needs API keys (api_key or api_keys_file)")
         if not self.cluster_key_dir and not self.insecure:
             self.cluster_key_dir = os.environ.get(ENV_KEY_DIR, "")
         self.cluster_keys = resolve_keys(self.cluster_key_dir, self.insecure, "baton router")

@@ -77,14 +77,14 @@ def is_error(delta: TokenDelta) -> bool:
 
 def _completion_request(req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
                         handle: bytes, going: list[TokenDelta],
-                        outputs: list[int]) -> GenerateRequest:
+                        outputs: list[int], cache_salt: str = "") -> GenerateRequest:
     """What the completion engine gets: the KV handle and the first token of each choice that
     goes on (n > 1: their indices; it forks them after the one pull)."""
     request = GenerateRequest(
         req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling, kv_handle=handle,
         first_token_id=going[0].token_ids[0],
         first_logprob=going[0].logprobs[0] if going[0].logprobs else 0.0,
-        output_token_ids=list(outputs))
+        output_token_ids=list(outputs), cache_salt=cache_salt)
     if sampling.n > 1:
         request.choice_indices = [d.index for d in going]
         request.first_token_ids = [d.token_ids[0] for d in going]
@@ -168,9 +168,11 @@ class Dispatcher:
         req_id, outputs, legs = attempt.wire_id, attempt.output_token_ids, attempt.legs
         prompt_token_ids, sampling = request.prompt_token_ids, request.sampling
         wire = GenerateRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
-                               sampling=sampling, output_token_ids=list(outputs))
-        # The tokens whose KV this pass computes and moves: a migration's outputs too.
-        keys = RequestKeys(prompt_token_ids + outputs)
+                               sampling=sampling, output_token_ids=list(outputs),
+                               cache_salt=request.cache_salt)
+        # The tokens whose KV this pass computes and moves: a migration's outputs too, keyed
+        # as the engines key them (the tenant's salted seed).
+        keys = RequestKeys(prompt_token_ids + outputs, request.cache_salt)
         try:
             disaggregated = self.pool.is_disaggregated
             first_leg, first = await self._first_delta(PROMPT if disaggregated else NORMAL,
@@ -200,7 +202,8 @@ class Dispatcher:
             self.pool.add_blocks(first_leg.record.address, -first_leg.num_blocks)
             first_leg.num_blocks = 0
             leg = await self._send(COMPLETION, _completion_request(
-                req_id, prompt_token_ids, sampling, handle, going, outputs), keys, legs)
+                req_id, prompt_token_ids, sampling, handle, going, outputs, request.cache_salt),
+                keys, legs)
             handed_at = time.monotonic()
             # The prompt engine's tokens, with whatever they carry (top and prompt logprobs),
             # less the handle, which is the completion engine's business.

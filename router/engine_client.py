@@ -58,6 +58,9 @@ class EngineClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a message: every wait has a timeout
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # A larger frame would be refused by the decoder anyway: ZMQ drops the connection
+        # instead of first buffering it (every request on it then fails at once).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if keys is not None:
             keys.apply_client(self._sock)
         self._monitor = self._sock.get_monitor_socket(

@@ -18,7 +18,13 @@ import asyncio
 import logging
 import time
 
-from baton.ops.registry import EngineRecord, Registry, RegistryConfig, make_registry
+from baton.ops.registry import (
+    EngineRecord,
+    Registry,
+    RegistryConfig,
+    make_registry,
+    record_signing_key,
+)
 from baton.protocol import ROLES
 from router.config import RouterConfig
 from router.engine_client import EngineClient
@@ -49,7 +55,9 @@ class EnginePool:
         self.config = config
         self.metrics = metrics
         registry = registry or make_registry(
-            RegistryConfig(url=config.registry_url, prefix=config.registry_prefix), config.engines)
+            RegistryConfig(url=config.registry_url, prefix=config.registry_prefix,
+                           password_file=config.registry_password_file,
+                           signing_key=record_signing_key(config.cluster_keys)), config.engines)
         self.kv_index = KvIndex() if config.routing == "cache-aware" else None
         self.membership = Membership(registry, config.connect_grace_s, metrics, self.kv_index,
                                      config.cluster_keys)

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Set
 from dataclasses import dataclass, field
 
-from baton.engine.block_keys import compute_block_keys
+from baton.engine.block_keys import compute_block_keys, salted_seed
 from baton.protocol import KvEvents, ProtocolError, unpack_keys
 
 logger = logging.getLogger(__name__)
@@ -128,10 +128,13 @@ def _from_snapshot(msg: KvEvents) -> EngineKeys:
 
 
 class RequestKeys:
-    """One prompt's block keys, computed at most once per (block size, seed)."""
+    """One prompt's block keys, computed at most once per (block size, seed). An engine's
+    seed is its own; a request with a `cache_salt` is keyed from that seed salted, as the
+    engine keys it (baton/engine/block_keys.py), so it overlaps only its tenant's blocks."""
 
-    def __init__(self, token_ids: list[int]):
+    def __init__(self, token_ids: list[int], cache_salt: str = ""):
         self.token_ids = token_ids
+        self.cache_salt = cache_salt
         self._keys: dict[tuple[int, int], list[int]] = {}
 
     def num_blocks(self, block_size: int) -> int:
@@ -141,6 +144,7 @@ class RequestKeys:
     def keys_for(self, block_size: int, seed: int) -> list[int]:
         cached = self._keys.get((block_size, seed))
         if cached is None:
-            cached = compute_block_keys(self.token_ids, block_size, seed).tolist()
+            cached = compute_block_keys(self.token_ids, block_size,
+                                        salted_seed(seed, self.cache_salt)).tolist()
             self._keys[(block_size, seed)] = cached
         return cached

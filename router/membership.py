@@ -50,6 +50,7 @@ class Membership:
         self._ctx: zmq.asyncio.Context | None = None
         self._last_seen: dict[str, float] = {}  # address -> when the registry last listed it
         self._old_instances: dict[str, set[str]] = {}  # address -> instance ids replaced
+        self._num_rejected_counted = 0  # the registry's ignored records already in metrics
 
     def open(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -70,6 +71,10 @@ class Membership:
             logger.warning("registry refresh failed: %s", exc)
             return False
         self.records = records
+        num_rejected = getattr(self.registry, "num_rejected", 0)
+        if num_rejected > self._num_rejected_counted:
+            self.metrics.registry_rejected.inc(num_rejected - self._num_rejected_counted)
+            self._num_rejected_counted = num_rejected
         now = time.monotonic()
         for record in self.all_records():
             self._last_seen[record.address] = now

@@ -71,6 +71,17 @@ class RouterMetrics:
         self.kv_index_keys = Gauge("baton_router_kv_index_keys",
                                    "Block keys this router's index credits an engine with",
                                    ["role", "engine"], registry=r)
+        self.api_key_requests = Counter(
+            "baton_router_api_key_requests", "HTTP requests by API key name and status",
+            ["key", "status"], registry=r)
+        self.api_key_tokens = Counter(
+            "baton_router_api_key_tokens", "Tokens served by API key name: prompt, generated",
+            ["key", "kind"], registry=r)
+        self.registry_rejected = Counter(
+            "baton_router_registry_rejected",
+            "Engine records read from the registry and ignored (unsigned, a bad signature, "
+            "stale or undecodable): someone with write access to Redis, or a wrong key",
+            registry=r)
         self.kv_index_resyncs = Gauge(
             "baton_router_kv_index_resyncs",
             "Times an engine's index entries were dropped for a gap, restart or bad message",

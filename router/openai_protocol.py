@@ -78,6 +78,9 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = None
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: a tenant's tag; its prompt blocks hit only requests with the same salt
+    # (baton/engine/block_keys.py), so no tenant learns from another's cache hits.
+    cache_salt: str | None = None
     # Bookkeeping for the client; nothing to act on.
     user: str | None = None
     # Not implemented (UNSUPPORTED): requests are served in arrival order.

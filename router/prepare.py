@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from baton.protocol import MAX_TOP_LOGPROBS, SamplingOptions
+from baton.protocol import MAX_CACHE_SALT_CHARS, MAX_TOP_LOGPROBS, SamplingOptions
 from router.openai_protocol import (
     UNSUPPORTED_WHY,
     APIError,
@@ -54,6 +54,8 @@ class Prepared:
     # Completions with echo and max_tokens 0: the engines make one token, the client gets none.
     drop_output: bool = False
     tool_mode: str = ""  # chat with tools: "required" or "auto" (router/tools.py)
+    cache_salt: str = ""  # the tenant's prefix-cache salt ("" = the shared cache)
+    api_key_name: str = ""  # the named API key it came with (router/api_keys.py)
 
 
 def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
@@ -265,10 +267,15 @@ def _prepared(kind: str, prefix: str, body: CompletionRequest | ChatCompletionRe
         n=body.n or 1,
     )
     sampling.grammar = request_grammar(body, info)
+    if body.cache_salt is not None and not 0 < len(body.cache_salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(f"'cache_salt' must be a non-empty string of at most "
+                          f"{MAX_CACHE_SALT_CHARS} characters, got {len(body.cache_salt)}",
+                          "cache_salt")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     options = body.stream_options
     return Prepared(kind=kind, req_id=f"{prefix}-{uuid.uuid4().hex}", model=info.name,
                     prompt_token_ids=ids, sampling=sampling, stop=[s for s in stops if s],
+                    cache_salt=body.cache_salt or "",
                     min_tokens=min_tokens,
                     stream=bool(body.stream),
                     include_usage=bool(body.stream and options and options.include_usage))

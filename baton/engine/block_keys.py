@@ -13,11 +13,22 @@ import hashlib
 
 from baton.engine.scheduler import compute_block_keys
 
-__all__ = ["compute_block_keys", "key_seed"]
+__all__ = ["compute_block_keys", "key_seed", "salted_seed"]
 
 
-def key_seed(model_fingerprint: str) -> int:
+def key_seed(model_fingerprint: str, cache_salt: str = "") -> int:
     """The uint64 seed of the block-key chain of an engine whose model and KV layout
-    `model_fingerprint` names."""
+    `model_fingerprint` names, for requests with `cache_salt` (vLLM's field: a tenant's tag;
+    "" = the engine's shared cache)."""
     digest = hashlib.blake2b(model_fingerprint.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    return salted_seed(int.from_bytes(digest, "little"), cache_salt)
+
+
+def salted_seed(engine_seed: int, cache_salt: str) -> int:
+    """The seed of `cache_salt`'s requests on an engine whose own seed is `engine_seed` (what
+    its KV events announce, so the router keys a salted prompt as the engine does). Two salts
+    give unrelated chains: one tenant's prompts never hit, nor route by, another's blocks."""
+    if not cache_salt:
+        return engine_seed
+    material = engine_seed.to_bytes(8, "little") + b"|cache_salt|" + cache_salt.encode()
+    return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little")

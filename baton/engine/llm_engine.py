@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from baton.engine.block_keys import key_seed
+from baton.engine.block_keys import key_seed, salted_seed
 from baton.engine.choices import choice_id, choice_params, for_choice, plan_splits
 from baton.engine.config import ROLE_TYPES, EngineConfig
 from baton.engine.input_processor import InputProcessor
@@ -36,7 +36,7 @@ from baton.engine.kv_events import KvEventSource
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig
-from baton.protocol import COMPLETION, NORMAL
+from baton.protocol import COMPLETION, MAX_CACHE_SALT_CHARS, NORMAL
 from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
 from baton.sampling.params import SamplingParams
 from baton.sampling.samples import PromptSpan
@@ -115,6 +115,16 @@ class LLMEngine:
     def prefix_cache_seed(self) -> int:
         return key_seed(self.model_fingerprint)
 
+    def request_key_seed(self, request_id: str, cache_salt: str) -> int | None:
+        """The key seed of a request with `cache_salt` (None: the engine's own, no salt);
+        ValueError for a salt longer than MAX_CACHE_SALT_CHARS."""
+        if not cache_salt:
+            return None
+        if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"request {request_id!r}: cache_salt of {len(cache_salt)} "
+                             f"characters; at most {MAX_CACHE_SALT_CHARS}")
+        return salted_seed(self.prefix_cache_seed, cache_salt)
+
     @property
     def kv_cache(self):
         """The paged KV pool (what the KV exporter / importer register with NIXL)."""
@@ -169,7 +179,7 @@ class LLMEngine:
     def add_prompted_request(self, request_id: str, prompt_token_ids: list[int],
                              output_token_ids: list[int], params: SamplingParams,
                              first_token: int, first_logprob: float, index: int = 0,
-                             block_keys: Sequence[int] = ()):
+                             block_keys: Sequence[int] = (), cache_salt: str = ""):
         """A prompt whose KV lives on a prompt engine: allocate its blocks (the run this
         engine's prefix cache holds, by `block_keys`, is pinned instead) and track it as
         waiting for its remote KV; it joins `running` at `commit_prompted`. Returns the
@@ -177,7 +187,8 @@ class LLMEngine:
         alloc = self.scheduler.allocate_prompted(
             request_id, prompt_token_ids + output_token_ids, first_token,
             params.max_tokens - len(output_token_ids), **self.inputs.stop_options(params),
-            block_keys=block_keys if self.config.enable_prefix_caching else ())
+            block_keys=block_keys if self.config.enable_prefix_caching else (),
+            key_seed=self.request_key_seed(request_id, cache_salt))
         if alloc.status == AllocStatus.OK:
             self.track(request_id, prompt_token_ids, for_choice(params, params.sample_index, index),
                        alloc.seq_id, token_ids=[*output_token_ids, first_token],
@@ -208,10 +219,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
-                    output_token_ids: Sequence[int] = ()) -> str:
+                    output_token_ids: Sequence[int] = (), cache_salt: str = "") -> str:
         """Queue a prompt (text is tokenized as is: apply a chat template first if wanted).
         `output_token_ids` were generated before, elsewhere (a migrated request): prefilled
-        after the prompt, they count as this request's first outputs.
+        after the prompt, they count as this request's first outputs. `cache_salt`: its
+        blocks hit and are keyed only among requests with the same salt (P1).
         Returns the request id (generated when None); ValueError on a duplicate or empty one."""
         params = params or SamplingParams()
         if request_id is None:
@@ -228,7 +240,8 @@ class LLMEngine:
         seq_id = self.scheduler.add_sequence(
             request_id, np.asarray(ids + outputs, dtype=np.int32),
             params.max_tokens - len(outputs), **self.inputs.stop_options(params),
-            skip_prefix_cache=params.prompt_logprobs >= 0)
+            skip_prefix_cache=params.prompt_logprobs >= 0,
+            key_seed=self.request_key_seed(request_id, cache_salt))
         self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
         return request_id
 

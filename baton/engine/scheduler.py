@@ -210,14 +210,17 @@ class Scheduler:
                      max_tokens: int, *, eos_token_ids: Iterable[int] = (),
                      stop_token_ids: Iterable[int] = (), ignore_eos: bool = False,
                      schedulable: bool = True, chunk_checkpoints: Iterable[int] = (),
-                     structured_output: bool = False, skip_prefix_cache: bool = False) -> int:
+                     structured_output: bool = False, skip_prefix_cache: bool = False,
+                     key_seed: int | None = None) -> int:
         """Queue a request; returns its stable integer ``seq_id``. ``skip_prefix_cache``: no
-        prefix-cache hit and no key for it (prompt logprobs need every position's logits)."""
+        prefix-cache hit and no key for it (prompt logprobs need every position's logits).
+        ``key_seed``: key(-1) of its block-key chain (P1: a tenant's, from
+        ``baton.engine.block_keys.key_seed``); None = the config's ``prefix_cache_seed``."""
         return self._impl.add_sequence(
             request_id, prompt_token_ids, max_tokens, eos_token_ids=tuple(eos_token_ids),
             stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos, schedulable=schedulable,
             chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output,
-            skip_prefix_cache=skip_prefix_cache)
+            skip_prefix_cache=skip_prefix_cache, key_seed=key_seed)
 
     def allocate_prompted(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
                           first_token_id: int, max_tokens: int, *,
@@ -225,19 +228,21 @@ class Scheduler:
                           ignore_eos: bool = False, schedulable: bool = True,
                           chunk_checkpoints: Iterable[int] = (),
                           structured_output: bool = False,
-                          block_keys: Sequence[int] | np.ndarray = ()) -> PromptedAllocation:
+                          block_keys: Sequence[int] | np.ndarray = (),
+                          key_seed: int | None = None) -> PromptedAllocation:
         """COMPLETION engine: allocate the blocks a prompt's KV lands in, all or nothing. OK
         gives the block ids and the sequence's ``seq_id``; LATER and NEVER change nothing.
 
         ``block_keys`` (the handle's keys of the prompt's full blocks, P7): with prefix caching
         on, the longest run of them held locally with the same tokens is pinned, at most all
-        but the last prompt block; those are ``block_ids[:num_cached_blocks]`` and need no pull."""
+        but the last prompt block; those are ``block_ids[:num_cached_blocks]`` and need no pull.
+        ``key_seed`` as in ``add_sequence``: the handle's keys are chained from it."""
         status, block_ids, seq_id, num_cached = self._impl.allocate_prompted(
             request_id, prompt_token_ids, first_token_id, max_tokens,
             eos_token_ids=tuple(eos_token_ids), stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos, schedulable=schedulable,
             chunk_checkpoints=list(chunk_checkpoints), structured_output=structured_output,
-            block_keys=np.asarray(block_keys, dtype=np.uint64))
+            block_keys=np.asarray(block_keys, dtype=np.uint64), key_seed=key_seed)
         return PromptedAllocation(AllocStatus(status), block_ids, int(seq_id), int(num_cached))
 
     def commit_prompted(self, request_id: str) -> None:

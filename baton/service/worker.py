@@ -81,7 +81,7 @@ class EngineWorker:
         try:
             params = to_sampling_params(req.sampling)
             self.engine.add_request(req.req_id, req.prompt_token_ids, params,
-                                    req.output_token_ids)
+                                    req.output_token_ids, cache_salt=req.cache_salt)
         except ValueError as exc:
             return [error_delta(req.req_id, str(exc))]
         return []

@@ -136,7 +136,7 @@ inline std::tuple<AllocStatus, std::vector<int32_t>, int> Scheduler::allocate_pr
     const int32_t *tokens = seq->data.token_ids.data();
     prefix_hits_.clear();
     for (int i = 0; i < max_hits; ++i) {
-      const int id = prefix_->find(block_keys[i], i ? block_keys[i - 1] : prefix_->seed(),
+      const int id = prefix_->find(block_keys[i], i ? block_keys[i - 1] : seq->prefix.seed,
                                    tokens + static_cast<size_t>(i) * bs);
       if (id < 0) break;
       prefix_hits_.push_back(id);
@@ -237,6 +237,7 @@ inline SequencePtr Scheduler::make_sequence_(const std::string &request_id, std:
   seq->schedule.schedulable = opts.schedulable;
   seq->structured_output.status = opts.structured_output ? 1 : 0;
   seq->prefix.chain_end = opts.skip_prefix_cache;
+  seq->prefix.seed = opts.key_seed.value_or(cfg_.prefix_cache_seed);
   std::vector<int> cps = opts.chunk_checkpoints;
   std::sort(cps.begin(), cps.end());
   seq->schedule.chunk_checkpoints.assign(cps.begin(), cps.end());

@@ -36,7 +36,7 @@ py::list finished_list(const FinishedList &items) {
 
 AddOptions make_options(std::vector<int32_t> eos, std::vector<int32_t> stop, bool ignore_eos, bool schedulable,
                         std::vector<int> checkpoints, bool structured_output,
-                        bool skip_prefix_cache = false) {
+                        bool skip_prefix_cache, std::optional<uint64_t> key_seed) {
   AddOptions o;
   o.eos_token_ids = std::move(eos);
   o.stop_token_ids = std::move(stop);
@@ -45,6 +45,7 @@ AddOptions make_options(std::vector<int32_t> eos, std::vector<int32_t> stop, boo
   o.chunk_checkpoints = std::move(checkpoints);
   o.structured_output = structured_output;
   o.skip_prefix_cache = skip_prefix_cache;
+  o.key_seed = key_seed;
   return o;
 }
 
@@ -254,25 +255,26 @@ PYBIND11_MODULE(_scheduler, m) {
       .def("add_sequence",
            [](Scheduler &s, const std::string &rid, py::handle prompt, int max_tokens, py::handle eos,
               py::handle stop, bool ignore_eos, bool schedulable, std::vector<int> checkpoints, bool so,
-              bool skip_cache) {
+              bool skip_cache, std::optional<uint64_t> key_seed) {
              return s.add_sequence(rid, to_tokens(prompt, "prompt_token_ids"), max_tokens,
                                    make_options(to_tokens(eos, "eos_token_ids"), to_tokens(stop, "stop_token_ids"),
-                                                ignore_eos, schedulable, std::move(checkpoints), so, skip_cache));
+                                                ignore_eos, schedulable, std::move(checkpoints), so, skip_cache,
+                                                key_seed));
            },
            py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("max_tokens"), py::kw_only(),
            py::arg("eos_token_ids") = py::tuple(), py::arg("stop_token_ids") = py::tuple(),
            py::arg("ignore_eos") = false, py::arg("schedulable") = true,
            py::arg("chunk_checkpoints") = std::vector<int>{}, py::arg("structured_output") = false,
-           py::arg("skip_prefix_cache") = false)
+           py::arg("skip_prefix_cache") = false, py::arg("key_seed") = py::none())
       .def("allocate_prompted",
            [](Scheduler &s, const std::string &rid, py::handle prompt, int32_t first, int max_tokens, py::handle eos,
               py::handle stop, bool ignore_eos, bool schedulable, std::vector<int> checkpoints, bool so,
-              py::handle keys) {
+              py::handle keys, std::optional<uint64_t> key_seed) {
              if (first < 0) throw std::invalid_argument("first_token_id=" + std::to_string(first) + " is negative");
              auto [st, blocks, num_cached] = s.allocate_prompted(
                  rid, to_tokens(prompt, "prompt_token_ids"), first, max_tokens,
                  make_options(to_tokens(eos, "eos_token_ids"), to_tokens(stop, "stop_token_ids"), ignore_eos,
-                              schedulable, std::move(checkpoints), so),
+                              schedulable, std::move(checkpoints), so, false, key_seed),
                  to_keys(keys));
              py::array_t<int32_t> arr(static_cast<py::ssize_t>(blocks.size()));
              std::copy(blocks.begin(), blocks.end(), arr.mutable_data());
@@ -283,7 +285,7 @@ PYBIND11_MODULE(_scheduler, m) {
            py::kw_only(), py::arg("eos_token_ids") = py::tuple(), py::arg("stop_token_ids") = py::tuple(),
            py::arg("ignore_eos") = false, py::arg("schedulable") = true,
            py::arg("chunk_checkpoints") = std::vector<int>{}, py::arg("structured_output") = false,
-           py::arg("block_keys") = py::tuple())
+           py::arg("block_keys") = py::tuple(), py::arg("key_seed") = py::none())
       .def("commit_prompted", &Scheduler::commit_prompted, py::arg("request_id"))
       .def("free_prompted", &Scheduler::free_prompted, py::arg("request_id"))
       .def("release_handed_off", &Scheduler::release_handed_off, py::arg("request_id"))

@@ -43,7 +43,7 @@ inline int Scheduler::num_keyable_blocks_(Sequence &seq, int max_blocks) {
       ps.chain_end = true;
       break;
     }
-    ps.keys.push_back(hash_block(i ? ps.keys[i - 1] : prefix_->seed(), block, bs));
+    ps.keys.push_back(hash_block(i ? ps.keys[i - 1] : ps.seed, block, bs));
   }
   return std::min(static_cast<int>(ps.keys.size()), max_blocks);
 }
@@ -60,7 +60,7 @@ inline int Scheduler::match_prefix_(Sequence &seq, int &num_cached_hits) {
   const auto &keys = seq.prefix.keys;
   for (int i = 0; i < max_hits; ++i) {
     if (num_keyable_blocks_(seq, i + 1) <= i) break;
-    const int id = prefix_->find(keys[i], i ? keys[i - 1] : prefix_->seed(), tokens + static_cast<size_t>(i) * bs);
+    const int id = prefix_->find(keys[i], i ? keys[i - 1] : seq.prefix.seed, tokens + static_cast<size_t>(i) * bs);
     if (id < 0) break;
     prefix_hits_.push_back(id);
     if (block_manager_->ref_count(id) == 0) num_cached_hits += 1;
@@ -101,7 +101,7 @@ inline void Scheduler::register_blocks_(Sequence &seq) {
   for (int i = ps.num_registered; i < limit; ++i) {
     // Keyed already: a block shared with a fork that registered it first.
     if (prefix_->is_keyed(table[i])) continue;
-    prefix_->insert(ps.keys[i], i ? ps.keys[i - 1] : prefix_->seed(), tokens + static_cast<size_t>(i) * bs, table[i]);
+    prefix_->insert(ps.keys[i], i ? ps.keys[i - 1] : ps.seed, tokens + static_cast<size_t>(i) * bs, table[i]);
   }
   ps.num_registered = std::max(ps.num_registered, limit);
 }
@@ -143,12 +143,13 @@ inline std::vector<uint64_t> Scheduler::prefix_cache_keys() const {
   return keys;
 }
 
-// The keys of the prompt's full blocks, up to the first that holds an image token.
+// The keys of the prompt's full blocks (chained from its own seed, P1), up to the first
+// that holds an image token.
 inline std::vector<uint64_t> Scheduler::block_keys(const std::string &request_id) const {
   const auto &seq = lookup_(request_id);
   const int bs = cfg_.block_size;
   const int32_t *tokens = seq->data.token_ids.data();
-  auto keys = compute_block_keys(tokens, seq->data.prompt_len, bs, cfg_.prefix_cache_seed);
+  auto keys = compute_block_keys(tokens, seq->data.prompt_len, bs, seq->prefix.seed);
   for (size_t i = 0; i < keys.size(); ++i) {
     if (has_image_token_(tokens + i * bs, bs)) {
       keys.resize(i);

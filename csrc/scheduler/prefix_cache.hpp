@@ -67,6 +67,7 @@ inline std::vector<uint64_t> compute_block_keys(const int32_t *tokens, int n, in
 
 // A sequence's side of the cache (kept on Sequence, cold).
 struct SeqPrefixState {
+  uint64_t seed{0};            // key(-1) of its chain: the engine's, or its tenant's (P1)
   std::vector<uint64_t> keys;  // the chain over its full committed blocks, as far as computed
   int num_registered{0};       // block_table[0, this) already went through PrefixCache::insert
   int num_cached_tokens{0};    // prompt tokens its last admission took from the cache

@@ -22,6 +22,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -42,6 +43,9 @@ struct AddOptions {
   // Prompt logprobs (echo) need every prompt position's logits: no prefix-cache hit, no
   // key (its blocks are not cached either).
   bool skip_prefix_cache{false};
+  // P1: key(-1) of this sequence's block-key chain; none = the engine's prefix_cache_seed.
+  // A tenant's cache salt gives its own seed, so its blocks match no other tenant's.
+  std::optional<uint64_t> key_seed;
 };
 
 class Scheduler {

@@ -221,7 +221,10 @@ class Lab:
 def start_baton(lab: Lab) -> None:
     py = [sys.executable, "-m", "baton_cli"]
     redis_url = f"redis://{lab.ip['router']}:6379/0"
-    base_env = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"}
+    # This lab's Redis is open (the session's closed one, tests/conftest.py, is not it): no
+    # password file from the session's environment.
+    base_env = {"NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1",
+                "BATON_REDIS_PASSWORD_FILE": ""}
     # TCP as between two machines, on the namespace's own interface.
     kv_env = {**base_env, "UCX_TLS": "^cma", "UCX_NET_DEVICES": "eth0"}
     lab.start("router", "redis", [redis_server_binary(), "--bind", lab.ip["router"], "--port",

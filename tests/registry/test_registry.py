@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from baton.ops.redis_server import RedisServer, RedisStartError
@@ -9,7 +11,9 @@ from baton.ops.registry import (
     RedisRegistry,
     RegistryConfig,
     StaticRegistry,
+    connect,
     make_registry,
+    record_signing_key,
 )
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
@@ -23,17 +27,17 @@ from baton.protocol import (
     decode_to_router,
     encode,
 )
+from kv_transfer.auth import ClusterKeys, generate
 from tests.cluster import wait_for
 
 
 def _record(role: str = "prompt", engine_id: str = "p0", **kw) -> EngineRecord:
-    return EngineRecord(role=role, engine_id=engine_id, address="tcp://127.0.0.1:1", **kw)
+    kw.setdefault("address", "tcp://127.0.0.1:1")
+    return EngineRecord(role=role, engine_id=engine_id, **kw)
 
 
 def _pttl_ms(redis_url: str, key: str) -> int:
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     try:
         return client.pttl(key)
     finally:
@@ -105,6 +109,85 @@ def test_static_registry():
 def test_redis_port_in_use_is_a_clear_error(redis_server):
     with pytest.raises(RedisStartError, match="already in use"):
         RedisServer(port=redis_server.port).start()
+
+
+def test_embedded_redis_is_closed_without_the_password(redis_server):
+    import socket
+
+    import redis
+
+    # A plain client's first command, as redis-cli sends it: refused with NOAUTH.
+    with socket.create_connection((redis_server.host, redis_server.port), timeout=2.0) as sock:
+        sock.sendall(b"PING\r\n")
+        assert sock.recv(256).startswith(b"-NOAUTH"), "Redis answered without a password"
+    anonymous = redis.Redis(host=redis_server.host, port=redis_server.port, socket_timeout=2.0)
+    wrong = redis.Redis(host=redis_server.host, port=redis_server.port, username="baton",
+                        password="not-it", socket_timeout=2.0)
+    try:
+        for client in (anonymous, wrong):
+            with pytest.raises(redis.AuthenticationError):
+                client.ping()
+    finally:
+        anonymous.close()
+        wrong.close()
+    # The password is in a private file, not on the server's command line.
+    assert oct(os.stat(redis_server.password_file).st_mode & 0o777) == "0o600"
+    with open(f"/proc/{redis_server.proc.pid}/cmdline", "rb") as f:
+        assert redis_server.password.encode() not in f.read()
+    assert redis_server.password not in redis_server.url
+    client = connect(redis_server.url, redis_server.password_file)
+    try:
+        assert client.ping()
+    finally:
+        client.close()
+
+
+def test_a_world_readable_password_file_is_refused(tmp_path, redis_server):
+    path = tmp_path / "pw"
+    path.write_text(redis_server.password + "\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by every user"):
+        connect(redis_server.url, str(path))
+    path.chmod(0o600)
+    connect(redis_server.url, str(path)).close()
+
+
+def _signed(redis_url: str, keys) -> RedisRegistry:
+    return RedisRegistry(RegistryConfig(url=redis_url, signing_key=record_signing_key(keys)))
+
+
+def test_a_forged_record_is_ignored_and_counted(redis_url, tmp_path):
+    import msgspec
+
+    keys = ClusterKeys.load(generate(tmp_path / "keys"))
+    engine, router = _signed(redis_url, keys), _signed(redis_url, keys)
+    engine.publish(_record("prompt", "p0"))
+    assert [r.engine_id for r in router.list("prompt")] == ["p0"]
+    client = connect(redis_url)
+    try:
+        # Anyone who can write to Redis: an unsigned record, a record signed with another
+        # cluster's key, and a genuine record whose address was changed.
+        forged = _record("prompt", "evil", address="tcp://10.6.6.6:1")
+        client.set("baton:engine:prompt:evil", msgspec.json.encode(forged))
+        other = _signed(redis_url, ClusterKeys.load(generate(tmp_path / "other")))
+        other.publish(_record("prompt", "evil2", address="tcp://10.6.6.6:2"))
+        genuine = msgspec.json.decode(client.get("baton:engine:prompt:p0"), type=EngineRecord)
+        genuine.address = "tcp://10.6.6.6:3"
+        client.set("baton:engine:prompt:p0", msgspec.json.encode(genuine))
+        assert router.list("prompt") == []
+        assert router.num_rejected == 3
+        # A replayed old record (still carrying its valid signature) is refused too.
+        engine.publish(_record("prompt", "p1"))
+        raw = msgspec.json.decode(client.get("baton:engine:prompt:p1"), type=EngineRecord)
+        assert [r.engine_id for r in router.list("prompt")] == ["p1"]
+        raw.updated_at -= 3600
+        client.set("baton:engine:prompt:p1", msgspec.json.encode(raw))
+        assert all(r.engine_id != "p1" for r in router.list("prompt"))
+        assert router.num_rejected == 4  # each distinct record once, however often read
+    finally:
+        client.close()
+        engine.close()
+        router.close()
 
 
 def test_protocol_round_trip_and_untrusted_input():

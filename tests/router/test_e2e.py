@@ -552,6 +552,73 @@ def test_prefix_cache_hits_are_reported_and_exact(deployments, deployment):
         == runs[0].choices[0].message.content
 
 
+SALTED = ("You are a careful assistant for a law firm. " * 14
+          + "Summarise the following clause in one sentence.")
+
+
+@pytest.mark.parametrize("deployment", ["normal", "pd"])
+def test_p1_cache_salt_isolates_tenants_through_the_router(deployments, deployment):
+    """cache_salt A, then B, then A again, then none, on one long prompt: B and none find
+    nothing cached, A finds its own blocks again (on pd, cache-aware routing keys the salted
+    prompt as the engines do and sends it home), and every answer is the same greedy text."""
+    url = deployments[deployment]
+    prompt = f"[{deployment}] {SALTED}"
+
+    def ask(salt: str | None):
+        extra = {"cache_salt": salt} if salt is not None else {}
+        resp = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0, "max_tokens": 8, **extra})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        return (body["usage"]["prompt_tokens_details"]["cached_tokens"],
+                body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"])
+
+    keys_before = kv_rounds.metric(url, "baton_router_kv_index_keys")
+    a1 = ask("tenant-a")
+    if deployment == "pd":  # the router's index has A's salted blocks before A asks again
+        wait_for(lambda: kv_rounds.metric(url, "baton_router_kv_index_keys") > keys_before,
+                 timeout_s=20)
+    b, a2, shared = ask("tenant-b"), ask("tenant-a"), ask(None)
+    hit = 16 * ((a1[2] - 1) // 16) - 16
+    assert hit > 0
+    assert (a1[0], b[0], shared[0]) == (0, 0, 0), (a1, b, shared)
+    assert a2[0] >= hit, (a2, hit)
+    assert len({a1[1], b[1], a2[1], shared[1]}) == 1
+
+
+def test_the_kv_handle_keys_respect_the_salt(deployments, model_info, redis_server):
+    """A prompt engine's KV handle carries the salted keys, and a completion engine refuses
+    the handle for a request with another tenant's salt (the keys disagree)."""
+    from baton.engine.block_keys import compute_block_keys, key_seed
+    from baton.ops.registry import RedisRegistry, RegistryConfig, record_signing_key
+    from kv_transfer.protocol import decode_handle
+
+    registry = RedisRegistry(RegistryConfig(url=redis_server.url, prefix="pd",
+                                            signing_key=record_signing_key(KEYS)))
+    try:
+        fingerprint = registry.list("prompt")[0].model_fingerprint
+    finally:
+        registry.close()
+    ids = model_info.tokenizer.encode(SALTED + " (handle)")
+    greedy = SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True)
+    req_id = f"salted-{time.monotonic_ns()}"
+    with deployments["prompts"][0].client() as c:
+        first = c.generate(ids, greedy, req_id=req_id, timeout_s=120, cache_salt="tenant-c")
+    handle = decode_handle(first.kv_handle)
+    salted = compute_block_keys(ids, 16, key_seed(fingerprint, "tenant-c")).tolist()
+    assert handle.block_keys == salted and salted
+    assert handle.block_keys != compute_block_keys(ids, 16, key_seed(fingerprint)).tolist()
+    with deployments["completion"].client() as c:
+        wrong = c.generate(ids, greedy, req_id=req_id, timeout_s=60, cache_salt="tenant-d",
+                           kv_handle=first.kv_handle, first_token_id=first.token_ids[0])
+        assert "block keys" in wrong.error, wrong
+        done = c.generate(ids, greedy, req_id=req_id, timeout_s=120, cache_salt="tenant-c",
+                          kv_handle=first.kv_handle, first_token_id=first.token_ids[0])
+    # The prompt engine sampled the first of the 4 tokens; the completion engine the rest.
+    assert done.finish_reason == "length" and len(done.token_ids) == 3, done
+
+
 def test_cache_aware_routing_keeps_conversations_home(deployments, model_info, redis_server):
     """Four interleaved conversations of three turns over the two prompt engines: every later
     turn lands where its prefix is cached (the engine's own cached_tokens says so) and the

@@ -164,3 +164,17 @@ def test_least_loaded_ignores_the_caches() -> None:
     assert pool.kv_index is None
     pool.acquire("tcp://a")
     assert pool.choose("prompt", RequestKeys(list(range(40))))[0].address == "tcp://b"
+
+
+def test_request_keys_use_the_salted_seed() -> None:
+    """A request with a cache salt is keyed from its engine's seed salted (P1), as the engine
+    keys it; no salt is the engine's own seed."""
+    from baton.engine.block_keys import compute_block_keys, key_seed, salted_seed
+
+    tokens = list(range(1000, 1040))
+    for salt in ("", "tenant-a"):
+        want = compute_block_keys(tokens, 16, salted_seed(77, salt)).tolist()
+        assert RequestKeys(tokens, salt).keys_for(16, 77) == want
+    assert RequestKeys(tokens, "a").keys_for(16, 77) != RequestKeys(tokens, "b").keys_for(16, 77)
+    assert key_seed("m", "") == salted_seed(key_seed("m"), "") == key_seed("m")
+    assert key_seed("m", "a") == salted_seed(key_seed("m"), "a") != key_seed("m")

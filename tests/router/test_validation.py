@@ -195,7 +195,13 @@ def test_no_op_values_pass_bookkeeping_is_logged_and_unknown_fields_are_400(clie
     assert "'user' accepted without effect" in caplog.text
     _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "echo": True,
                                                 "logprobs": 0, "max_tokens": 0}), 503)
-    for extra in ({"foo_bar": 1}, {"cache_salt": "a"}):
+    # cache_salt is declared (a tenant's prefix-cache salt, tests/router/test_cache_salt.py):
+    # valid here, and bounded.
+    _error(client.post("/v1/chat/completions", json={**body, "cache_salt": "tenant-a"}), 503)
+    for bad in ("", "x" * 257, 5):
+        error = _error(client.post("/v1/chat/completions", json={**body, "cache_salt": bad}), 400)
+        assert error["param"] == "cache_salt", error
+    for extra in ({"foo_bar": 1}, {"cache_salts": "a"}):
         error = _error(client.post("/v1/chat/completions", json={**body, **extra}), 400)
         name = next(iter(extra))
         assert error["param"] == name and f"Unknown field '{name}'" in error["message"]

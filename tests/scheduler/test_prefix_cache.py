@@ -262,3 +262,42 @@ def test_config_rejects_caching_with_state_pool() -> None:
     with pytest.raises(ValueError, match="prefix_cache_seed"):
         SchedulerConfig(prefix_cache_seed=1 << 64)
     SchedulerConfig(enable_prefix_caching=True, prefix_cache_seed=(1 << 64) - 1).to_native()
+
+
+def test_p1_a_sequence_keyed_from_its_own_seed_hits_only_its_tenant() -> None:
+    """A cache salt gives a request its own key seed (key(-1)): its blocks hit only requests
+    of the same seed, whatever the tokens, on a normal, a prompt and a completion engine."""
+    salted = SEED + 1000
+    sched = cached_scheduler()
+    sched.add_sequence("a", A + [9], 8, key_seed=salted)
+    step(sched)
+    drain(sched)
+    assert sched.num_cached_blocks() == 2
+    sched.add_sequence("shared", A + [9], 8)  # the engine's seed: no hit on the salted blocks
+    sched.add_sequence("other", A + [9], 8, key_seed=salted + 1)
+    sched.add_sequence("same", A + [9], 8, key_seed=salted)
+    step(sched)
+    assert [sched.num_cached_prompt_tokens(r) for r in ("shared", "other", "same")] == [0, 0, 8]
+    sched.check_invariants()
+    drain(sched)
+
+    prompt = cached_scheduler(engine_type=EngineType.PROMPT)
+    prompt.add_sequence("a", A, 8, key_seed=salted)
+    step(prompt)
+    assert list(prompt.block_keys("a")) == list(compute_block_keys(A, 4, salted))
+    assert list(prompt.block_keys("a")) != list(compute_block_keys(A, 4, SEED))
+    prompt.release_handed_off("a")
+
+    completion = completion_scheduler()
+    tokens = A + [108, 109, 110, 111]
+    keys = compute_block_keys(tokens, 4, salted)
+    completion.allocate_prompted("a", tokens, 7, 2, block_keys=keys, key_seed=salted)
+    completion.commit_prompted("a")
+    drain(completion)
+    # The same handle keys under another seed: the chain's first parent differs, no hit.
+    miss = completion.allocate_prompted("b", tokens, 7, 2, block_keys=keys)
+    hit = completion.allocate_prompted("c", tokens, 7, 2, block_keys=keys, key_seed=salted)
+    assert (miss.num_cached_blocks, hit.num_cached_blocks) == (0, 2)
+    for rid in ("b", "c"):
+        assert completion.free_prompted(rid)
+    completion.check_invariants()

@@ -1,0 +1,34 @@
+"""The fuzz of tests/services/test_fuzz.py, long: BATON_FUZZ_LONG_SECONDS (default 120) per
+endpoint, with other seeds. Run: .venv/bin/python -m pytest -q tests/stress/test_fuzz_long.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from tests.cluster import wait_for
+from tests.services.test_fuzz import (
+    LEASE_TTL_S,
+    _is_idle,
+    fuzz_engine_socket,
+    fuzz_router_side,
+    fuzz_side_channel,
+    prompt_engine,  # noqa: F401 (the module's engine fixture)
+)
+
+pytestmark = pytest.mark.slow
+
+SECONDS = float(os.environ.get("BATON_FUZZ_LONG_SECONDS", "120"))
+
+
+def test_engine_endpoints_survive_a_long_fuzz(prompt_engine):  # noqa: F811
+    assert fuzz_engine_socket(prompt_engine, SECONDS, seed=11) > 0
+    assert fuzz_side_channel(prompt_engine, SECONDS, seed=12) > 0
+    wait_for(lambda: _is_idle(prompt_engine.stats()), timeout_s=LEASE_TTL_S + 30, poll_s=0.2)
+
+
+def test_router_side_survives_a_long_fuzz():
+    assert asyncio.run(fuzz_router_side(SECONDS, seed=13)) > 0
