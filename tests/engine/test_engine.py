@@ -201,13 +201,13 @@ def test_decode_steps_run_on_their_own_thread_count(greedy_outputs, prompts) -> 
     before = torch.get_num_threads()
     try:
         eng = make_engine(num_threads=2, decode_threads=1)
-        execute = eng.runner.execute
+        execute = eng.runner._execute  # the runner sets a step's threads around its forward
 
         def spy(sched_out, *args):
             seen.append((bool(sched_out.prompt_run), torch.get_num_threads()))
             return execute(sched_out, *args)
 
-        eng.runner.execute = spy
+        eng.runner._execute = spy
         assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == greedy_outputs
         assert torch.get_num_threads() == 2  # a step's count does not outlive the step
     finally:
