@@ -160,9 +160,10 @@ def install_signal_handlers(service: EngineService, children: list[subprocess.Po
 
 def main(args: argparse.Namespace) -> int:
     clock = StartupClock()
-    # The model runtime (torch) too, so that "imports" holds every import and "weights" only
-    # the load.
-    import baton.model.runner  # noqa: F401
+    if not args.mock:
+        # The model runtime (torch) too, so that "imports" holds every import and "weights"
+        # only the load; a mock engine has no model and loads no torch.
+        import baton.model.runner  # noqa: F401
     clock.mark("imports")
     role = args.role
     dp_size = getattr(args, "data_parallel_size", 1)

@@ -34,9 +34,12 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_() {
   if (cfg_.engine_type == EngineType::PROMPT) return schedule_prefill_();
   // S40: after a prompt step (decode_step_ reset to 0) no attempt point comes before
   // prefill_min_decode_steps decode steps, so a burst of prompts alternates with decodes
-  // instead of stalling every running stream for the whole burst. decode_step_ is the same on
-  // every data-parallel rank, so the ranks still vote at the same steps.
-  if (after_prompt_step_ && decode_step_ < static_cast<uint32_t>(cfg_.prefill_min_decode_steps))
+  // instead of stalling every running stream for the whole burst. A single rank with nothing
+  // running has no stream to protect and skips the gap; data-parallel ranks always keep it,
+  // since decode_step_ is the state they share and their votes must meet at the same steps.
+  bool has_peers = static_cast<bool>(all_reduce_min_);
+  if (after_prompt_step_ && decode_step_ < static_cast<uint32_t>(cfg_.prefill_min_decode_steps)
+      && (has_peers || !running.empty()))
     return schedule_decode_();
   bool is_any_point = decode_step_ != 0 && decode_step_ % cfg_.prefill_any_attempt_interval == 0;
   bool is_all_point = decode_step_ % cfg_.prefill_attempt_interval == 0;
