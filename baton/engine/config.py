@@ -35,8 +35,8 @@ class EngineConfig:
     prefill_any_attempt_interval: int = 1
     # S40: decode steps after a prompt step before the next attempt, so a burst of long prompts
     # does not stall every running stream for the whole burst: 4 cut the streams' ITL p99
-    # during a burst of long prompts to 0.24x of 0 (back to back) while the burst's TTFT did
-    # not grow (bench/prefill_cadence.py; figures in the README).
+    # during a burst of 8 x 600-token prompts to 0.24x of 0 (back to back: 17.6 s -> 4.3 s),
+    # the burst's mean TTFT 1.18x (bench/prefill_cadence.py; figures in the README).
     prefill_min_decode_steps: int = 4
     watermark: float = 0.9  # prefill only at or below this cache usage
     # Automatic prefix caching (docs/scheduler.md, P1-P8): full blocks keyed by a hash chain over
