@@ -326,3 +326,63 @@ def test_every_baton_container_gets_the_cluster_keys_from_a_secret():
             assert paths == {"server.key", "client.key", "client.key_secret"}
         else:
             assert not paths  # engines: all four files (serve, and dial + probe)
+
+
+def _policy_for(name: str) -> dict:
+    """The NetworkPolicy whose pod selector picks the pods of Deployment `name`."""
+    labels = next(d for d in of_kind("Deployment") if d["metadata"]["name"] == name)[
+        "spec"]["template"]["metadata"]["labels"]
+    found = []
+    for policy in of_kind("NetworkPolicy"):
+        sel = policy["spec"]["podSelector"]
+        if all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items()) and all(
+                labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", [])):
+            found.append(policy)
+    assert len(found) == 1, (name, [p["metadata"]["name"] for p in found])
+    return found[0]
+
+
+def _peers(rule: dict) -> set[str] | None:
+    """The Deployment names a rule admits (None: any source)."""
+    if "from" not in rule:
+        return None
+    names = set()
+    for peer in rule["from"]:
+        sel = peer["podSelector"]
+        names |= set(sel.get("matchLabels", {}).values())
+    return names
+
+
+def test_network_policies_confine_redis_engines_and_the_kv_path():
+    """Only Baton reaches Redis; only the router reaches an engine's request port; only engines
+    reach each other beyond that (the KV side channel and UCX's data ports); the metrics ports
+    and the router's HTTP port are the only ones open to any source."""
+    engines = {"baton-prompt-engine", "baton-completion-engine"}
+    redis = _policy_for("baton-redis")["spec"]["ingress"]
+    assert [_peers(r) for r in redis] == [{"baton-router", *engines}]
+    for name in engines:
+        rules = _policy_for(name)["spec"]["ingress"]
+        open_ports = {p["port"] for r in rules if _peers(r) is None for p in r["ports"]}
+        assert open_ports == {7002, 7102}  # metrics only
+        any_port = [_peers(r) for r in rules if _peers(r) is not None and "ports" not in r]
+        assert any_port == [engines]  # engines to engines: side channel + UCX
+        routed = [r for r in rules if _peers(r) == {"baton-router"}]
+        assert {p["port"] for r in routed for p in r["ports"]} == {7000, 7100}
+    router = _policy_for("baton-router")["spec"]["ingress"]
+    assert [(_peers(r), [p["port"] for p in r["ports"]]) for r in router] == [(None, [8000])]
+
+
+def test_baton_containers_run_non_root_on_a_read_only_root():
+    """Every Baton container runs as the image's non-root user with a read-only root file
+    system, no privilege escalation and no capabilities; it writes only to emptyDir volumes
+    (/tmp and the load cache under the user's home)."""
+    for deployment, container in baton_containers():
+        ctx = container["securityContext"]
+        assert ctx["runAsNonRoot"] and ctx["runAsUser"] == 1000, deployment["metadata"]["name"]
+        assert ctx["readOnlyRootFilesystem"] and not ctx["allowPrivilegeEscalation"]
+        assert ctx["capabilities"] == {"drop": ["ALL"]}
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        writable = {m["mountPath"] for m in container["volumeMounts"]
+                    if not m.get("readOnly") and "emptyDir" in volumes[m["name"]]}
+        assert writable == {"/tmp", "/home/baton/.cache"}, deployment["metadata"]["name"]
+    assert "USER baton" in DOCKERFILE.read_text() and "--uid 1000" in DOCKERFILE.read_text()
