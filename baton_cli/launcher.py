@@ -349,10 +349,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start Redis, the engines and the router on this host")
     p.add_argument("--host", default="127.0.0.1", help="address every process binds to")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    p.add_argument("--prompt-engines", type=int, default=1)
-    p.add_argument("--completion-engines", type=int, default=1)
+    p.add_argument("--prompt-engines", type=int, default=None,
+                   help="prompt engines (default 1; 0 with --normal-engines)")
+    p.add_argument("--completion-engines", type=int, default=None,
+                   help="completion engines (default 1; 0 with --normal-engines)")
     p.add_argument("--normal-engines", type=int, default=0,
-                   help="co-located engines instead of prompt+completion (sets those to 0)")
+                   help="co-located engines instead of prompt+completion (whose counts then "
+                   "default to 0; a mixed fleet is refused: the router has no per-request "
+                   "path choice yet)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
@@ -381,14 +385,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def engine_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(prompt, completion, normal) engines the flags ask for. --normal-engines alone means
+    co-located serving only; with an explicit prompt or completion count too it is a mixed
+    fleet, which the router cannot yet split per request: refused by name, never zeroed."""
     normal = args.normal_engines
+    given = {f"--{name}-engines": value for name, value in
+             (("prompt", args.prompt_engines), ("completion", args.completion_engines))
+             if value is not None}
+    if normal and any(given.values()):
+        flags = " and ".join(f"{flag} {value}" for flag, value in given.items())
+        raise ValueError(f"--normal-engines {normal} with {flags}: a mixed fleet needs the "
+                         "router to choose the path per request, which it does not yet; run "
+                         "normal engines or prompt+completion engines")
+    default = 0 if normal else 1
+    prompt = default if args.prompt_engines is None else args.prompt_engines
+    completion = default if args.completion_engines is None else args.completion_engines
+    return prompt, completion, normal
+
+
+def run(args: argparse.Namespace) -> int:
     try:
+        prompt, completion, normal = engine_counts(args)
         config = LaunchConfig(
             host=args.host, router_port=args.port, model=args.model, redis_url=args.redis_url,
             redis_password_file=args.redis_password_file,
-            num_prompt_engines=0 if normal else args.prompt_engines,
-            num_completion_engines=0 if normal else args.completion_engines,
+            num_prompt_engines=prompt, num_completion_engines=completion,
             num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
             engine_args=[a for a in args.engine_args if a != "--"],
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,

@@ -197,3 +197,20 @@ def test_an_engine_flag_no_role_takes_is_refused_before_anything_starts():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "no engine takes the engine flag(s) --no-such-flag" in result.stderr
+
+
+def test_engine_counts_refuse_a_mixed_fleet_instead_of_zeroing_it():
+    """--normal-engines alone is co-located serving (prompt and completion default to 0); an
+    explicit prompt or completion count beside it is refused by name, never silently zeroed."""
+    from baton_cli.launcher import engine_counts
+    from baton_cli.main import build_parser
+
+    def counts(*flags: str):
+        return engine_counts(build_parser("up").parse_args(["up", *flags]))
+
+    assert counts() == (1, 1, 0)
+    assert counts("--prompt-engines", "2") == (2, 1, 0)
+    assert counts("--normal-engines", "2") == (0, 0, 2)
+    assert counts("--normal-engines", "1", "--prompt-engines", "0") == (0, 0, 1)
+    with pytest.raises(ValueError, match="--prompt-engines 1 and --completion-engines 1"):
+        counts("--normal-engines", "1", "--prompt-engines", "1", "--completion-engines", "1")
