@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from router import openai_protocol
 from router.config import RouterConfig
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -188,6 +189,7 @@ def test_no_op_values_pass_bookkeeping_is_logged_and_unknown_fields_are_400(clie
     fields are accepted and logged, and an unknown field (top level or in a message) is a 400
     naming it, as OpenAI's API answers."""
     caplog.set_level(logging.INFO, logger="router.openai_protocol")
+    openai_protocol._bookkeeping_seen.clear()  # logged once per process: not by an earlier test
     body = {"model": MODEL, "messages": CHAT, "response_format": {"type": "text"},
             "tool_choice": "none", "tools": [], "user": "u1", "metadata": {"k": "v"},
             "store": False, "parallel_tool_calls": True, "modalities": ["text"]}
