@@ -20,8 +20,9 @@ import dataclasses
 import hashlib
 import hmac
 import math
-import os
 import time
+
+from baton.ops.registry import read_private_file
 
 ENV_KEYS_FILE = "BATON_API_KEYS_FILE"
 _MAX_FILE_BYTES = 1 << 20
@@ -48,13 +49,7 @@ def load_api_keys(path: str) -> list[ApiKey]:
     """The keys of a keys file; ValueError naming what is wrong with it."""
     import yaml
 
-    try:
-        if os.stat(path).st_mode & 0o004:
-            raise ValueError(f"API keys file {path} is readable by every user; chmod 600 it")
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"cannot read API keys file {path}: {exc}") from None
+    raw = read_private_file(path, "API keys file", _MAX_FILE_BYTES)
     if len(raw) > _MAX_FILE_BYTES:
         raise ValueError(f"API keys file {path} exceeds {_MAX_FILE_BYTES} bytes")
     try:

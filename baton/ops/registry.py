@@ -101,16 +101,22 @@ def record_signing_key(keys: ClusterKeys | None) -> bytes:
                     + b"|" + keys.client_public, hashlib.sha256).digest()
 
 
+def read_private_file(path: str, what: str, max_bytes: int) -> bytes:
+    """At most `max_bytes + 1` bytes of a secret file (one more shows it is too long);
+    ValueError naming `what` and `path` when it is missing or readable by every user."""
+    try:
+        if os.stat(path).st_mode & 0o004:
+            raise ValueError(f"{what} {path} is readable by every user; chmod 600 it")
+        with open(path, "rb") as f:
+            return f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+
+
 def read_password_file(path: str) -> str:
     """The password in `path` (its first line); ValueError naming a file that is missing,
     empty, too long or readable by every user."""
-    try:
-        if os.stat(path).st_mode & 0o004:
-            raise ValueError(f"Redis password file {path} is readable by every user; chmod 600 it")
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_PASSWORD_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"cannot read Redis password file {path}: {exc}") from None
+    raw = read_private_file(path, "Redis password file", _MAX_PASSWORD_BYTES)
     password = raw.decode(errors="replace").splitlines()[0].strip() if raw.strip() else ""
     if not password or len(raw) > _MAX_PASSWORD_BYTES:
         raise ValueError(f"Redis password file {path} must hold one line of at most "
