@@ -13,6 +13,7 @@ import socket
 import sys
 
 from baton.engine.config import EngineConfig
+from baton.model.modes import DTYPES, QUANTIZATION_REQUESTS
 from baton.ops.cluster_keys import add_key_args, keys_from_args
 from baton.protocol import COMPLETION, NORMAL, PROMPT
 
@@ -74,8 +75,8 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                         "runner that sleeps the profile's predicted step time (baton profile) "
                         "and emits deterministic tokens; no torch, no weights, a tiny KV pool")
     m.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    m.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    m.add_argument("--dtype", default="float32", choices=DTYPES)
+    m.add_argument("--quantization", default="auto", choices=QUANTIZATION_REQUESTS,
                    help="weight-only quantization (CPU kernels for decode steps); auto: int4 "
                         "when the file's layers are Q4 blocks (the default model's are) and the "
                         "dtype is float32 on CPU, else none; the exact mode is --dtype float32 "
