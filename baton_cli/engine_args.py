@@ -42,6 +42,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="unique engine name (default: role-hostname-pid)")
     g.add_argument("--host", default="127.0.0.1", help="bind address of the request socket")
     g.add_argument("--port", type=int, default=0, help="request socket port (0 = ephemeral)")
+    g.add_argument("--address-file", default="",
+                   help="once serving, write the request socket's address here (atomically): "
+                        "with --port 0 the parent learns the port the engine bound, with no "
+                        "window in which another process takes a port picked in advance")
     g.add_argument("--advertise-host", default="",
                    help="address other hosts use to reach this engine (default: --host)")
     g.add_argument("--metrics-port", type=int, default=0,

@@ -158,6 +158,14 @@ def install_signal_handlers(service: EngineService, children: list[subprocess.Po
         signal.signal(sig, handler)
 
 
+def write_address_file(path: str, address: str) -> None:
+    """Write then rename: a reader sees the whole address or no file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)
+
+
 def main(args: argparse.Namespace) -> int:
     clock = StartupClock()
     if not args.mock:
@@ -208,7 +216,13 @@ def main(args: argparse.Namespace) -> int:
     install_signal_handlers(service, children)
     if "torch" in sys.modules:  # a model runner was built (a mock engine has none)
         logger.info("torch threads: %d", sys.modules["torch"].get_num_threads())
-    service.run(on_ready=lambda _service: (clock.mark("service"), clock.log()))
+    def on_ready(ready: EngineService) -> None:
+        clock.mark("service")
+        clock.log()
+        if args.address_file and rank == 0:  # the group's address is rank 0's
+            write_address_file(args.address_file, ready.address)
+
+    service.run(on_ready=on_ready)
     dp.close()
     for proc in children:
         proc.wait(timeout=args.drain_timeout + 10)

@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-from baton.ops.redis_server import free_port
 from baton.protocol import EngineStats
 from baton.service.client import EngineClient, probe_engine
 from kv_transfer.auth import keys_from_env
@@ -26,12 +25,18 @@ BASE_ARGS = ["--num-threads", "1", "--block-size", "16", "--quantization", "none
 class EngineProcess:
     def __init__(self, command: str, engine_id: str, log_dir: Path, redis_url: str = "",
                  prefix: str = "baton", args: list[str] | None = None, port: int = 0):
+        """`port` 0: the engine binds an ephemeral port and writes its address to a file
+        (--address-file), read by wait_ready. A port picked here in advance could be taken,
+        before the engine binds it, by another engine's ephemeral KV side channel."""
         self.command, self.engine_id = command, engine_id
-        self.port = port or free_port()
-        self.address = f"tcp://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{engine_id}-{time.monotonic_ns()}.log"
+        self.port = port
+        self.address = f"tcp://127.0.0.1:{port}" if port else ""
+        stem = f"{engine_id}-{time.monotonic_ns()}"
+        self.log = log_dir / f"{stem}.log"
+        self.address_file = log_dir / f"{stem}.address"
         self.argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
-                     "--host", "127.0.0.1", "--port", str(self.port),
+                     "--host", "127.0.0.1", "--port", str(port),
+                     "--address-file", str(self.address_file),
                      "--registry-prefix", prefix, *BASE_ARGS, *(args or [])]
         if redis_url:
             self.argv += ["--redis-url", redis_url]
@@ -40,11 +45,19 @@ class EngineProcess:
                                          start_new_session=True)
 
     def wait_ready(self, deadline: float) -> EngineProcess:
-        while probe_engine(self.address, timeout_s=0.5, keys=KEYS) is None:
+        while not (self.address or self._read_address()) or \
+                probe_engine(self.address, timeout_s=0.5, keys=KEYS) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"engine {self.engine_id} did not start:\n{self.tail()}")
             time.sleep(0.2)
         return self
+
+    def _read_address(self) -> bool:
+        if not self.address_file.exists():
+            return False
+        self.address = self.address_file.read_text().strip()
+        self.port = int(self.address.rsplit(":", 1)[1])
+        return True
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:]

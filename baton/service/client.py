@@ -8,6 +8,7 @@ dials CURVE (kv_transfer/auth.py); an engine serving CURVE never answers a clien
 from __future__ import annotations
 
 import collections
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from baton.protocol import (
     EngineOutputs,
     EngineStats,
     GenerateRequest,
+    ProtocolError,
     ResetPrefixCache,
     SamplingOptions,
     StatsRequest,
@@ -28,6 +30,8 @@ from baton.protocol import (
     encode,
 )
 from kv_transfer.auth import ClusterKeys
+
+logger = logging.getLogger(__name__)
 
 
 class EngineTimeout(TimeoutError):
@@ -114,9 +118,13 @@ class EngineClient:
 def probe_engine(address: str, timeout_s: float = 1.0,
                  keys: ClusterKeys | None = None) -> EngineStats | None:
     """The engine's stats, or None when it does not answer within the timeout (a CURVE engine
-    never answers a probe without the cluster keys)."""
+    never answers a probe without the cluster keys) or what answers is not an engine (another
+    service took the port: the probe says "no engine here", it does not raise)."""
     with EngineClient(address, keys=keys) as client:
         try:
             return client.stats(timeout_s)
         except EngineTimeout:
+            return None
+        except ProtocolError as exc:
+            logger.warning("%s answers, but not as an engine: %s", address, exc)
             return None
