@@ -46,6 +46,12 @@ class LaunchConfig:
     redis_url: str = ""  # "" = start a local redis-server (closed: a generated password)
     redis_password_file: str = ""  # the password of an external redis_url
     api_key: str = ""
+    # Named API keys for the router (router/api_keys.py): each its own rate limit and usage
+    # counters; with cache_salt_per_key each key's requests share a prefix cache only among
+    # themselves. Checked here, so a bad file fails `baton up` before anything starts.
+    api_keys_file: str = ""
+    cache_salt_per_key: bool = False
+    _launcher_key: str = field(default="", init=False, repr=False)  # one of api_keys_file's
     ready_timeout_s: float = 300.0
     # Flags after `--`, passed to every engine whose role has them (role_engine_args).
     engine_args: list[str] = field(default_factory=list)
@@ -84,10 +90,21 @@ class LaunchConfig:
                              "tokenizes with the default model's tokenizer)")
         if "--mock" in self.engine_args:
             raise ValueError("give --mock to `baton up` itself, not after --")
+        if self.api_keys_file:
+            from router.api_keys import load_api_keys
+
+            self._launcher_key = load_api_keys(self.api_keys_file)[0].key
+        if self.cache_salt_per_key and not (self.api_key or self.api_keys_file):
+            raise ValueError("--cache-salt-per-key needs API keys (--api-key or --api-keys-file)")
         for flag in ("--cluster-key-dir", "--insecure"):
             if flag in self.engine_args:
                 raise ValueError(f"give {flag} to `baton up` itself, not after --: the router "
                                  "and every engine must share it")
+
+
+    def launcher_key(self) -> str:
+        """A key the launcher itself may use to ask the router (the banner's model name)."""
+        return self.api_key or self._launcher_key
 
 
 def role_engine_args(engine_args: list[str], role: str) -> list[str]:
@@ -272,7 +289,9 @@ class Launcher:
         argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url, *self.redis_args,
                 "--routing", cfg.routing, *self._model_args(), *self.key_args,
-                *self._load_cache_args()]
+                *self._load_cache_args(),
+                *(["--api-keys-file", cfg.api_keys_file] if cfg.api_keys_file else []),
+                *(["--cache-salt-per-key"] if cfg.cache_salt_per_key else [])]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
         self.spawned_at["router"] = time.monotonic()
@@ -317,7 +336,8 @@ class Launcher:
         import urllib.request
 
         url = f"http://{self.config.host}:{self.config.router_port}/v1/models"
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        key = self.config.launcher_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
                                         timeout=5.0) as resp:
@@ -329,7 +349,7 @@ class Launcher:
         cfg = self.config
         base = f"http://{cfg.host}:{cfg.router_port}"
         model = self.served_model()
-        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
+        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.launcher_key() else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
         ready = {name: f"  ready in {s:.1f} s" for name, s in self.ready_s.items()}
         lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
@@ -365,6 +385,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-password-file", default="",
                    help="file holding the password of --redis-url (the user goes in the URL)")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
+    p.add_argument("--api-keys-file", default=os.environ.get("BATON_API_KEYS_FILE", ""),
+                   help="the router's named API keys (YAML, 0600; see baton router --help)")
+    p.add_argument("--cache-salt-per-key", action="store_true",
+                   help="each API key's requests share a prefix cache only among themselves")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--no-cpu-pinning", action="store_true",
                    help="do not give each engine its own cores")
@@ -411,7 +435,9 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, router_port=args.port, model=args.model, redis_url=args.redis_url,
             redis_password_file=args.redis_password_file,
             num_prompt_engines=prompt, num_completion_engines=completion,
-            num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
+            num_normal_engines=normal, api_key=args.api_key,
+            api_keys_file=args.api_keys_file, cache_salt_per_key=args.cache_salt_per_key,
+            ready_timeout_s=args.ready_timeout,
             engine_args=[a for a in args.engine_args if a != "--"],
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
             restart=RestartPolicy(max_restarts=args.max_restarts,
