@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -155,9 +156,12 @@ def _http_ok(url: str) -> bool:
 
 def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadline: float,
                        ready_s: dict[str, float], spawned_at: dict[str, float],
-                       keys: ClusterKeys | None = None) -> None:
+                       keys: ClusterKeys | None = None,
+                       address_files: dict[str, str] | None = None) -> None:
     """Probe every engine until each answers, all together, so each one's time-to-ready
-    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it."""
+    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it. An
+    engine started with --port 0 is probed once its address file names the port it bound;
+    its command line then names that port, so a restart binds it again."""
     from baton.service.client import probe_engine
 
     waiting = [c for c in children if c.name in addresses]
@@ -166,10 +170,24 @@ def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadlin
             raise LaunchError(f"{', '.join(c.name for c in waiting)} not ready in time")
         for child in list(waiting):
             child.check_alive()
+            if not addresses[child.name]:
+                address = _read_address((address_files or {}).get(child.name, ""))
+                if not address:
+                    continue
+                addresses[child.name] = address
+                child.pin_port(address.rsplit(":", 1)[1])
             if probe_engine(addresses[child.name], timeout_s=0.5, keys=keys) is not None:
                 ready_s[child.name] = time.monotonic() - spawned_at[child.name]
                 logger.info("%s ready in %.1f s", child.name, ready_s[child.name])
                 waiting.remove(child)
+
+
+def _read_address(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def wait_http_ready(url: str, deadline: float, child: Child) -> None:
@@ -195,6 +213,7 @@ class Launcher:
         self.redis_args: list[str] = (["--redis-password-file", config.redis_password_file]
                                       if config.redis_password_file else [])
         self.engine_addresses: dict[str, str] = {}
+        self.address_files: dict[str, str] = {}  # engine id -> its --address-file
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self.spawned_at: dict[str, float] = {}  # child -> time.monotonic() of its spawn
         self.ready_s: dict[str, float] = {}  # child -> seconds from its spawn to ready
@@ -203,6 +222,10 @@ class Launcher:
         self.keys: ClusterKeys | None = None
         self.key_args: list[str] = []
         self._own_key_dir = ""  # generated here: removed at stop
+        # Each engine's --address-file: engines bind an ephemeral port on their first start and
+        # report it (a port picked here in advance could be taken, before the engine bound it,
+        # by another engine's ephemeral KV side channel); restarts then bind that same port.
+        self._run_dir = tempfile.mkdtemp(prefix="baton-up-")
 
     def _setup_keys(self) -> list[str]:
         """The children's key flags; generates the keys unless given a dir or --insecure."""
@@ -244,7 +267,7 @@ class Launcher:
             idx = counts[role] = counts.get(role, -1) + 1
             self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
         wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
-                           self.spawned_at, self.keys)
+                           self.spawned_at, self.keys, self.address_files)
         self._start_router(deadline)
 
     def _model_args(self) -> list[str]:
@@ -252,20 +275,23 @@ class Launcher:
 
     def _start_engine(self, command: str, engine_id: str, threads: int, cpus: str) -> None:
         cfg = self.config
-        port = free_port(cfg.host)
+        address_file = os.path.join(self._run_dir, f"{engine_id}.address")
         argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
-                "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
+                "--host", cfg.host, "--port", "0", "--address-file", address_file,
+                "--redis-url", self.redis_url,
                 *self.redis_args,
                 *(["--mock", cfg.mock] if cfg.mock else ["--num-threads", str(threads)]),
                 *(["--cpus", cpus] if cpus else []), *self._model_args(),
                 *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
-        address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
+        self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
+        self.address_files[engine_id] = address_file
         keys = self.keys
         self.spawned_at[engine_id] = time.monotonic()
-        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address, keys),
-                                   standby_argv=[*argv, "--standby"] if cfg.warm_standby
-                                   else None))
+        self.children.append(Child(
+            engine_id, argv,
+            is_ready=lambda: _engine_answers(self.engine_addresses[engine_id], keys),
+            standby_argv=[*argv, "--standby"] if cfg.warm_standby else None))
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -329,6 +355,7 @@ class Launcher:
         if self._own_key_dir:
             shutil.rmtree(self._own_key_dir, ignore_errors=True)
             self._own_key_dir = ""
+        shutil.rmtree(self._run_dir, ignore_errors=True)
 
     def served_model(self) -> str:
         """The model id the router serves (clients must name it), or a placeholder."""
