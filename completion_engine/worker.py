@@ -21,6 +21,7 @@ from baton.protocol import EngineStats, GenerateRequest, TokenDelta
 from baton.service.worker import EngineWorker, error_delta, to_sampling_params
 from completion_engine.admission import Admission, PullObserver
 from kv_transfer.config import TransferConfig
+from kv_transfer.integrity import FaultPlan
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,10 @@ class CompletionWorker(EngineWorker):
     role = "completion"
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
-                 on_pull_result: PullObserver | None = None):
+                 on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None):
         super().__init__(engine)
         self.admission = Admission(engine, engine.kv_cache, transfer, self.kv_fingerprint(),
-                                   engine_id, on_pull_result)
+                                   engine_id, on_pull_result, faults)
 
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         try:

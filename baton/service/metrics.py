@@ -29,7 +29,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from baton.protocol import COMPLETION, PROMPT, EngineStats, TokenDelta
-from kv_transfer.errors import FailReason, TransferState
+from kv_transfer.errors import INTEGRITY_FAILURES, FailReason, TransferState
 from kv_transfer.pulls import TransferResult
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class _SnapshotCollector(Collector):
         if self.role == COMPLETION:
             counters += _COMPLETION_COUNTERS
             yield self._failures(stats)
+            yield self._integrity(stats)
         refused = self._refused(stats)
         if refused is not None:
             yield refused
@@ -136,6 +137,17 @@ class _SnapshotCollector(Collector):
                                      labels=[*LABELS, "endpoint"])
         for endpoint, value in endpoints:
             family.add_metric([*self.labels, endpoint], value)
+        return family
+
+    def _integrity(self, stats: EngineStats) -> CounterMetricFamily:
+        """KV refused for its bytes, by where it was checked: "pull" (a checksum or fingerprint
+        mismatch of a hand-off); the disk and shared tiers will count theirs here too."""
+        family = CounterMetricFamily("baton_kv_integrity_failures", "KV blocks refused because "
+                                     "their bytes or their producer's fingerprint did not match "
+                                     "(never decoded), by where they were checked",
+                                     labels=[*LABELS, "where"])
+        pulls = sum(_value(stats, _FAILED_PREFIX + r.value) for r in INTEGRITY_FAILURES)
+        family.add_metric([*self.labels, "pull"], pulls)
         return family
 
     def _failures(self, stats: EngineStats) -> CounterMetricFamily:
