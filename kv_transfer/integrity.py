@@ -16,7 +16,10 @@ The checksum is CRC-32 (zlib): xxhash is not a dependency, and CRC-32 finds any 
 and any torn run shorter than 32 bits for sure, and the rest with odds of 2^-32 per block.
 It is not a defence against an attacker (the wires are authenticated for that), only against
 bugs and bad memory. Measured: 260 us per 720 KiB block (SmolLM2-135M, float32) at load 6.8
-on this 2-core host, 2.8 GB/s; see bench/kv_integrity_bench.py for the cost per prompt.
+on this 2-core host, 2.8 GB/s. Per prompt (bench/kv_integrity_bench.py, load 6-8): hold() of
+a 1024-token prompt 21.6 ms with checksums against 0.08 ms without, and its pull 31.0 ms
+against 13.4 ms, both next to a 12.1 s prefill (one torch thread): 0.3% of the time to first
+token together, hence "all" by default.
 """
 
 from __future__ import annotations
