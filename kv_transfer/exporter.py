@@ -59,7 +59,8 @@ class KVExporter:
         self._reader = BlockReader(pool, self.spec)
         self.engine_id = engine_id
         if faults is not None and faults.foreign_weights:
-            fingerprint = msgspec.structs.replace(fingerprint, weights="foreign-" + fingerprint.weights)
+            fingerprint = msgspec.structs.replace(fingerprint,
+                                                  weights="foreign-" + fingerprint.weights)
         self.fingerprint = fingerprint
         self._num_holds = 0
         self.instance_id = uuid.uuid4().hex[:16]
