@@ -32,6 +32,8 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from kv_transfer.config import CHECKSUM_MODES, PoolSpec
 
 logger = logging.getLogger(__name__)
@@ -77,11 +79,12 @@ class BlockReader:
         return [i for i, (b, want) in enumerate(zip(block_ids, expected, strict=True))
                 if checksum(self.block(b)) != want]
 
-    def flip_byte(self, block_id: int, offset: int = 0) -> None:
-        """Invert one byte of a host block: only FaultPlan's hook calls this."""
+    def invert(self, block_id: int) -> None:
+        """Invert every byte of a host block (K/V values a decode cannot miss): only FaultPlan's
+        hook calls this."""
         assert self.spec.mem_type == "DRAM", "fault injection needs a host pool"
-        view = self.block(block_id)
-        view[offset % len(view)] ^= 0xFF
+        data = np.frombuffer(self.block(block_id), dtype=np.uint8)
+        np.bitwise_not(data, out=data)
 
 
 def checksum_for(mode: str, ordinal: int) -> bool:
@@ -99,8 +102,8 @@ class FaultPlan:
     warning when any fault is armed.
     """
 
-    # Pulls (1-based, in the order they land) whose first landed block gets a flipped byte
-    # after the NIXL read and before the checksum verification.
+    # Pulls (1-based, in the order they land) whose first landed block is inverted after the
+    # NIXL read and before the checksum verification.
     corrupt_pulls: frozenset[int] = frozenset()
     # The exporter advertises other weights in its handshake, as an engine that loaded another
     # file under the same name would.

@@ -305,7 +305,7 @@ class PullLoop:
         if self.num_landed in self.faults.corrupt_pulls:
             logger.warning("TEST FAULT: corrupting landed pull %d (%s)", self.num_landed,
                            pull.handle.request_id)
-            self.reader.flip_byte(pull.local_ids[0], offset=self.num_landed)
+            self.reader.invert(pull.local_ids[0])
         bad = self._verify(pull)
         self._finish(pull, FailReason.CHECKSUM_MISMATCH if bad else None, bad)
 

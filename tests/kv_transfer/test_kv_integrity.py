@@ -1,8 +1,10 @@
 """KV integrity over real NIXL agents in two processes: every pulled block is verified against
-the checksum its exporter took, and a block that differs (a test fault flips a byte after the
+the checksum its exporter took, and a block that differs (a test fault inverts it after the
 read) or an exporter with other weights fails the pull, never a silent success."""
 
 from __future__ import annotations
+
+import os
 
 import msgspec
 import numpy as np
@@ -30,15 +32,18 @@ def _pull(importer, local, handle, seed, first_block=0):
     return result, exact
 
 
-def test_checksum_finds_one_flipped_byte_in_a_host_pool():
+def test_checksum_finds_one_flipped_bit_in_a_host_pool():
     pool = np.arange(4 * 4096, dtype=np.uint32).reshape(4, -1)
+    original = pool.copy()
     reader = BlockReader(pool)
     sums = reader.checksums([1, 2, 3])
     assert sums == [checksum(pool[b].tobytes()) for b in (1, 2, 3)]
-    reader.flip_byte(2, offset=4095)
-    assert reader.mismatches([1, 2, 3], sums) == [1]
-    assert pool.view(np.uint8)[2, 4095] == (np.arange(4 * 4096, dtype=np.uint32).reshape(
-        4, -1).view(np.uint8)[2, 4095] ^ 0xFF)
+    pool.view(np.uint8)[3, 4095] ^= 0x10
+    assert reader.mismatches([1, 2, 3], sums) == [2]
+    pool[3] = original[3]
+    reader.invert(1)  # the fault hook's corruption, in place
+    assert reader.mismatches([1, 2, 3], sums) == [0]
+    assert np.array_equal(pool[1], ~original[1])
 
 
 def test_fault_plan_comes_only_from_the_environment_and_is_checked():
@@ -120,3 +125,39 @@ def test_sample_mode_checksums_one_prompt_in_n_and_off_none():
     finally:
         sampled.stop()
         off.stop()
+
+
+def test_the_copy_path_of_gpu_pools_reads_the_same_bytes():
+    """A GPU pool's block is copied to the host before its checksum (no GPU here: the copy path
+    runs on a host tensor described as VRAM); both paths agree, and the fault hook refuses it."""
+    import torch
+
+    from kv_transfer.config import PoolSpec
+
+    pool = torch.randn(6, 2, 16, 8, dtype=torch.bfloat16)
+    host = BlockReader(pool)
+    spec = host.spec
+    as_gpu = BlockReader(pool, PoolSpec(spec.address, spec.nbytes, spec.num_blocks,
+                                        spec.block_bytes, "VRAM", 0))
+    assert as_gpu.checksums([1, 4, 5]) == host.checksums([1, 4, 5])
+    assert as_gpu.checksums([2]) == [checksum(pool[2].view(torch.uint8).numpy().tobytes())]
+    with pytest.raises(AssertionError, match="host pool"):
+        as_gpu.invert(1)
+
+
+def test_the_weights_identity_follows_the_bytes_and_the_quantization_not_the_mtime(tmp_path):
+    from baton.service.worker import weights_digest
+
+    model = tmp_path / "a" / "m.gguf"
+    model.parent.mkdir()
+    model.write_bytes(bytes(range(256)) * 64)
+    digest = weights_digest(str(model), "none")
+    copy = tmp_path / "b" / "m.gguf"  # another host's copy: same bytes, another mtime
+    copy.parent.mkdir()
+    copy.write_bytes(model.read_bytes())
+    os.utime(copy, (1, 1))
+    assert weights_digest(str(copy), "none") == digest
+    assert weights_digest(str(model), "int4") != digest
+    copy.write_bytes(model.read_bytes()[:-1] + b"\x00")  # one byte of other weights
+    assert weights_digest(str(copy), "none") != digest
+    assert weights_digest("mock/tiny", "none") == ""  # a mock runner has no files

@@ -1,5 +1,5 @@
 """KV that arrives wrong is never decoded, with real processes: a prompt engine, a completion
-engine whose second pull gets a flipped byte after the NIXL read (a test fault armed in its
+engine whose second pull gets its first landed block inverted after the NIXL read (a test fault armed in its
 environment, BATON_TEST_KV_FAULTS), a prompt engine that advertises other weights, a real Redis
 registry, the router over HTTP and the official openai client.
 
@@ -85,7 +85,7 @@ def test_a_block_corrupted_in_flight_is_caught_and_the_request_migrates_exactly(
     before = value(scrape(completion), INTEGRITY, where="pull")
     reference = _complete(url)  # pull 1: undisturbed
     assert _router_metric(url, "baton_router_migrations_total") == 0
-    again = _complete(url)  # pull 2 lands with a flipped byte; the migration's pull 3 does not
+    again = _complete(url)  # pull 2 lands inverted; the migration's pull 3 does not
     assert again == reference
     assert _router_metric(url, "baton_router_migrations_total") == 1
     wait_for(lambda: value(scrape(completion), INTEGRITY, where="pull") == before + 1,
