@@ -79,6 +79,9 @@ def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
     if len(handle.block_ids) != -(-num_prompt // block_size):
         raise ValueError(f"KV handle has {len(handle.block_ids)} blocks for {num_prompt} "
                          f"tokens of block size {block_size}")
+    if handle.checksums and len(handle.checksums) != len(handle.block_ids):
+        raise ValueError(f"KV handle has {len(handle.checksums)} block checksums for "
+                         f"{len(handle.block_ids)} blocks")
     if not 0 <= req.first_token_id < vocab_size:
         raise ValueError(f"first token id {req.first_token_id} out of range")
     if handle.block_keys and key_seed is not None:

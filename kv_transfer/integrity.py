@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kv_transfer.config import CHECKSUM_MODES, PoolSpec
+from kv_transfer.protocol import Fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,13 @@ class BlockReader:
         assert self.spec.mem_type == "DRAM", "fault injection needs a host pool"
         data = np.frombuffer(self.block(block_id), dtype=np.uint8)
         np.bitwise_not(data, out=data)
+
+
+def fingerprint_mismatch(ours: Fingerprint, theirs: Fingerprint) -> str:
+    """"" when blocks computed under `theirs` may be used as ours, else the fields that
+    differ (theirs != ours), for the reason a refusal gives."""
+    fields = [f for f in ours.__struct_fields__ if getattr(ours, f) != getattr(theirs, f)]
+    return ", ".join(f"{f} {getattr(theirs, f)!r} != {getattr(ours, f)!r}" for f in fields)
 
 
 def checksum_for(mode: str, ordinal: int) -> bool:

@@ -29,7 +29,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from baton.protocol import COMPLETION, PROMPT, EngineStats, TokenDelta
-from kv_transfer.errors import INTEGRITY_FAILURES, FailReason, TransferState
+from kv_transfer.errors import FailReason, TransferState
 from kv_transfer.pulls import TransferResult
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ _COMPLETION_COUNTERS = [
 # (endpoint label, stats.extra key) of the CURVE refusal counters (kv_transfer/auth.py).
 _AUTH_ENDPOINTS = [("engine", "auth_refused"), ("kv_side_channel", "kv_auth_refused")]
 _FAILED_PREFIX = "kv_failed_"  # the importer's per-reason failure counters, in stats.extra
+# stats.extra keys of KV integrity failures, one per where (baton_kv_integrity_failures_total).
+INTEGRITY_PREFIX = "kv_integrity_failures_"
 
 
 def _value(stats: EngineStats, key: str | tuple[str, ...]) -> float:
@@ -112,7 +114,9 @@ class _SnapshotCollector(Collector):
         if self.role == COMPLETION:
             counters += _COMPLETION_COUNTERS
             yield self._failures(stats)
-            yield self._integrity(stats)
+        integrity = self._integrity(stats)
+        if integrity is not None:
+            yield integrity
         refused = self._refused(stats)
         if refused is not None:
             yield refused
@@ -139,15 +143,21 @@ class _SnapshotCollector(Collector):
             family.add_metric([*self.labels, endpoint], value)
         return family
 
-    def _integrity(self, stats: EngineStats) -> CounterMetricFamily:
-        """KV refused for its bytes, by where it was checked: "pull" (a checksum or fingerprint
-        mismatch of a hand-off); the disk and shared tiers will count theirs here too."""
-        family = CounterMetricFamily("baton_kv_integrity_failures", "KV blocks refused because "
-                                     "their bytes or their producer's fingerprint did not match "
-                                     "(never decoded), by where they were checked",
-                                     labels=[*LABELS, "where"])
-        pulls = sum(_value(stats, _FAILED_PREFIX + r.value) for r in INTEGRITY_FAILURES)
-        family.add_metric([*self.labels, "pull"], pulls)
+    def _integrity(self, stats: EngineStats) -> CounterMetricFamily | None:
+        """KV refused for its bytes or its producer, by where it was checked: every
+        `kv_integrity_failures_<where>` a worker reports ("pull": a completion engine's
+        hand-offs; a KV tier adds its own where)."""
+        wheres = [(key.removeprefix(INTEGRITY_PREFIX), value)
+                  for key, value in sorted(stats.extra.items())
+                  if key.startswith(INTEGRITY_PREFIX)]
+        if not wheres:
+            return None
+        family = CounterMetricFamily("baton_kv_integrity_failures", "KV refused, never "
+                                     "decoded, because its bytes differ from their checksum or "
+                                     "its producer's fingerprint from this engine's, by where "
+                                     "it was checked", labels=[*LABELS, "where"])
+        for where, value in wheres:
+            family.add_metric([*self.labels, where], value)
         return family
 
     def _failures(self, stats: EngineStats) -> CounterMetricFamily:
