@@ -10,8 +10,9 @@ Life of one pull on the completion engine:
 5. NIXL completes, or raises (FAILED: peer_gone, transfer_error), or the deadline passes
    (FAILED: timeout, the transfer cancelled first). What landed is verified against the
    handle's checksums (kv_transfer/integrity.py): DONE, or FAILED checksum_mismatch, so a
-   request never decodes KV other than what its prompt engine computed. The engine sees the result through
-   poll(), collect(), on_result or transfer(); only then may it reuse the local blocks.
+   request never decodes KV other than what its prompt engine computed. The engine sees the
+   result through poll(), collect(), on_result or transfer(); only then may it reuse the
+   local blocks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """KV that arrives wrong is never decoded, with real processes: a prompt engine, a completion
-engine whose second pull gets its first landed block inverted after the NIXL read (a test fault armed in its
-environment, BATON_TEST_KV_FAULTS), a prompt engine that advertises other weights, a real Redis
-registry, the router over HTTP and the official openai client.
+engine whose second pull gets its first landed block inverted after the NIXL read (a test fault
+armed in its environment, BATON_TEST_KV_FAULTS), a prompt engine that advertises other weights,
+a real Redis registry, the router over HTTP and the official openai client.
 
 The corrupted pull fails its checksum; the router migrates the request (a new prefill and
 pull) and the stream equals the undisturbed one token for token. The pull from the engine with
