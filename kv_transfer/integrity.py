@@ -39,7 +39,6 @@ from kv_transfer.protocol import Fingerprint
 
 logger = logging.getLogger(__name__)
 
-CHECKSUM_ALGORITHM = "crc32"
 # The "sample" mode of CHECKSUM_MODES: one handed-off prompt in this many carries checksums
 # (whole prompts, so a fault tied to a block's place in a prompt is still caught).
 SAMPLE_EVERY = 8
