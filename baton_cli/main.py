@@ -23,6 +23,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "keys": "baton.ops.cluster_keys:add_generate_parser",
     "bench": "baton_cli.bench:add_parser",
     "sim": "simulator.cli:add_parser",
+    "plan": "simulator.plan:add_parser",
     "profile": "baton_cli.profile:add_parser",
     "router": "router.cli:add_parser",
 }
