@@ -45,8 +45,8 @@ def _run(phases: list[str], start: tuple[int, int], apply: bool = True) -> dict:
 
 
 def test_candidates_are_the_current_split_and_its_neighbours():
-    assert candidates(Split(4, 4), 8, 5) == [(4, 4), (5, 3), (3, 5), (6, 2), (2, 6)]
-    assert candidates(Split(1, 3), 4, 8) == [(1, 3), (2, 2), (3, 1)]
+    assert candidates(Split(4, 4), 8, 5) == [(4, 4), (1, 7), (7, 1), (5, 3), (3, 5)]
+    assert candidates(Split(1, 3), 4, 8) == [(1, 3), (3, 1), (2, 2)]
 
 
 def test_a_shift_to_long_prompts_moves_engines_to_the_prompt_role():
