@@ -30,6 +30,7 @@ from baton.ops.cpus import cpu_shares, engine_threads
 from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
 from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
+from baton.workload.results import parse_slos
 from baton_cli.engine_args import COMMAND_OF, ROLE_COMMANDS, add_common_args
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
@@ -53,6 +54,14 @@ class LaunchConfig:
     api_keys_file: str = ""
     cache_salt_per_key: bool = False
     _launcher_key: str = field(default="", init=False, repr=False)  # one of api_keys_file's
+    # The planner (planner/core.py, baton_cli/live_planner.py): off, advise or apply, over a
+    # prompt/completion fleet, with the profile it predicts with and the SLOs it serves.
+    planner: str = "off"
+    profile: str = ""
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    planner_interval_s: float = 30.0
+    planner_window_s: float = 120.0
+    planner_cooldown_s: float = 300.0
     ready_timeout_s: float = 300.0
     # Flags after `--`, passed to every engine whose role has them (role_engine_args).
     engine_args: list[str] = field(default_factory=list)
@@ -95,6 +104,18 @@ class LaunchConfig:
             from router.api_keys import load_api_keys
 
             self._launcher_key = load_api_keys(self.api_keys_file)[0].key
+        if self.planner not in ("off", "advise", "apply"):
+            raise ValueError(f"--planner must be off, advise or apply, got {self.planner!r}")
+        if self.planner != "off":
+            if self.num_normal_engines:
+                raise ValueError("--planner moves engines between prompt and completion: "
+                                 "run prompt and completion engines, no --normal-engines")
+            if not self.profile or not self.slos_ms:
+                raise ValueError("--planner needs --profile PROFILE.json (its predictions) "
+                                 "and --goodput ttft:MS tpot:MS (what it serves)")
+            from baton.perf.profile import load as load_profile
+
+            load_profile(self.profile)  # a bad profile fails here, naming its field
         if self.cache_salt_per_key and not (self.api_key or self.api_keys_file):
             raise ValueError("--cache-salt-per-key needs API keys (--api-key or --api-keys-file)")
         for flag in ("--cluster-key-dir", "--insecure"):
@@ -214,6 +235,8 @@ class Launcher:
                                       if config.redis_password_file else [])
         self.engine_addresses: dict[str, str] = {}
         self.address_files: dict[str, str] = {}  # engine id -> its --address-file
+        self.engine_roles: dict[str, str] = {}  # engine id -> its role now (S41 may change it)
+        self.planner = None  # baton_cli/live_planner.py, with --planner advise|apply
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self.spawned_at: dict[str, float] = {}  # child -> time.monotonic() of its spawn
         self.ready_s: dict[str, float] = {}  # child -> seconds from its spawn to ready
@@ -286,12 +309,34 @@ class Launcher:
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
         self.address_files[engine_id] = address_file
+        self.engine_roles[engine_id] = ROLE_COMMANDS[command]
         keys = self.keys
         self.spawned_at[engine_id] = time.monotonic()
         self.children.append(Child(
             engine_id, argv,
             is_ready=lambda: _engine_answers(self.engine_addresses[engine_id], keys),
             standby_argv=[*argv, "--standby"] if cfg.warm_standby else None))
+
+    def redis_password_file(self) -> str:
+        return self.redis.password_file if self.redis is not None else \
+            self.config.redis_password_file
+
+    def set_engine_role(self, engine_id: str, role: str) -> None:
+        """`engine_id` was told to become `role` (S41): a restart starts it as one, and its
+        warm spare, if any, is replaced by one of the new role."""
+        old = self.engine_roles[engine_id]
+        self.engine_roles[engine_id] = role
+        child = next(c for c in self.children if c.name == engine_id)
+        old_tail = role_engine_args(self.config.engine_args, old)
+        head = child.argv[:len(child.argv) - len(old_tail)] if old_tail else child.argv
+        head[3] = COMMAND_OF[role]  # [python, -m, baton_cli, COMMAND, ...]
+        child.argv = [*head, *role_engine_args(self.config.engine_args, role)]
+        if child.standby_argv is not None:
+            child.standby_argv = [*child.argv, "--standby"]
+            if child.standby is not None:
+                child.standby.kill()
+                child.standby = None
+            child.spawn_standby()
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -328,6 +373,26 @@ class Launcher:
         logger.info("router ready in %.1f s", self.ready_s["router"])
         for child in self.children:  # every child is up: now the spares, if asked for
             child.spawn_standby()
+        if cfg.planner != "off":
+            self._start_planner()
+
+    def _start_planner(self) -> None:
+        from baton.perf.profile import load as load_profile
+        from baton_cli.live_planner import LivePlanner
+        from planner.core import Planner, PlannerConfig
+        from simulator.fleet import FleetConfig
+
+        cfg = self.config
+        profile = load_profile(cfg.profile)
+        fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
+        planner = Planner(profile, PlannerConfig(
+            slos_ms=cfg.slos_ms, interval_s=cfg.planner_interval_s,
+            window_s=cfg.planner_window_s, cooldown_s=cfg.planner_cooldown_s,
+            apply=cfg.planner == "apply"), fleet)
+        self.planner = LivePlanner(self, planner, cfg.planner_interval_s,
+                                   cfg.planner_window_s).start()
+        logger.info("planner (%s) every %.0f s on the last %.0f s of requests", cfg.planner,
+                    cfg.planner_interval_s, cfg.planner_window_s)
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise the children until a signal (returns 0), or until the router or every
@@ -346,6 +411,9 @@ class Launcher:
         return 0
 
     def stop(self, timeout_s: float = 40.0) -> None:
+        if self.planner is not None:
+            self.planner.stop()
+            self.planner = None
         for child in reversed(self.children):  # router first: no new work reaches the engines
             child.stop(timeout_s)
         self.children.clear()
@@ -431,6 +499,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "
                    "promoted when the engine exits: restarts in about a second")
+    g = p.add_argument_group("planner (docs/scheduler.md S41: engines change roles in place)")
+    g.add_argument("--planner", choices=("off", "advise", "apply"), default="off",
+                   help="advise: publish the split it would choose (router /planner, "
+                        "metrics); apply: also move engines between prompt and completion")
+    g.add_argument("--planner-profile", default="", metavar="PROFILE.json",
+                   help="the profile the planner predicts with (`baton profile --out`)")
+    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                   help="the planner's SLOs, e.g. ttft:2000 tpot:100")
+    g.add_argument("--planner-interval", type=float, default=30.0)
+    g.add_argument("--planner-window", type=float, default=120.0)
+    g.add_argument("--planner-cooldown", type=float, default=300.0)
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -470,7 +549,10 @@ def run(args: argparse.Namespace) -> int:
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
             routing=args.routing, insecure=args.insecure, mock=args.mock,
-            warm_standby=args.warm_standby,
+            warm_standby=args.warm_standby, planner=args.planner,
+            profile=args.planner_profile, slos_ms=parse_slos(args.goodput),
+            planner_interval_s=args.planner_interval, planner_window_s=args.planner_window,
+            planner_cooldown_s=args.planner_cooldown,
             # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
             cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(
                 ENV_KEY_DIR, "") else args.cluster_key_dir)
