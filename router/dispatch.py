@@ -11,7 +11,9 @@ Disaggregated (prompt and completion engines registered):
   3. pick a completion engine the same way (cache-aware: the one that must pull the least);
      send GenerateRequest with the handle, the first token and its logprob; yield the first
      token; stream the completion engine's deltas.
-Otherwise a NORMAL engine serves the whole request (same first-token retry).
+Otherwise a NORMAL engine serves the whole request (same first-token retry). In a mixed fleet
+(both kinds live) each attempt first takes its path from the pool (router/path.py), logged on
+the request's line and counted in `baton_router_path_total{path,reason}`.
 With n > 1 (baton/engine/choices.py) the request is still one request per engine: the prompt engine
 sends one first delta per choice (the KV handle on one of them), the completion engine gets the
 handle once with the first token of every choice that goes on, and deltas carry their choice's
@@ -48,7 +50,10 @@ from baton.protocol import COMPLETION, NORMAL, PROMPT, GenerateRequest, Sampling
 from router.engine_client import DISCONNECTED
 from router.engine_pool import EnginePool, NoEngineError
 from router.kv_index import RequestKeys
+from router.load import LegWork
+from router.path import DISAGGREGATED, ONLY_PATH
 from router.request import Attempt, Leg, RouterRequest
+from router.selection import DEFAULT_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -104,19 +109,14 @@ class Dispatcher:
         self.migration_limit = migration_limit
         self._abort_tasks: set[asyncio.Task] = set()
 
-    def _roles(self) -> tuple[str, ...]:
-        return (PROMPT, COMPLETION) if self.pool.is_disaggregated else (NORMAL,)
-
     def check_available(self) -> None:
-        """Raise NoEngineError (HTTP 503) now if some role the request needs has no live engine."""
-        for role in self._roles():
-            self.pool.pick(role)
+        """Raise NoEngineError (HTTP 503) now unless some path has a live engine of each role."""
+        self.pool.check_path()
 
     async def wait_available(self) -> None:
-        """Wait (up to the pool's engine wait timeout) until every role the request needs has a
-        live engine; NoEngineError naming the role otherwise."""
-        for role in self._roles():
-            await self.pool.wait_pick(role)
+        """Wait (up to the pool's engine wait timeout) until some path has a live engine of
+        each of its roles; NoEngineError naming the roles otherwise."""
+        await self.pool.wait_path()
 
     async def generate(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
         """Deltas of one request until each choice has a finish reason, migrated to other
@@ -173,8 +173,13 @@ class Dispatcher:
         # The tokens whose KV this pass computes and moves: a migration's outputs too, keyed
         # as the engines key them (the tenant's salted seed).
         keys = RequestKeys(prompt_token_ids + outputs, request.cache_salt)
+        attempt.path = self.pool.choose_path(keys, sampling.max_tokens)
+        # The request's line: its path and why (info only where there was a choice to make).
+        logger.log(logging.DEBUG if attempt.path.reason == ONLY_PATH else logging.INFO,
+                   "request %s: %d prompt tokens, path %s", req_id, len(keys.token_ids),
+                   attempt.path.describe())
         try:
-            disaggregated = self.pool.is_disaggregated
+            disaggregated = attempt.path.path == DISAGGREGATED
             first_leg, first = await self._first_delta(PROMPT if disaggregated else NORMAL,
                                                        wire, keys, legs)
             if attempt.is_migration:
@@ -238,6 +243,7 @@ class Dispatcher:
                 self.metrics.retries.labels(role).inc()
             delta = await self._wait(leg, self.first_token_timeout_s)
             if not is_error(delta):
+                self.pool.prefilled(leg.record.address, leg.work)
                 return leg, delta
             last_error = f"{role} engine {leg.record.engine_id} failed: {delta.error or delta.finish_reason}"
             logger.warning("request %s: %s (attempt %d)", request.req_id, last_error, attempt + 1)
@@ -262,10 +268,15 @@ class Dispatcher:
 
     async def _send(self, role: str, request: GenerateRequest, keys: RequestKeys,
                     legs: list[Leg], exclude: set[str] = frozenset()) -> Leg:
-        record, num_blocks, _ = await self.pool.wait_choose(role, keys, exclude)
+        record, num_blocks, overlap = await self.pool.wait_choose(role, keys, exclude)
         client = self.pool.client(record.address)
-        self.pool.acquire(record.address, num_blocks)
-        leg = Leg(record, client, client.open(request.req_id), num_blocks=num_blocks)
+        num_tokens = len(keys.token_ids)
+        # What it prefills there: the tokens past its cached prefix (the last one always).
+        num_prefill = 0 if role == COMPLETION else max(
+            1, num_tokens - overlap * (record.block_size or DEFAULT_BLOCK_SIZE))
+        work = LegWork(num_prefill, num_tokens)
+        self.pool.acquire(record.address, num_blocks, work)
+        leg = Leg(record, client, client.open(request.req_id), num_blocks=num_blocks, work=work)
         legs.append(leg)
         await client.send(request)
         return leg
@@ -352,7 +363,7 @@ class Dispatcher:
 
     def _end(self, req_id: str, legs: list[Leg]) -> None:
         for leg in legs:
-            self.pool.release(leg.record.address, leg.num_blocks)
+            self.pool.release(leg.record.address, leg.num_blocks, leg.work)
             if not leg.is_finished:
                 self._abort_leg(req_id, leg)
             leg.client.close_request(req_id)

@@ -25,7 +25,9 @@ from baton.protocol import SamplingOptions, TokenDelta
 
 if TYPE_CHECKING:
     from router.engine_client import EngineClient
+    from router.load import LegWork
     from router.logprobs import CompletionLogprobs
+    from router.path import PathChoice
     from router.text import TextStream
 
 
@@ -38,6 +40,7 @@ class Leg:
     queue: asyncio.Queue[TokenDelta]
     is_finished: bool = False
     num_blocks: int = 0  # what this leg adds to the engine's active blocks (cache-aware cost)
+    work: LegWork | None = None  # its prefill and context tokens there (router/load.py)
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Attempt:
     wire_id: str  # the request's id on the engines: `REQ`, then `REQ~mN` for migration N
     output_token_ids: list[int]  # the tokens it starts from (a migration's: those streamed)
     legs: list[Leg] = field(default_factory=list)
+    path: PathChoice | None = None  # co-located or disaggregated, and why (router/path.py)
 
     @property
     def is_migration(self) -> bool:
