@@ -60,6 +60,9 @@ from router.selection import (
 logger = logging.getLogger(__name__)
 
 _WAIT_POLL_S = 0.05  # how often a waiting request looks again (registry, connections)
+# An engine's published counts are a snapshot up to this old at its record's `updated_at`
+# (baton/service: snapshots every 0.25 s), with margin.
+_SNAPSHOT_LAG_S = 0.5
 PATH_ROLES = {COLOCATED: (NORMAL,), DISAGGREGATED: (PROMPT, COMPLETION)}
 
 
@@ -198,14 +201,19 @@ class EnginePool:
     def _view(self, role: str, request: RequestKeys) -> EngineView:
         """The engine of `role` the selection policy would give the request, as the path
         policy sees it: this router's work there (router/load.py), the registry's running
-        count when another router's requests make it larger, the request's blocks it holds."""
+        count when another router's requests make it larger, the request's blocks it holds.
+
+        The registry's count is a snapshot that may still hold this router's finished requests
+        (a heartbeat late): it counts only when published well after this router's last change
+        there, or an idle engine would look busy for a second after every request."""
         by_address, choice = self._select(role, request)
         record = by_address[choice.engine_id]
         work = self.load.work(record.address)
         decoding = self.load.num_requests(record.address) - work.num_prefilling
+        is_fresh = record.updated_at - self.load.changed_at(record.address) > _SNAPSHOT_LAG_S
         block_size = ((self.kv_index.block_size(record.address) if self.kv_index else None)
                       or record.block_size or DEFAULT_BLOCK_SIZE)
-        return EngineView(num_running=max(decoding, record.num_running),
+        return EngineView(num_running=max(decoding, record.num_running if is_fresh else 0),
                           num_queued_prefills=work.num_prefilling,
                           num_queued_tokens=work.num_prefill_tokens,
                           num_context_tokens=work.num_context_tokens,

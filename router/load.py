@@ -50,6 +50,7 @@ class LoadTracker:
         self._num_blocks: dict[str, int] = {}  # address -> active blocks (cache-aware cost)
         self._failed_at: dict[str, float] = {}  # address -> monotonic time of its last failure
         self._work: dict[str, EngineWork] = {}  # address -> what its legs ask of it
+        self._changed_at: dict[str, float] = {}  # address -> wall time its work last changed
 
     def num_requests(self, address: str) -> int:
         return self._num_requests.get(address, 0)
@@ -66,6 +67,7 @@ class LoadTracker:
 
     def acquire(self, address: str, num_blocks: int = 0, work: LegWork | None = None) -> None:
         self._num_requests[address] = self.num_requests(address) + 1
+        self._changed_at[address] = time.time()
         self.add_blocks(address, num_blocks)
         if work is not None:
             self._add_work(address, work, +1)
@@ -78,9 +80,14 @@ class LoadTracker:
 
     def release(self, address: str, num_blocks: int = 0, work: LegWork | None = None) -> None:
         self._num_requests[address] = max(0, self.num_requests(address) - 1)
+        self._changed_at[address] = time.time()
         self.add_blocks(address, -num_blocks)
         if work is not None:
             self._add_work(address, work, -1)
+
+    def changed_at(self, address: str) -> float:
+        """Wall time (as the registry's `updated_at`) this router's work there last changed."""
+        return self._changed_at.get(address, 0.0)
 
     def _add_work(self, address: str, work: LegWork, sign: int) -> None:
         total = self._work.setdefault(address, EngineWork())
