@@ -135,10 +135,6 @@ class EnginePool:
     def is_live(self, address: str) -> bool:
         return self.membership.is_live(address)
 
-    @property
-    def is_disaggregated(self) -> bool:
-        return self.membership.is_disaggregated
-
     def has_live(self, role: str) -> bool:
         return bool(self.membership.live(role))
 

@@ -6,8 +6,6 @@ The same choice on real engines: tests/router/test_path_choice_e2e.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -135,17 +133,17 @@ def test_router_config_checks_the_path_flags(tmp_path):
         RouterConfig(insecure=True, pd_handoff_ms=float("nan"))
 
 
-def test_baton_router_and_up_refuse_a_bad_profile_by_its_field(tmp_path):
+def test_baton_router_and_up_refuse_a_bad_profile_by_its_field(tmp_path, capsys):
+    from baton_cli.main import main as baton_main
+
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**json.loads(PROFILE.read_text()), "version": 99}))
     for command in (["router", "--insecure"], ["up", "--normal-engines", "1",
                                                 "--prompt-engines", "1",
                                                 "--completion-engines", "1"]):
-        result = subprocess.run([sys.executable, "-m", "baton_cli", *command, "--profile",
-                                 str(bad)], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 2, result.stderr
-        assert "profile version 99 is not supported" in result.stderr
-        assert f"baton {command[0]}: {bad}" in result.stderr
+        assert baton_main([*command, "--profile", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f"baton {command[0]}: {bad}: profile version 99 is not supported" in err
 
 
 def test_baton_up_hands_the_path_flags_to_the_router():
