@@ -56,8 +56,9 @@ THRESHOLD = "threshold"  # the --pd-threshold-tokens rule chose
 DEFAULT_THRESHOLD = "default_threshold"  # no profile, no threshold: the default threshold chose
 
 # Without a profile: Dynamo's conditional disaggregation prefills locally up to 1000 new tokens
-# by default (its max_local_prefill_length); this host's engines prefill ~4x slower per token
-# than Dynamo's GPUs wait for a KV pull, so the break-even sits lower. A profile replaces it.
+# (its max_local_prefill_length). Lower here: on this host's CPU engines a ~1500-token prompt
+# stalls co-located streams for 3-4 s (README, serving benchmark), so 512 tokens is already
+# about a second of stall. A rule of thumb, not a measurement: a profile replaces it.
 DEFAULT_THRESHOLD_TOKENS = 512
 # The tokens of its own decode a path is charged for: enough to see a loaded decode batch, short
 # enough that the choice stays about this request's prefill (the completion engines' selection
