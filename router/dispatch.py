@@ -13,7 +13,9 @@ Disaggregated (prompt and completion engines registered):
      token; stream the completion engine's deltas.
 Otherwise a NORMAL engine serves the whole request (same first-token retry). In a mixed fleet
 (both kinds live) each attempt first takes its path from the pool (router/path.py), logged on
-the request's line and counted in `baton_router_path_total{path,reason}`.
+the request's line and counted in `baton_router_path_total{path,reason}`; a request whose path
+failed before any token went out (its retries spent, or no live engine of the role left) takes
+the other path in a new attempt (reason `fallback`; it counts as one of `migration_limit`'s).
 With n > 1 (baton/engine/choices.py) the request is still one request per engine: the prompt engine
 sends one first delta per choice (the KV handle on one of them), the completion engine gets the
 handle once with the first token of every choice that goes on, and deltas carry their choice's
@@ -136,6 +138,10 @@ class Dispatcher:
                         yield delta
                 return
             except (EngineFailure, NoEngineError) as exc:
+                if self._untried_path(request) is not None:
+                    logger.warning("request %s: %s; nothing sent yet: trying the %s path",
+                                   request.req_id, exc, self._untried_path(request))
+                    continue
                 self._check_migration(request, exc)
                 role = exc.role if isinstance(exc, EngineFailure) else ""
                 reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
@@ -144,6 +150,15 @@ class Dispatcher:
                                "%d of at most %d)", request.req_id, exc,
                                len(request.choices[0].token_ids), request.num_migrations + 1,
                                self.migration_limit)
+
+    def _untried_path(self, request: RouterRequest) -> str | None:
+        """A mixed fleet's live path no attempt of the request took yet, while nothing went
+        out: an engine that fails a request before its first token (or a path left without a
+        live engine) sends it down the other path instead of a 503."""
+        if request.has_output:
+            return None
+        tried = {a.path.path for a in request.attempts if a.path is not None}
+        return next((p for p in self.pool.live_paths() if p not in tried), None)
 
     def _check_migration(self, request: RouterRequest,
                          exc: EngineFailure | NoEngineError) -> None:
@@ -173,15 +188,21 @@ class Dispatcher:
         # The tokens whose KV this pass computes and moves: a migration's outputs too, keyed
         # as the engines key them (the tenant's salted seed).
         keys = RequestKeys(prompt_token_ids + outputs, request.cache_salt)
-        attempt.path = self.pool.choose_path(keys, sampling.max_tokens)
+        # A fallback (nothing sent yet) avoids the paths tried; a migration chooses afresh.
+        tried = set() if attempt.is_migration else {a.path.path for a in request.attempts
+                                                     if a.path is not None}
+        attempt.path = self.pool.choose_path(keys, sampling.max_tokens, exclude=tried)
         # The request's line: its path and why (info only where there was a choice to make).
         logger.log(logging.DEBUG if attempt.path.reason == ONLY_PATH else logging.INFO,
                    "request %s: %d prompt tokens, path %s", req_id, len(keys.token_ids),
                    attempt.path.describe())
         try:
             disaggregated = attempt.path.path == DISAGGREGATED
-            first_leg, first = await self._first_delta(PROMPT if disaggregated else NORMAL,
-                                                       wire, keys, legs)
+            # With another path live and untried, a role without a live engine is no reason
+            # to wait for one: the request takes the other path (generate).
+            first_leg, first = await self._first_delta(
+                PROMPT if disaggregated else NORMAL, wire, keys, legs,
+                may_wait=self._untried_path(request) is None)
             if attempt.is_migration:
                 self._observe_migrated_prefill(req_id, first, len(prompt_token_ids) + len(outputs))
             else:
@@ -228,12 +249,13 @@ class Dispatcher:
                     req_id, num_tokens, first.num_cached_tokens)
 
     async def _first_delta(self, role: str, request: GenerateRequest, keys: RequestKeys,
-                           legs: list[Leg]) -> tuple[Leg, TokenDelta]:
+                           legs: list[Leg], may_wait: bool = True) -> tuple[Leg, TokenDelta]:
         failed_up: set[str] = set()  # engines that failed the request and are still up
         last_error = ""
         for attempt in range(1 + self.prompt_retry_limit):
             try:
-                leg = await self._send(role, request, keys, legs, exclude=failed_up)
+                leg = await self._send(role, request, keys, legs, exclude=failed_up,
+                                       may_wait=may_wait)
             except NoEngineError as exc:
                 if not last_error:
                     raise
@@ -267,8 +289,10 @@ class Dispatcher:
             logger.warning("request %s: abort to %s not sent: %s", req_id, leg.record.address, exc)
 
     async def _send(self, role: str, request: GenerateRequest, keys: RequestKeys,
-                    legs: list[Leg], exclude: set[str] = frozenset()) -> Leg:
-        record, num_blocks, overlap = await self.pool.wait_choose(role, keys, exclude)
+                    legs: list[Leg], exclude: set[str] = frozenset(),
+                    may_wait: bool = True) -> Leg:
+        record, num_blocks, overlap = (await self.pool.wait_choose(role, keys, exclude)
+                                       if may_wait else self.pool.choose(role, keys, exclude))
         client = self.pool.client(record.address)
         num_tokens = len(keys.token_ids)
         # What it prefills there: the tokens past its cached prefix (the last one always).

@@ -41,6 +41,7 @@ from router.path import (
     DEFAULT_THRESHOLD,
     DEFAULT_THRESHOLD_TOKENS,
     DISAGGREGATED,
+    FALLBACK,
     ONLY_PATH,
     EngineView,
     PathChoice,
@@ -181,11 +182,16 @@ class EnginePool:
                 return
             await asyncio.sleep(min(_WAIT_POLL_S, remaining))
 
-    def choose_path(self, request: RequestKeys, num_max_tokens: int) -> PathChoice:
+    def choose_path(self, request: RequestKeys, num_max_tokens: int,
+                    exclude: set[str] = frozenset()) -> PathChoice:
         """The request's path (router/path.py), counted in the path metric. With one path
-        live there is nothing to choose; the caller waits for its engines as before."""
+        live there is nothing to choose; the caller waits for its engines as before.
+        `exclude`: paths the request already failed on (a live other one is its fallback)."""
         live = self.live_paths()
-        if len(live) != 2:
+        untried = [p for p in live if p not in exclude]
+        if exclude and untried:
+            choice = PathChoice(untried[0], FALLBACK)
+        elif len(live) != 2:
             choice = PathChoice(live[0] if live else self.paths()[0], ONLY_PATH)
         else:
             choice = self.path_policy.choose(

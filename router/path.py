@@ -54,6 +54,7 @@ ONLY_PATH = "only_path"  # one kind of engine is live (or registered): one path
 PREDICTED = "predicted"  # the profile's cost model chose
 THRESHOLD = "threshold"  # the --pd-threshold-tokens rule chose
 DEFAULT_THRESHOLD = "default_threshold"  # no profile, no threshold: the default threshold chose
+FALLBACK = "fallback"  # the request failed on the other path before any token went out
 
 # Without a profile: Dynamo's conditional disaggregation prefills locally up to 1000 new tokens
 # (its max_local_prefill_length). Lower here: on this host's CPU engines a ~1500-token prompt

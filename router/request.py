@@ -118,8 +118,9 @@ class RouterRequest:
         streamed so far (n == 1: migrations are for one choice only)."""
         if not self.attempts:
             attempt = Attempt(self.req_id, [])
-        else:
-            assert self.sampling.n == 1, "a request with n > 1 is not migrated"
+        else:  # n > 1 starts again only with nothing sent (a mixed fleet's other path)
+            assert self.sampling.n == 1 or not self.has_output, \
+                "a request with n > 1 is not migrated"
             attempt = Attempt(f"{self.req_id}~m{len(self.attempts)}",
                               list(self.choices[0].token_ids))
         self.attempts.append(attempt)

@@ -204,3 +204,21 @@ def test_a_fleet_of_one_kind_has_one_path(engines, model_info):
             "model": "SmolLM2-135M-Instruct", "prompt": " six" * 40, "max_tokens": 3})
         assert done.status_code == 200, done.text
         assert _path_counts(url) == {(COLOCATED, "only_path"): 1}
+
+
+def test_a_path_that_fails_before_any_token_falls_back_to_the_other(engines, model_info):
+    """The normal engine fails every request: a short prompt chosen co-located is served
+    down the disaggregated path instead of a 503, and counted as a fallback."""
+    tokens = model_info.tokenizer.encode(" one two three four five six seven eight")
+    normal = engines("normal", tokens, mode="error")
+    prompt, completion = engines("prompt", tokens), engines("completion", tokens)
+    config = RouterConfig(engines=[f"{e.role}={e.address}" for e in (normal, prompt, completion)],
+                          num_prepare_workers=0, pd_threshold_tokens=20)
+    with serve_router(config, model_info) as url:
+        done = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": "one two", "max_tokens": 5})
+        assert done.status_code == 200, done.text
+        assert done.json()["usage"]["completion_tokens"] == 5
+        assert done.json()["choices"][0]["text"] == model_info.tokenizer.decode(tokens[:5])
+        assert len(normal.generates) == 1 and len(prompt.generates) == 1
+        assert _path_counts(url) == {(COLOCATED, THRESHOLD): 1, (DISAGGREGATED, "fallback"): 1}

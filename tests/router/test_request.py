@@ -30,8 +30,12 @@ def test_attempts_take_fresh_wire_ids_and_start_from_the_tokens_sent(model_info)
 
 
 def test_a_request_with_several_choices_is_not_migrated(model_info) -> None:
+    """Once tokens went out; before that it may start again (a mixed fleet's other path)."""
     request = _request(model_info, 2)
     request.start_attempt()
+    again = request.start_attempt()
+    assert (again.wire_id, again.output_token_ids) == (f"{request.req_id}~m1", [])
+    request.choices[1].token_ids.append(7)
     with pytest.raises(AssertionError, match="not migrated"):
         request.start_attempt()
 
