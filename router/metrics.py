@@ -71,7 +71,8 @@ class RouterMetrics:
         self.path = Counter(
             "baton_router_path",
             "Requests by the path they took (colocated on a normal engine, or disaggregated) "
-            "and why (router/path.py: only_path, predicted, threshold, default_threshold)",
+            "and why (router/path.py: only_path, predicted, threshold, default_threshold, "
+            "fallback)",
             ["path", "reason"], registry=r)
         self.kv_index_keys = Gauge("baton_router_kv_index_keys",
                                    "Block keys this router's index credits an engine with",
