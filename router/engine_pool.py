@@ -148,8 +148,11 @@ class EnginePool:
         return paths or [COLOCATED]
 
     def live_paths(self) -> list[str]:
-        """The offered paths whose every role has a live engine."""
-        return [p for p in self.paths() if all(self.has_live(r) for r in PATH_ROLES[p])]
+        """The offered paths whose every role has a live engine taking new work (a draining
+        one, in a role change, does not)."""
+        return [p for p in self.paths()
+                if all(any(not r.draining for r in self.membership.live(role))
+                       for role in PATH_ROLES[p])]
 
     def check_path(self) -> None:
         """NoEngineError now unless some offered path has a live engine of each of its roles."""
@@ -248,7 +251,9 @@ class EnginePool:
                     ) -> tuple[dict[str, EngineRecord], list[Candidate]]:
         """The live engines of `role` not in `exclude`, the recently failed ones left out
         while another is healthy, as the policy sees them; NoEngineError if none is live."""
-        live = [r for r in self.membership.live(role) if r.address not in exclude]
+        # A draining engine (a role change, S41) finishes what it runs but gets nothing new.
+        live = [r for r in self.membership.live(role)
+                if r.address not in exclude and not r.draining]
         if not live:
             known = len(self.membership.records.get(role, []))
             if not known:
