@@ -16,6 +16,8 @@ from baton.engine.config import EngineConfig
 from baton.model.modes import DTYPES, QUANTIZATION_REQUESTS
 from baton.ops.cluster_keys import add_key_args, keys_from_args
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
+from kv_transfer.config import CHECKSUM_MODES
+from kv_transfer.integrity import SAMPLE_EVERY
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="KV side channel port (0 = ephemeral)")
         k.add_argument("--lease-ttl", type=float, default=30.0,
                        help="seconds a prompt's KV waits for its completion engine")
+        k.add_argument("--kv-checksum", choices=CHECKSUM_MODES, default="all",
+                       help="which handed-off prompts carry a checksum of each KV block, "
+                            "verified by the completion engine before it decodes: all, one "
+                            f"in {SAMPLE_EVERY} (sample), or none (off)")
     if role == COMPLETION:
         k = p.add_argument_group("kv transfer")
         k.add_argument("--kv-timeout", type=float, default=30.0,

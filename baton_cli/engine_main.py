@@ -27,6 +27,7 @@ from baton.service.engine_service import EngineService, ServiceConfig
 from baton.service.metrics import EngineMetrics
 from completion_engine.worker import CompletionWorker
 from kv_transfer.config import TransferConfig
+from kv_transfer.integrity import FaultPlan
 from normal_engine.worker import NormalWorker
 from prompt_engine.worker import PromptWorker
 
@@ -60,7 +61,8 @@ def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
         return TransferConfig(host=args.host,
                               side_channel_port=getattr(args, "side_channel_port", 0),
                               lease_ttl_s=getattr(args, "lease_ttl", 30.0),
-                              keys=args.cluster_keys)
+                              keys=args.cluster_keys,
+                              checksum=getattr(args, "kv_checksum", "all"))
     kv_timeout = getattr(args, "kv_timeout", 30.0)
     return TransferConfig(host=args.host, transfer_timeout_s=kv_timeout,
                           claim_ttl_s=max(60.0, 2 * kv_timeout), keys=args.cluster_keys)
@@ -72,12 +74,13 @@ def _normal_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
 
 def _prompt_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
     return PromptWorker(engine, transfer_config(args, PROMPT), engine_id,
-                        advertise_host=args.advertise_host)
+                        advertise_host=args.advertise_host, faults=FaultPlan.from_env())
 
 
 def _completion_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
     return CompletionWorker(engine, transfer_config(args, COMPLETION), engine_id,
-                            on_pull_result=metrics.on_pull if metrics is not None else None)
+                            on_pull_result=metrics.on_pull if metrics is not None else None,
+                            faults=FaultPlan.from_env())
 
 
 # The one table of roles: each role's worker (normal_engine/, prompt_engine/, completion_engine/)
