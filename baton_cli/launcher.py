@@ -65,6 +65,7 @@ class LaunchConfig:
     # A mixed fleet's path choice, the router's flags of the same names (router/path.py):
     profile: str = ""  # --profile: predict each path's cost from this [sim] profile
     pd_threshold_tokens: int | None = None  # --pd-threshold-tokens: a static rule instead
+    pd_handoff_ms: float | None = None  # --pd-handoff-ms (with profile); None = the router's
     cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
     insecure: bool = False  # no CURVE on the internal wires (benchmarks only)
     mock: str = ""  # a profile: every engine a mock engine (--mock), the router unchanged
@@ -94,6 +95,11 @@ class LaunchConfig:
             raise ValueError(f"--pd-threshold-tokens must be >= 0, got {self.pd_threshold_tokens}")
         if self.profile and self.pd_threshold_tokens is not None:
             raise ValueError("give either --profile or --pd-threshold-tokens, not both")
+        if self.pd_handoff_ms is not None and not self.profile:
+            raise ValueError("--pd-handoff-ms prices the disaggregated path for --profile's "
+                             "predictions; it needs --profile")
+        if self.pd_handoff_ms is not None and not 0 <= self.pd_handoff_ms < float("inf"):
+            raise ValueError(f"--pd-handoff-ms must be >= 0 and finite, got {self.pd_handoff_ms}")
         if self.profile:
             from baton.perf.profile import load
 
@@ -355,7 +361,9 @@ class Launcher:
     def _path_args(self) -> list[str]:
         cfg = self.config
         if cfg.profile:
-            return ["--profile", os.path.abspath(cfg.profile)]
+            return ["--profile", os.path.abspath(cfg.profile),
+                    *([] if cfg.pd_handoff_ms is None else
+                      ["--pd-handoff-ms", str(cfg.pd_handoff_ms)])]
         if cfg.pd_threshold_tokens is not None:
             return ["--pd-threshold-tokens", str(cfg.pd_threshold_tokens)]
         return []
@@ -464,6 +472,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "profile's predicted costs (see baton router --help)")
     p.add_argument("--pd-threshold-tokens", type=int, default=None, metavar="N",
                    help="mixed fleets: disaggregated past N uncached prompt tokens instead")
+    p.add_argument("--pd-handoff-ms", type=float, default=None,
+                   help="with --profile: the disaggregated path's cost beyond the KV copy "
+                        "(see baton router --help)")
     add_key_args(p)
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "
@@ -501,6 +512,7 @@ def run(args: argparse.Namespace) -> int:
                                   window_s=args.restart_window),
             routing=args.routing, insecure=args.insecure, mock=args.mock,
             profile=args.profile, pd_threshold_tokens=args.pd_threshold_tokens,
+            pd_handoff_ms=args.pd_handoff_ms,
             warm_standby=args.warm_standby,
             # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
             cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(

@@ -152,6 +152,11 @@ def test_baton_up_hands_the_path_flags_to_the_router():
     mixed = dict(num_prompt_engines=1, num_completion_engines=1, num_normal_engines=1)
     argv = Launcher(LaunchConfig(**mixed, profile=str(PROFILE))).router_argv()
     assert argv[argv.index("--profile") + 1] == str(PROFILE)
+    assert "--pd-handoff-ms" not in argv
+    argv = Launcher(LaunchConfig(**mixed, profile=str(PROFILE), pd_handoff_ms=25)).router_argv()
+    assert argv[argv.index("--pd-handoff-ms") + 1] == "25"
+    with pytest.raises(ValueError, match="--pd-handoff-ms .* needs --profile"):
+        LaunchConfig(**mixed, pd_handoff_ms=25)
     argv = Launcher(LaunchConfig(**mixed, pd_threshold_tokens=64)).router_argv()
     assert argv[argv.index("--pd-threshold-tokens") + 1] == "64"
     assert "--profile" not in Launcher(LaunchConfig(**mixed)).router_argv()
