@@ -76,14 +76,21 @@ class Decision:
 
 
 def candidates(current: Split, budget: int, limit: int) -> list[Split]:
-    """The current split and its neighbours, nearest first, at most `limit`: moves of 1, 2, 4,
-    ... engines either way (every split keeps at least one engine of each role)."""
+    """The current split, the two extremes (one engine of a role: a big shift is reached in
+    one change, not in several cooldowns), then moves of 1, 2, 4, ... engines either way,
+    nearest first; at most `limit`, every split with at least one engine of each role."""
     out = [current]
+
+    def add(p: int) -> None:
+        if 1 <= p <= budget - 1 and Split(p, budget - p) not in out and len(out) < limit:
+            out.append(Split(p, budget - p))
+
+    add(1)
+    add(budget - 1)
     step = 1
     while len(out) < limit and step < budget:
-        for p in (current.num_prompt + step, current.num_prompt - step):
-            if 1 <= p <= budget - 1 and len(out) < limit:
-                out.append(Split(p, budget - p))
+        add(current.num_prompt + step)
+        add(current.num_prompt - step)
         step *= 2
     return out
 

@@ -23,7 +23,7 @@ SLOS = {"ttft": 2000.0, "tpot": 100.0}
 KINDS = {"chat": ((50, 200), (100, 300)), "retrieval": ((1500, 3000), (10, 40))}
 
 
-def _specs(phases: list[str], rate: float = 2.0, phase_s: float = 60.0) -> list[RequestSpec]:
+def _specs(phases: list[str], rate: float = 1.5, phase_s: float = 40.0) -> list[RequestSpec]:
     rng, specs, t = random.Random(3), [], 0.0
     for i, kind in enumerate(phases):
         (lo_in, hi_in), (lo_out, hi_out) = KINDS[kind]
@@ -36,17 +36,17 @@ def _specs(phases: list[str], rate: float = 2.0, phase_s: float = 60.0) -> list[
 
 
 def _run(phases: list[str], start: tuple[int, int], apply: bool = True) -> dict:
-    planner = Planner(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=10, window_s=20,
-                                             min_observations=10, cooldown_s=30,
-                                             max_candidates=4, apply=apply))
+    planner = Planner(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=8, window_s=12,
+                                             min_observations=8, cooldown_s=20,
+                                             max_candidates=3, apply=apply))
     fleet = FleetConfig(num_normal=0, num_prompt=start[0], num_completion=start[1])
     return simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None,
                     specs=_specs(phases), planner=planner)
 
 
 def test_candidates_are_the_current_split_and_its_neighbours():
-    assert candidates(Split(4, 4), 8, 5) == [(4, 4), (5, 3), (3, 5), (6, 2), (2, 6)]
-    assert candidates(Split(1, 3), 4, 8) == [(1, 3), (2, 2), (3, 1)]
+    assert candidates(Split(4, 4), 8, 5) == [(4, 4), (1, 7), (7, 1), (5, 3), (3, 5)]
+    assert candidates(Split(1, 3), 4, 8) == [(1, 3), (3, 1), (2, 2)]
 
 
 def test_a_shift_to_long_prompts_moves_engines_to_the_prompt_role():
@@ -54,20 +54,24 @@ def test_a_shift_to_long_prompts_moves_engines_to_the_prompt_role():
     s, fleet = rec["summary"], rec["fleet"]
     assert s["num_failed"] == 0 and s["num_completed"] == s["num_issued"]  # none lost
     changes = [d for d in fleet["planner_decisions"] if d["action"] == "change"]
-    assert changes and all(d["t"] > 60 for d in changes), fleet["planner_decisions"]
+    assert changes and all(d["t"] > 40 for d in changes), fleet["planner_decisions"]
     last = fleet["roles_over_time"][-1]
     assert last["prompt"] >= 2 and last["prompt"] + last["completion"] == 4
     assert last["draining"] == 0
     # every engine drained at the end (simulate checks free == total on each)
-    # deterministic: the same run decides the same
-    assert _run(["chat", "retrieval"], (1, 3))["fleet"]["planner_decisions"] == \
-        fleet["planner_decisions"]
+
 
 
 def test_advise_decides_but_changes_nothing():
     fleet = _run(["chat", "retrieval"], (1, 3), apply=False)["fleet"]
     assert any(d["action"] == "advise" for d in fleet["planner_decisions"])
     assert {(r["prompt"], r["completion"]) for r in fleet["roles_over_time"]} == {(1, 3)}
+    # deterministic: advise saw what apply acted on, at the same times
+    applied = _run(["chat", "retrieval"], (1, 3))["fleet"]["planner_decisions"]
+    first_change = next(d for d in applied if d["action"] == "change")
+    first_advice = next(d for d in fleet["planner_decisions"] if d["action"] == "advise")
+    assert (first_advice["t"], first_advice["target"]) == (first_change["t"],
+                                                           first_change["target"])
 
 
 def test_a_steady_workload_on_a_fitting_split_holds():
