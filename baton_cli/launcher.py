@@ -43,7 +43,9 @@ class LaunchConfig:
     router_port: int = 8000
     num_prompt_engines: int = 1
     num_completion_engines: int = 1
-    num_normal_engines: int = 0  # > 0 with no prompt/completion engines: co-located serving
+    # Co-located engines; beside prompt + completion engines a mixed fleet, where the router
+    # chooses each request's path (router/path.py).
+    num_normal_engines: int = 0
     model: str = ""  # "" = the default model
     redis_url: str = ""  # "" = start a local redis-server (closed: a generated password)
     redis_password_file: str = ""  # the password of an external redis_url
@@ -57,7 +59,7 @@ class LaunchConfig:
     # The planner (planner/core.py, baton_cli/live_planner.py): off, advise or apply, over a
     # prompt/completion fleet, with the profile it predicts with and the SLOs it serves.
     planner: str = "off"
-    profile: str = ""
+    planner_profile: str = ""
     slos_ms: dict[str, float] = field(default_factory=dict)
     planner_interval_s: float = 30.0
     planner_window_s: float = 120.0
@@ -69,6 +71,10 @@ class LaunchConfig:
     metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # once up, for every child
     routing: str = "cache-aware"  # the router's --routing (router/engine_pool.py)
+    # A mixed fleet's path choice, the router's flags of the same names (router/path.py):
+    profile: str = ""  # --profile: predict each path's cost from this [sim] profile
+    pd_threshold_tokens: int | None = None  # --pd-threshold-tokens: a static rule instead
+    pd_handoff_ms: float | None = None  # --pd-handoff-ms (with profile); None = the router's
     cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
     insecure: bool = False  # no CURVE on the internal wires (benchmarks only)
     mock: str = ""  # a profile: every engine a mock engine (--mock), the router unchanged
@@ -87,8 +93,26 @@ class LaunchConfig:
             raise ValueError("need at least one prompt and one completion engine, "
                              f"or a normal engine (got {self.num_prompt_engines} prompt, "
                              f"{self.num_completion_engines} completion)")
-        if self.num_normal_engines and disagg:
-            raise ValueError("run either normal engines or prompt+completion engines, not both")
+        if self.num_normal_engines and disagg and not (self.num_prompt_engines
+                                                       and self.num_completion_engines):
+            raise ValueError(
+                "a mixed fleet needs both --prompt-engines and --completion-engines beside "
+                f"--normal-engines (got {self.num_prompt_engines} prompt, "
+                f"{self.num_completion_engines} completion): a prompt engine hands its KV "
+                "to a completion engine")
+        if self.pd_threshold_tokens is not None and self.pd_threshold_tokens < 0:
+            raise ValueError(f"--pd-threshold-tokens must be >= 0, got {self.pd_threshold_tokens}")
+        if self.profile and self.pd_threshold_tokens is not None:
+            raise ValueError("give either --profile or --pd-threshold-tokens, not both")
+        if self.pd_handoff_ms is not None and not self.profile:
+            raise ValueError("--pd-handoff-ms prices the disaggregated path for --profile's "
+                             "predictions; it needs --profile")
+        if self.pd_handoff_ms is not None and not 0 <= self.pd_handoff_ms < float("inf"):
+            raise ValueError(f"--pd-handoff-ms must be >= 0 and finite, got {self.pd_handoff_ms}")
+        if self.profile:
+            from baton.perf.profile import load
+
+            load(self.profile)  # ProfileError (a ValueError) naming the file and its bad field
         role_engine_args(self.engine_args, NORMAL)  # an unknown flag fails here, not at start
         if self.redis_password_file and not self.redis_url:
             raise ValueError("--redis-password-file is for an external --redis-url; the "
@@ -110,12 +134,13 @@ class LaunchConfig:
             if self.num_normal_engines:
                 raise ValueError("--planner moves engines between prompt and completion: "
                                  "run prompt and completion engines, no --normal-engines")
-            if not self.profile or not self.slos_ms:
-                raise ValueError("--planner needs --profile PROFILE.json (its predictions) "
-                                 "and --goodput ttft:MS tpot:MS (what it serves)")
+            if not self.planner_profile or not self.slos_ms:
+                raise ValueError("--planner needs a profile (--planner-profile or --profile: "
+                                 "its predictions) and --goodput ttft:MS tpot:MS (what it "
+                                 "serves)")
             from baton.perf.profile import load as load_profile
 
-            load_profile(self.profile)  # a bad profile fails here, naming its field
+            load_profile(self.planner_profile)  # a bad profile fails here, naming its field
         if self.cache_salt_per_key and not (self.api_key or self.api_keys_file):
             raise ValueError("--cache-salt-per-key needs API keys (--api-key or --api-keys-file)")
         for flag in ("--cluster-key-dir", "--insecure"):
@@ -355,14 +380,19 @@ class Launcher:
         return ["--no-load-cache"] if known.no_load_cache else \
             ["--load-cache-dir", known.load_cache_dir] if known.load_cache_dir else []
 
-    def _start_router(self, deadline: float) -> None:
+    def router_argv(self) -> list[str]:
         cfg = self.config
-        argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
+        return [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url, *self.redis_args,
                 "--routing", cfg.routing, *self._model_args(), *self.key_args,
                 *self._load_cache_args(),
                 *(["--api-keys-file", cfg.api_keys_file] if cfg.api_keys_file else []),
-                *(["--cache-salt-per-key"] if cfg.cache_salt_per_key else [])]
+                *(["--cache-salt-per-key"] if cfg.cache_salt_per_key else []),
+                *self._path_args()]
+
+    def _start_router(self, deadline: float) -> None:
+        cfg = self.config
+        argv = self.router_argv()
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
         self.spawned_at["router"] = time.monotonic()
@@ -383,7 +413,7 @@ class Launcher:
         from simulator.fleet import FleetConfig
 
         cfg = self.config
-        profile = load_profile(cfg.profile)
+        profile = load_profile(cfg.planner_profile)
         fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
         planner = Planner(profile, PlannerConfig(
             slos_ms=cfg.slos_ms, interval_s=cfg.planner_interval_s,
@@ -393,6 +423,16 @@ class Launcher:
                                    cfg.planner_window_s).start()
         logger.info("planner (%s) every %.0f s on the last %.0f s of requests", cfg.planner,
                     cfg.planner_interval_s, cfg.planner_window_s)
+
+    def _path_args(self) -> list[str]:
+        cfg = self.config
+        if cfg.profile:
+            return ["--profile", os.path.abspath(cfg.profile),
+                    *([] if cfg.pd_handoff_ms is None else
+                      ["--pd-handoff-ms", str(cfg.pd_handoff_ms)])]
+        if cfg.pd_threshold_tokens is not None:
+            return ["--pd-threshold-tokens", str(cfg.pd_threshold_tokens)]
+        return []
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise the children until a signal (returns 0), or until the router or every
@@ -469,9 +509,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--completion-engines", type=int, default=None,
                    help="completion engines (default 1; 0 with --normal-engines)")
     p.add_argument("--normal-engines", type=int, default=0,
-                   help="co-located engines instead of prompt+completion (whose counts then "
-                   "default to 0; a mixed fleet is refused: the router has no per-request "
-                   "path choice yet)")
+                   help="co-located engines: alone, instead of prompt+completion (whose counts "
+                   "then default to 0); with explicit --prompt-engines and "
+                   "--completion-engines, a mixed fleet where the router chooses each "
+                   "request's path (--profile, --pd-threshold-tokens)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
@@ -495,6 +536,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds the restarts are counted over")
     p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's engine choice (see baton router --help)")
+    p.add_argument("--profile", default="", metavar="PROFILE.json",
+                   help="mixed fleets: the router chooses each request's path from this "
+                        "profile's predicted costs (see baton router --help)")
+    p.add_argument("--pd-threshold-tokens", type=int, default=None, metavar="N",
+                   help="mixed fleets: disaggregated past N uncached prompt tokens instead")
+    p.add_argument("--pd-handoff-ms", type=float, default=None,
+                   help="with --profile: the disaggregated path's cost beyond the KV copy "
+                        "(see baton router --help)")
     add_key_args(p)
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "
@@ -504,7 +553,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="advise: publish the split it would choose (router /planner, "
                         "metrics); apply: also move engines between prompt and completion")
     g.add_argument("--planner-profile", default="", metavar="PROFILE.json",
-                   help="the profile the planner predicts with (`baton profile --out`)")
+                   help="the profile the planner predicts with (default: --profile)")
     g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
                    help="the planner's SLOs, e.g. ttft:2000 tpot:100")
     g.add_argument("--planner-interval", type=float, default=30.0)
@@ -517,17 +566,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def engine_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     """(prompt, completion, normal) engines the flags ask for. --normal-engines alone means
-    co-located serving only; with an explicit prompt or completion count too it is a mixed
-    fleet, which the router cannot yet split per request: refused by name, never zeroed."""
+    co-located serving only (the prompt and completion counts default to 0); with explicit
+    prompt and completion counts too it is a mixed fleet (LaunchConfig refuses one of the two
+    without the other by name)."""
     normal = args.normal_engines
-    given = {f"--{name}-engines": value for name, value in
-             (("prompt", args.prompt_engines), ("completion", args.completion_engines))
-             if value is not None}
-    if normal and any(given.values()):
-        flags = " and ".join(f"{flag} {value}" for flag, value in given.items())
-        raise ValueError(f"--normal-engines {normal} with {flags}: a mixed fleet needs the "
-                         "router to choose the path per request, which it does not yet; run "
-                         "normal engines or prompt+completion engines")
     default = 0 if normal else 1
     prompt = default if args.prompt_engines is None else args.prompt_engines
     completion = default if args.completion_engines is None else args.completion_engines
@@ -549,8 +591,11 @@ def run(args: argparse.Namespace) -> int:
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
             routing=args.routing, insecure=args.insecure, mock=args.mock,
+            profile=args.profile, pd_threshold_tokens=args.pd_threshold_tokens,
+            pd_handoff_ms=args.pd_handoff_ms,
             warm_standby=args.warm_standby, planner=args.planner,
-            profile=args.planner_profile, slos_ms=parse_slos(args.goodput),
+            planner_profile=args.planner_profile or args.profile,
+            slos_ms=parse_slos(args.goodput),
             planner_interval_s=args.planner_interval, planner_window_s=args.planner_window,
             planner_cooldown_s=args.planner_cooldown,
             # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it

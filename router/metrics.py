@@ -78,6 +78,12 @@ class RouterMetrics:
             "baton_router_routing_credited_blocks",
             "Prompt blocks the chosen engine held, as its KV events said (cache-credited hits)",
             ["role"], registry=r)
+        self.path = Counter(
+            "baton_router_path",
+            "Requests by the path they took (colocated on a normal engine, or disaggregated) "
+            "and why (router/path.py: only_path, predicted, threshold, default_threshold, "
+            "fallback)",
+            ["path", "reason"], registry=r)
         self.kv_index_keys = Gauge("baton_router_kv_index_keys",
                                    "Block keys this router's index credits an engine with",
                                    ["role", "engine"], registry=r)

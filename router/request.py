@@ -28,7 +28,9 @@ from baton.protocol import SamplingOptions, TokenDelta
 
 if TYPE_CHECKING:
     from router.engine_client import EngineClient
+    from router.load import LegWork
     from router.logprobs import CompletionLogprobs
+    from router.path import PathChoice
     from router.text import TextStream
 
 
@@ -41,6 +43,7 @@ class Leg:
     queue: asyncio.Queue[TokenDelta]
     is_finished: bool = False
     num_blocks: int = 0  # what this leg adds to the engine's active blocks (cache-aware cost)
+    work: LegWork | None = None  # its prefill and context tokens there (router/load.py)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Attempt:
     wire_id: str  # the request's id on the engines: `REQ`, then `REQ~mN` for migration N
     output_token_ids: list[int]  # the tokens it starts from (a migration's: those streamed)
     legs: list[Leg] = field(default_factory=list)
+    path: PathChoice | None = None  # co-located or disaggregated, and why (router/path.py)
 
     @property
     def is_migration(self) -> bool:
@@ -119,8 +123,9 @@ class RouterRequest:
         streamed so far (n == 1: migrations are for one choice only)."""
         if not self.attempts:
             attempt = Attempt(self.req_id, [])
-        else:
-            assert self.sampling.n == 1, "an n > 1 request migrates choice by choice"
+        else:  # n > 1 starts again only with nothing sent (a mixed fleet's other path)
+            assert self.sampling.n == 1 or not self.has_output, \
+                "an n > 1 request migrates choice by choice"
             attempt = Attempt(f"{self.req_id}~m{len(self.attempts)}",
                               list(self.choices[0].token_ids))
         self.attempts.append(attempt)
