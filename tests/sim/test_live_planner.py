@@ -6,8 +6,6 @@ exact text, is tests/router/test_role_change.py.)"""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +15,7 @@ import pytest
 from baton.service.client import probe_engine
 from baton.workload.words import WORDS
 from tests.cluster import KEYS, is_whole
-from tests.sim.test_mock_engines import PROFILE, _start
+from tests.sim.test_mock_engines import PROFILE, _start, _stop
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +60,4 @@ def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
             assert time.monotonic() < deadline, "pools not whole"
             time.sleep(0.2)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        _stop(proc)

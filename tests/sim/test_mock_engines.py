@@ -74,6 +74,16 @@ def _start(fleet: list[str]) -> tuple[subprocess.Popen, int, _Lines, _Lines]:
     return proc, port, out, err
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """`baton up`'s Ctrl-C (it stops every child), then a kill if it hangs."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def _ask(port: int, i: int) -> tuple[str, str, int]:
     from openai import OpenAI
 
@@ -120,12 +130,7 @@ def test_baton_up_mock_serves_the_openai_client(fleet):
                 assert "--mock" in argv
                 assert not [m.path for m in child.memory_maps() if "libtorch" in m.path]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        _stop(proc)
 
 
 @pytest.mark.slow
@@ -151,12 +156,7 @@ def test_baton_up_api_keys_file_reaches_the_router(tmp_path):
                                          max_tokens=4, temperature=0)
         assert resp.usage.completion_tokens == 4
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        _stop(proc)
 
 
 def test_baton_up_refuses_a_bad_api_keys_file_before_starting(tmp_path):
