@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from baton.model.modes import KV_CACHE_DTYPES, check_kv_cache_dtype
 from baton.ops.cluster_keys import INSECURE_WARNING, add_key_args
 from baton.ops.cpus import cpu_shares, engine_threads
 from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
@@ -60,8 +61,12 @@ class LaunchConfig:
     # when the engine exits: a restart then costs the NIXL agent and the socket. Each spare
     # costs a process; its weights are the load cache's pages, shared with the engine.
     warm_standby: bool = False
+    # Every engine's --kv-cache-dtype: a prompt and a completion engine of different KV dtypes
+    # cannot exchange blocks, so the fleet gets one (auto = the engines' --dtype).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -84,6 +89,11 @@ class LaunchConfig:
                              "tokenizes with the default model's tokenizer)")
         if "--mock" in self.engine_args:
             raise ValueError("give --mock to `baton up` itself, not after --")
+        if self.mock and self.kv_cache_dtype != "auto":
+            raise ValueError("--mock engines have no KV dtype: drop --kv-cache-dtype")
+        if any(a.split("=")[0] == "--kv-cache-dtype" for a in self.engine_args):
+            raise ValueError("give --kv-cache-dtype to `baton up` itself, not after --: "
+                             "prompt and completion engines must share it")
         for flag in ("--cluster-key-dir", "--insecure"):
             if flag in self.engine_args:
                 raise ValueError(f"give {flag} to `baton up` itself, not after --: the router "
@@ -241,6 +251,8 @@ class Launcher:
                 *self.redis_args,
                 *(["--mock", cfg.mock] if cfg.mock else ["--num-threads", str(threads)]),
                 *(["--cpus", cpus] if cpus else []), *self._model_args(),
+                *(["--kv-cache-dtype", cfg.kv_cache_dtype] if cfg.kv_cache_dtype != "auto"
+                  else []),
                 *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
@@ -358,6 +370,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "default to 0; a mixed fleet is refused: the router has no per-request "
                    "path choice yet)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="every engine's KV pool dtype (baton engine --help); auto = --dtype")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
                         "model; the router tokenizes with the default model's tokenizer")
@@ -417,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
             routing=args.routing, insecure=args.insecure, mock=args.mock,
-            warm_standby=args.warm_standby,
+            warm_standby=args.warm_standby, kv_cache_dtype=args.kv_cache_dtype,
             # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
             cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(
                 ENV_KEY_DIR, "") else args.cluster_key_dir)
