@@ -8,21 +8,24 @@ the rounding may change a greedy token somewhere, and no test tunes prompts to h
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from model.reference import baton_model, prompt_of_length
 
 from baton.engine import EngineConfig, LLMEngine
 from baton.engine.block_keys import compute_block_keys
+from baton.model.backends import StepBatch, cpu_fused, get_backend
 from baton.model.kv_cache import KVCacheSpec
 from baton.sampling.params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+from .reference import baton_model, prompt_of_length
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def make_engine(dtype: str = "float32", **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"dtype": dtype, "num_blocks": 64, **overrides}),
-                     loaded=baton_model(dtype))
+    return LLMEngine(EngineConfig(**{"dtype": dtype, "num_blocks": 64, "num_threads": 1,
+                                     **overrides}), loaded=baton_model(dtype))
 
 
 def _run(engine: LLMEngine, prompts):
@@ -55,6 +58,7 @@ def f32_kv() -> LLMEngine:
     return make_engine()
 
 
+@pytest.mark.slow
 def test_pool_rows_and_budget_take_the_kv_dtype(bf16_kv: LLMEngine) -> None:
     assert bf16_kv.kv_cache.dtype == torch.bfloat16
     assert bf16_kv.runner.config.dtype == torch.float32  # the weights keep theirs
@@ -68,33 +72,77 @@ def test_pool_rows_and_budget_take_the_kv_dtype(bf16_kv: LLMEngine) -> None:
     assert blocks["bfloat16"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)
 
 
+@pytest.mark.slow
 def test_keys_of_two_kv_dtypes_never_meet(bf16_kv: LLMEngine, f32_kv: LLMEngine) -> None:
     assert bf16_kv.prefix_cache_seed != f32_kv.prefix_cache_seed
     prompt = prompt_of_length(64)
     assert set(compute_block_keys(prompt, 16, bf16_kv.prefix_cache_seed).tolist()).isdisjoint(
         compute_block_keys(prompt, 16, f32_kv.prefix_cache_seed).tolist())
-    # The compute dtype stays in the seed: fp32 math stored as bf16 is not bf16 math.
-    bf16_math = LLMEngine(EngineConfig(dtype="bfloat16", num_blocks=4),
-                          loaded=baton_model("bfloat16"))
-    assert bf16_math.kv_cache.dtype == torch.bfloat16
-    assert bf16_math.prefix_cache_seed != bf16_kv.prefix_cache_seed
-    # ... and `auto` keeps today's keys.
+    # `auto` keeps today's keys.
     explicit = make_engine(kv_cache_dtype="float32", num_blocks=4)
     assert explicit.prefix_cache_seed == f32_kv.prefix_cache_seed
 
 
+@pytest.mark.slow
 def test_every_path_reads_the_same_rounded_kv(bf16_kv: LLMEngine) -> None:
     """A prefix-cache hit and a batch give a cold, lone run's tokens (bf16 KV both ways)."""
     cold = make_engine(kv_cache_dtype="bfloat16", enable_prefix_caching=False)
     base = prompt_of_length(120)
-    prompts = [base[:70], base[:64] + base[90:100], prompt_of_length(9)]
+    prompts = [base[:70], base[:64] + base[90:100]]
     alone = [_run(cold, [p])[0] for p in prompts]
-    assert _run(bf16_kv, prompts) == alone  # one batch: a hit among them, mixed lengths
-    assert _run(bf16_kv, [prompts[1]]) == [alone[1]]  # all but the tail cached
+    assert _run(bf16_kv, prompts) == alone  # one batch of two lengths
+    out = bf16_kv.generate(prompts[1], GREEDY)[0]  # its first 64 tokens cached
+    assert out.num_cached_tokens == 64 and out.token_ids == alone[1]
 
 
-def test_a_float32_pool_under_bf16_math_changes_nothing() -> None:
-    """bf16 K/V stored in fp32 are the same numbers: the output is auto's, token for token."""
+@pytest.mark.slow
+def test_bf16_math_over_a_float32_pool(bf16_kv: LLMEngine) -> None:
+    """bf16 K/V stored in fp32 are the same numbers: the output is auto's, token for token;
+    the compute dtype stays in the key seed (fp32 math stored as bf16 is not bf16 math)."""
+    auto = make_engine("bfloat16")
+    assert auto.kv_cache.dtype == torch.bfloat16
+    assert auto.prefix_cache_seed != bf16_kv.prefix_cache_seed
+    upcast = make_engine("bfloat16", kv_cache_dtype="float32")
+    assert upcast.kv_cache.dtype == torch.float32
     prompts = [prompt_of_length(40), prompt_of_length(75)[30:]]
-    auto = _run(make_engine("bfloat16"), prompts)
-    assert _run(make_engine("bfloat16", kv_cache_dtype="float32"), prompts) == auto
+    assert _run(upcast, prompts) == _run(auto, prompts)
+
+
+@pytest.mark.skipif(not cpu_fused.AVAILABLE, reason="baton._decode_ops not built")
+@pytest.mark.parametrize("d", [64, 48])  # 64: the AVX2 loop; 48: the portable one
+def test_fused_op_over_bf16_rows_is_the_float_op_over_rounded_ones(d: int) -> None:
+    """The quantized modes' decode op reads bf16 rows as floats and rounds the new K/V to
+    nearest even, as torch's .to() does: bf16 rows give what float rows holding the same
+    rounded values give, bit for bit."""
+    hq, hkv = 9, 3
+    g = torch.Generator().manual_seed(d)
+    ws = torch.randn(2, 2, 3, hkv, 40, d, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g)
+    cos, sin = torch.randn(3, d, generator=g), torch.randn(3, d, generator=g)
+    rows, positions = torch.tensor([2, 0, 1]), torch.tensor([7, 39, 0])
+    ws32 = ws.float()
+    cpu_fused.decode_attention(qkv, cos, sin, ws, 1, rows, positions, hq, hkv)
+    cpu_fused.decode_attention(qkv, cos, sin, ws32, 1, rows, positions, hq, hkv)
+    assert torch.equal(ws, ws32.to(torch.bfloat16))  # the new K/V rounded as torch rounds
+    # K/V that bf16 holds exactly (a step with prefills hands the op rotated, rounded ones):
+    # the float op over the same numbers, bit for bit.
+    qkv[:, hq * d:] = qkv[:, hq * d:].to(torch.bfloat16).float()
+    ws32 = ws.float()
+    got = cpu_fused.decode_attention(qkv, None, None, ws, 1, rows, positions, hq, hkv)
+    want = cpu_fused.decode_attention(qkv, None, None, ws32, 1, rows, positions, hq, hkv)
+    assert torch.equal(got, want) and torch.equal(ws.float(), ws32)
+
+
+@pytest.mark.skipif(not cpu_fused.AVAILABLE, reason="baton._decode_ops not built")
+@pytest.mark.parametrize("kv_dtype,fused", [(torch.float32, True), (torch.bfloat16, True),
+                                            (torch.float16, False)])
+def test_quantized_modes_decode_through_the_op_over_bf16_rows(kv_dtype, fused: bool) -> None:
+    """The quantized modes keep their fused decode op over a bf16 pool (float16: eager)."""
+    backend = get_backend("cpu", exact=False)
+    kv = torch.zeros(3, 2, 2, 16, 3, 64, dtype=kv_dtype)  # [blocks, layers, 2, B, Hkv, D]
+    one = torch.tensor([1])
+    batch = StepBatch(one * 5, one * 3, one * 19, one[None], np.array([1]), np.array([4]),
+                      np.array([0]))
+    meta = backend.prepare(batch, kv, torch.float32)
+    assert meta.decode.fused is fused
+    assert meta.decode.groups[0].group.ws.dtype == kv_dtype

@@ -208,7 +208,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Decod
     if d.tokens is not None:
         q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
     if d.fused and options.is_plain:  # rotated already (a step with prefills): the op takes the rows as they are
-        qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)
+        # (k, v arrive rounded to a bf16 pool's dtype: exact in fp32, the op rounds them back.)
+        qkv = torch.cat((q.flatten(1), k.flatten(1).to(q.dtype), v.flatten(1).to(q.dtype)), dim=1)
         return fused_groups(qkv, None, None, d, layer, q.shape[1], k.shape[1]).view_as(q)
     if len(d.groups) == 1:
         return group_attention(q, k, v, d.groups[0], layer, options)
@@ -338,7 +339,7 @@ class CPUBackend:
             seq_ids = np.arange(len(batch.seqlens_q))
         meta = build_metadata(batch, seq_ids, kv_cache, self.decode_rows, dtype)
         if meta.decode is not None and self.fused_decode and dtype == torch.float32 \
-                and kv_cache.dtype == torch.float32:  # the op reads and writes fp32 rows
+                and kv_cache.dtype in cpu_fused.ROW_DTYPES:
             meta.decode.fused = True
         return meta
 
