@@ -146,3 +146,24 @@ def test_quantized_modes_decode_through_the_op_over_bf16_rows(kv_dtype, fused: b
     meta = backend.prepare(batch, kv, torch.float32)
     assert meta.decode.fused is fused
     assert meta.decode.groups[0].group.ws.dtype == kv_dtype
+
+
+def test_baton_up_hands_one_kv_dtype_to_every_engine() -> None:
+    from baton_cli.launcher import LaunchConfig, Launcher
+
+    launcher = Launcher(LaunchConfig(kv_cache_dtype="bf16"))
+    for command in ("prompt-engine", "completion-engine"):
+        launcher._start_engine(command, command, 1, "")
+    for child in launcher.children:
+        i = child.argv.index("--kv-cache-dtype")
+        assert child.argv[i + 1] == "bfloat16"
+    auto = Launcher(LaunchConfig(num_normal_engines=1, num_prompt_engines=0,
+                                 num_completion_engines=0))
+    auto._start_engine("engine", "e", 1, "")
+    assert "--kv-cache-dtype" not in auto.children[0].argv  # auto: each engine's --dtype
+    with pytest.raises(ValueError, match="give --kv-cache-dtype to `baton up` itself"):
+        LaunchConfig(engine_args=["--kv-cache-dtype=bfloat16"])
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int3'"):
+        LaunchConfig(kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="--mock engines have no KV dtype"):
+        LaunchConfig(mock="profile.json", kv_cache_dtype="bfloat16")
