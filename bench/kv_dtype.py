@@ -1,7 +1,7 @@
 """The KV cache dtype: float32 (today's `auto`) against bfloat16, in one run.
 
-    .venv/bin/python bench/kv_dtype.py                  # ~6 minutes on 2 busy cores
-    .venv/bin/python bench/kv_dtype.py --rounds 3 --quality-prompts 8
+    .venv/bin/python bench/kv_dtype.py                  # ~10 minutes on 2 busy cores
+    .venv/bin/python bench/kv_dtype.py --modes int4 --rounds 5
 
 Three parts, each float32 KV against bfloat16 KV on the same loaded weights:
   * capacity: tokens one GiB of `--kv-cache-gb` holds (the engine's own sizing: the pool and the
@@ -112,10 +112,10 @@ def tpot(loaded, quantization: str, prompt: list[int], tokens: int, rounds: int)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quality-prompts", type=int, default=16)
-    p.add_argument("--quality-tokens", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=5, help="TPOT rounds per dtype")
-    p.add_argument("--tpot-tokens", type=int, default=48)
+    p.add_argument("--quality-prompts", type=int, default=12)
+    p.add_argument("--quality-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="TPOT rounds per dtype")
+    p.add_argument("--tpot-tokens", type=int, default=32)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = p.parse_args()
     import torch
@@ -128,14 +128,19 @@ def main() -> None:
         torch.set_num_threads(2)
         loaded = load_model(quantization=MODES[mode], device="cpu")
         prompts = held_out_prompts(loaded.tokenizer, args.quality_prompts)
-        result["modes"][mode] = {
-            "capacity": capacity(loaded, MODES[mode]),
-            "quality": quality(loaded, MODES[mode], prompts, args.quality_tokens),
-            "tpot_c1": tpot(loaded, MODES[mode], prompts[2], args.tpot_tokens, args.rounds),
-        }
-    result["load_avg_after"] = os.getloadavg()
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        parts = result["modes"][mode] = {}
+        for name, run, extra in (
+                ("capacity", capacity, ()),
+                ("quality", quality, (prompts, args.quality_tokens)),
+                ("tpot_c1", tpot, (prompts[1], args.tpot_tokens, args.rounds))):
+            t0 = time.perf_counter()
+            parts[name] = run(loaded, MODES[mode], *extra)
+            # Written after every part: a long run stopped early keeps what it measured.
+            result["load_avg_after"] = os.getloadavg()
+            RESULTS.parent.mkdir(exist_ok=True)
+            RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"{mode} {name}: {time.perf_counter() - t0:.0f} s, load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
     print(f"load avg before {load_before[0]:.1f}, after {result['load_avg_after'][0]:.1f}")
     print("| mode | KV dtype | tokens / GiB | pull bytes / token | c1 TPOT ms median [min-max] |")
     print("|---|---|---:|---:|---|")

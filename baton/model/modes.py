@@ -34,8 +34,3 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
                          f"{list(KV_CACHE_DTYPES)}")
     return name
 
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
-    """The KV pool's dtype name: `kv_cache_dtype`, or the compute `dtype` for auto."""
-    name = check_kv_cache_dtype(kv_cache_dtype)
-    return check_dtype_name(dtype) if name == "auto" else name
