@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,12 @@ class LaunchConfig:
     redis_url: str = ""  # "" = start a local redis-server (closed: a generated password)
     redis_password_file: str = ""  # the password of an external redis_url
     api_key: str = ""
+    # Named API keys for the router (router/api_keys.py): each its own rate limit and usage
+    # counters; with cache_salt_per_key each key's requests share a prefix cache only among
+    # themselves. Checked here, so a bad file fails `baton up` before anything starts.
+    api_keys_file: str = ""
+    cache_salt_per_key: bool = False
+    _launcher_key: str = field(default="", init=False, repr=False)  # one of api_keys_file's
     ready_timeout_s: float = 300.0
     # Flags after `--`, passed to every engine whose role has them (role_engine_args).
     engine_args: list[str] = field(default_factory=list)
@@ -94,10 +101,21 @@ class LaunchConfig:
         if any(a.split("=")[0] == "--kv-cache-dtype" for a in self.engine_args):
             raise ValueError("give --kv-cache-dtype to `baton up` itself, not after --: "
                              "prompt and completion engines must share it")
+        if self.api_keys_file:
+            from router.api_keys import load_api_keys
+
+            self._launcher_key = load_api_keys(self.api_keys_file)[0].key
+        if self.cache_salt_per_key and not (self.api_key or self.api_keys_file):
+            raise ValueError("--cache-salt-per-key needs API keys (--api-key or --api-keys-file)")
         for flag in ("--cluster-key-dir", "--insecure"):
             if flag in self.engine_args:
                 raise ValueError(f"give {flag} to `baton up` itself, not after --: the router "
                                  "and every engine must share it")
+
+
+    def launcher_key(self) -> str:
+        """A key the launcher itself may use to ask the router (the banner's model name)."""
+        return self.api_key or self._launcher_key
 
 
 def role_engine_args(engine_args: list[str], role: str) -> list[str]:
@@ -148,9 +166,12 @@ def _http_ok(url: str) -> bool:
 
 def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadline: float,
                        ready_s: dict[str, float], spawned_at: dict[str, float],
-                       keys: ClusterKeys | None = None) -> None:
+                       keys: ClusterKeys | None = None,
+                       address_files: dict[str, str] | None = None) -> None:
     """Probe every engine until each answers, all together, so each one's time-to-ready
-    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it."""
+    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it. An
+    engine started with --port 0 is probed once its address file names the port it bound;
+    its command line then names that port, so a restart binds it again."""
     from baton.service.client import probe_engine
 
     waiting = [c for c in children if c.name in addresses]
@@ -159,10 +180,24 @@ def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadlin
             raise LaunchError(f"{', '.join(c.name for c in waiting)} not ready in time")
         for child in list(waiting):
             child.check_alive()
+            if not addresses[child.name]:
+                address = _read_address((address_files or {}).get(child.name, ""))
+                if not address:
+                    continue
+                addresses[child.name] = address
+                child.pin_port(address.rsplit(":", 1)[1])
             if probe_engine(addresses[child.name], timeout_s=0.5, keys=keys) is not None:
                 ready_s[child.name] = time.monotonic() - spawned_at[child.name]
                 logger.info("%s ready in %.1f s", child.name, ready_s[child.name])
                 waiting.remove(child)
+
+
+def _read_address(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def wait_http_ready(url: str, deadline: float, child: Child) -> None:
@@ -188,6 +223,7 @@ class Launcher:
         self.redis_args: list[str] = (["--redis-password-file", config.redis_password_file]
                                       if config.redis_password_file else [])
         self.engine_addresses: dict[str, str] = {}
+        self.address_files: dict[str, str] = {}  # engine id -> its --address-file
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self.spawned_at: dict[str, float] = {}  # child -> time.monotonic() of its spawn
         self.ready_s: dict[str, float] = {}  # child -> seconds from its spawn to ready
@@ -196,6 +232,10 @@ class Launcher:
         self.keys: ClusterKeys | None = None
         self.key_args: list[str] = []
         self._own_key_dir = ""  # generated here: removed at stop
+        # Each engine's --address-file: engines bind an ephemeral port on their first start and
+        # report it (a port picked here in advance could be taken, before the engine bound it,
+        # by another engine's ephemeral KV side channel); restarts then bind that same port.
+        self._run_dir = tempfile.mkdtemp(prefix="baton-up-")
 
     def _setup_keys(self) -> list[str]:
         """The children's key flags; generates the keys unless given a dir or --insecure."""
@@ -237,7 +277,7 @@ class Launcher:
             idx = counts[role] = counts.get(role, -1) + 1
             self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
         wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
-                           self.spawned_at, self.keys)
+                           self.spawned_at, self.keys, self.address_files)
         self._start_router(deadline)
 
     def _model_args(self) -> list[str]:
@@ -245,9 +285,10 @@ class Launcher:
 
     def _start_engine(self, command: str, engine_id: str, threads: int, cpus: str) -> None:
         cfg = self.config
-        port = free_port(cfg.host)
+        address_file = os.path.join(self._run_dir, f"{engine_id}.address")
         argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
-                "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
+                "--host", cfg.host, "--port", "0", "--address-file", address_file,
+                "--redis-url", self.redis_url,
                 *self.redis_args,
                 *(["--mock", cfg.mock] if cfg.mock else ["--num-threads", str(threads)]),
                 *(["--cpus", cpus] if cpus else []), *self._model_args(),
@@ -255,12 +296,14 @@ class Launcher:
                   else []),
                 *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
-        address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
+        self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
+        self.address_files[engine_id] = address_file
         keys = self.keys
         self.spawned_at[engine_id] = time.monotonic()
-        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address, keys),
-                                   standby_argv=[*argv, "--standby"] if cfg.warm_standby
-                                   else None))
+        self.children.append(Child(
+            engine_id, argv,
+            is_ready=lambda: _engine_answers(self.engine_addresses[engine_id], keys),
+            standby_argv=[*argv, "--standby"] if cfg.warm_standby else None))
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -284,7 +327,9 @@ class Launcher:
         argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url, *self.redis_args,
                 "--routing", cfg.routing, *self._model_args(), *self.key_args,
-                *self._load_cache_args()]
+                *self._load_cache_args(),
+                *(["--api-keys-file", cfg.api_keys_file] if cfg.api_keys_file else []),
+                *(["--cache-salt-per-key"] if cfg.cache_salt_per_key else [])]
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
         self.spawned_at["router"] = time.monotonic()
@@ -322,6 +367,7 @@ class Launcher:
         if self._own_key_dir:
             shutil.rmtree(self._own_key_dir, ignore_errors=True)
             self._own_key_dir = ""
+        shutil.rmtree(self._run_dir, ignore_errors=True)
 
     def served_model(self) -> str:
         """The model id the router serves (clients must name it), or a placeholder."""
@@ -329,7 +375,8 @@ class Launcher:
         import urllib.request
 
         url = f"http://{self.config.host}:{self.config.router_port}/v1/models"
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        key = self.config.launcher_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
                                         timeout=5.0) as resp:
@@ -341,7 +388,7 @@ class Launcher:
         cfg = self.config
         base = f"http://{cfg.host}:{cfg.router_port}"
         model = self.served_model()
-        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
+        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.launcher_key() else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
         ready = {name: f"  ready in {s:.1f} s" for name, s in self.ready_s.items()}
         lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
@@ -379,6 +426,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-password-file", default="",
                    help="file holding the password of --redis-url (the user goes in the URL)")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
+    p.add_argument("--api-keys-file", default=os.environ.get("BATON_API_KEYS_FILE", ""),
+                   help="the router's named API keys (YAML, 0600; see baton router --help)")
+    p.add_argument("--cache-salt-per-key", action="store_true",
+                   help="each API key's requests share a prefix cache only among themselves")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--no-cpu-pinning", action="store_true",
                    help="do not give each engine its own cores")
@@ -425,7 +476,9 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, router_port=args.port, model=args.model, redis_url=args.redis_url,
             redis_password_file=args.redis_password_file,
             num_prompt_engines=prompt, num_completion_engines=completion,
-            num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
+            num_normal_engines=normal, api_key=args.api_key,
+            api_keys_file=args.api_keys_file, cache_salt_per_key=args.cache_salt_per_key,
+            ready_timeout_s=args.ready_timeout,
             engine_args=[a for a in args.engine_args if a != "--"],
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
             restart=RestartPolicy(max_restarts=args.max_restarts,

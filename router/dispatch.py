@@ -26,8 +26,12 @@ tokens streamed so far as `output_token_ids`: the prompt engine prefills prompt 
 a prefix-cache hit) and samples the next token as if nothing had happened, since a greedy or
 seeded token depends only on the tokens and its position. The client sees one stream, no token
 repeated or missing; after `migration_limit` migrations the next failure ends it with an error.
-A request with n > 1 is not migrated: a failure after its first tokens ends it with an error
-that says so.
+A request with n > 1 migrates choice by choice: each open choice goes on as a request of its
+own (n = 1, wire id `REQ~cI`, sample_index base + I, its tokens so far), so a seeded choice
+draws what it would have drawn (its draw depends on seed, sample_index and position only) and
+a grammar, penalties and logprobs continue from its own tokens; the choices run concurrently
+and their deltas are merged into the one stream under their own index. Each choice migrates
+again on its own, within the same `migration_limit`.
 
 Whoever stops reading early (client gone, stop string hit) closes the generator; its `finally`
 sends AbortRequest to every engine that may still hold the request. The aborts run as their own
@@ -128,6 +132,10 @@ class Dispatcher:
         """
         await self.wait_available()
         while True:
+            if request.is_split_by_choice:
+                async for delta in self._migrate_choices(request):
+                    yield delta
+                return
             attempt = request.start_attempt()
             try:
                 async with aclosing(self._attempt(request, attempt)) as deltas:
@@ -140,10 +148,13 @@ class Dispatcher:
                 role = exc.role if isinstance(exc, EngineFailure) else ""
                 reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
                 self.metrics.migrations.labels(role or "unknown", reason or "error").inc()
-                logger.warning("request %s: %s; migrating with %d tokens generated (migration "
+                logger.warning("request %s: %s; migrating with %s tokens generated (migration "
                                "%d of at most %d)", request.req_id, exc,
-                               len(request.choices[0].token_ids), request.num_migrations + 1,
-                               self.migration_limit)
+                               "+".join(str(len(request.choices[i].token_ids))
+                                        for i in request.open_choices()),
+                               request.num_migrations + 1, self.migration_limit)
+                # n > 1: the choices go on each as a request of their own (_migrate_choices)
+                request.is_split_by_choice = request.sampling.n > 1
 
     def _check_migration(self, request: RouterRequest,
                          exc: EngineFailure | NoEngineError) -> None:
@@ -152,14 +163,48 @@ class Dispatcher:
         if not request.has_output:
             raise exc
         reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
-        n = request.sampling.n
-        if n > 1:  # the choices' outputs would each need a migration
-            raise EngineFailure(f"{exc}; not migrated: a request with n={n} choices is not "
-                                "migrated", started=True, reason=reason) from None
         if reason in _NOT_MIGRATED or request.num_migrations >= self.migration_limit:
             raise EngineFailure(f"{exc}; not migrated (migration {request.num_migrations} of "
                                 f"at most {self.migration_limit})", started=True,
                                 reason=reason) from None
+
+    async def _migrate_choices(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        """Every open choice of an n > 1 request continued as a request of its own (see the
+        module's docstring), concurrently; their deltas merged under the choices' indices."""
+        merged: asyncio.Queue[tuple[int, TokenDelta | BaseException | None]] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            sub = request.for_choice(index)
+            try:
+                async with aclosing(self.generate(sub)) as deltas:
+                    async for delta in deltas:
+                        await merged.put((index, delta))
+                await merged.put((index, None))
+            except (EngineFailure, NoEngineError) as exc:
+                await merged.put((index, exc))
+
+        tasks = {i: asyncio.get_running_loop().create_task(run(i))
+                 for i in request.open_choices()}
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await merged.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    reason = item.reason if isinstance(item, EngineFailure) else "no_engine"
+                    raise EngineFailure(f"choice {index}: {item}", started=True,
+                                        reason=reason)
+                choice = request.choices[index]
+                choice.token_ids.extend(item.token_ids)
+                if item.finish_reason:
+                    choice.is_engine_finished = True
+                yield msgspec.structs.replace(item, index=index)
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _attempt(self, request: RouterRequest,
                        attempt: Attempt) -> AsyncIterator[TokenDelta]:

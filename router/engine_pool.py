@@ -134,7 +134,9 @@ class EnginePool:
                     ) -> tuple[dict[str, EngineRecord], list[Candidate]]:
         """The live engines of `role` not in `exclude`, the recently failed ones left out
         while another is healthy, as the policy sees them; NoEngineError if none is live."""
-        live = [r for r in self.membership.live(role) if r.address not in exclude]
+        # A draining engine (a role change, S41) finishes what it runs but gets nothing new.
+        live = [r for r in self.membership.live(role)
+                if r.address not in exclude and not r.draining]
         if not live:
             known = len(self.membership.records.get(role, []))
             if not known:

@@ -54,6 +54,9 @@ class EngineRecord(msgspec.Struct, omit_defaults=True):
     # Random per engine process start (baton/engine/kv_events.py): a new one means a restarted engine,
     # whose prefix cache is empty whatever a router remembers of the old one.
     instance_id: str = ""
+    # Finishing what it runs before a role change (S41) or a shutdown: routers send it nothing
+    # new, but its running requests are not failed over.
+    draining: bool = False
     # Hex HMAC-SHA256 of the record (see the module docstring); "" = unsigned.
     signature: str = ""
 
