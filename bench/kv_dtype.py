@@ -31,6 +31,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "kv_dtype.json"
 KV_DTYPES = ("float32", "bfloat16")
 MODES = {"exact": "none", "int4": "auto"}
 GIB = 2**30
+THREADS = [2]  # each engine's torch threads (--threads)
 
 
 def held_out_prompts(tokenizer, num: int) -> list[list[int]]:
@@ -49,7 +50,7 @@ def engine(loaded, quantization: str, kv: str, **overrides):
     from baton.engine import EngineConfig, LLMEngine
 
     config = {"quantization": quantization, "kv_cache_dtype": kv, "num_blocks": 0,
-              "kv_cache_memory_bytes": GIB // 4, "num_threads": 2, **overrides}
+              "kv_cache_memory_bytes": GIB // 4, "num_threads": THREADS[0], **overrides}
     return LLMEngine(EngineConfig(**config), loaded=loaded)
 
 
@@ -110,14 +111,22 @@ def tpot(loaded, quantization: str, prompt: list[int], tokens: int, rounds: int)
                  "samples_ms": v} for kv, v in samples.items()}
 
 
+PARTS = {"capacity": capacity, "quality": quality, "tpot_c1": tpot}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quality-prompts", type=int, default=12)
     p.add_argument("--quality-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="TPOT rounds per dtype")
+    p.add_argument("--threads", type=int, default=2, help="each engine's torch threads")
     p.add_argument("--tpot-tokens", type=int, default=32)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    p.add_argument("--out", default=str(RESULTS), help="the JSON file to write")
     args = p.parse_args()
+    out_path = Path(args.out)
+    THREADS[0] = args.threads
     import torch
 
     from baton.model import load_model
@@ -125,20 +134,20 @@ def main() -> None:
     load_before = os.getloadavg()
     result = {"load_avg_before": load_before, "args": vars(args), "modes": {}}
     for mode in args.modes:
-        torch.set_num_threads(2)
+        torch.set_num_threads(args.threads)
         loaded = load_model(quantization=MODES[mode], device="cpu")
         prompts = held_out_prompts(loaded.tokenizer, args.quality_prompts)
         parts = result["modes"][mode] = {}
-        for name, run, extra in (
-                ("capacity", capacity, ()),
-                ("quality", quality, (prompts, args.quality_tokens)),
-                ("tpot_c1", tpot, (prompts[1], args.tpot_tokens, args.rounds))):
+        extras = {"capacity": (), "quality": (prompts, args.quality_tokens),
+                  "tpot_c1": (prompts[1], args.tpot_tokens, args.rounds)}
+        for name in args.parts:
+            run, extra = PARTS[name], extras[name]
             t0 = time.perf_counter()
             parts[name] = run(loaded, MODES[mode], *extra)
             # Written after every part: a long run stopped early keeps what it measured.
             result["load_avg_after"] = os.getloadavg()
-            RESULTS.parent.mkdir(exist_ok=True)
-            RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+            out_path.parent.mkdir(exist_ok=True)
+            out_path.write_text(json.dumps(result, indent=2) + "\n")
             print(f"{mode} {name}: {time.perf_counter() - t0:.0f} s, load "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
     print(f"load avg before {load_before[0]:.1f}, after {result['load_avg_after'][0]:.1f}")
@@ -146,15 +155,19 @@ def main() -> None:
     print("|---|---|---:|---:|---|")
     for mode, m in result["modes"].items():
         for kv in KV_DTYPES:
-            c, t = m["capacity"][kv], m["tpot_c1"][kv]
-            print(f"| {mode} | {kv} | {c['tokens_per_gib']} | {c['pull_bytes_per_token']:.0f} | "
-                  f"{t['median_ms']:.1f} [{t['min_ms']:.1f}-{t['max_ms']:.1f}] |")
+            c = m.get("capacity", {}).get(kv, {})
+            t = m.get("tpot_c1", {}).get(kv)
+            tpot_text = f"{t['median_ms']:.1f} [{t['min_ms']:.1f}-{t['max_ms']:.1f}]" if t else "-"
+            print(f"| {mode} | {kv} | {c.get('tokens_per_gib', '-')} | "
+                  f"{c.get('pull_bytes_per_token', '-')} | {tpot_text} |")
     for mode, m in result["modes"].items():
+        if "quality" not in m:
+            continue
         q = m["quality"]
         print(f"quality {mode}: {q['identical']}/{q['prompts']} greedy continuations identical,"
               f" token agreement {100 * q['token_agreement']:.1f}%, first differences at "
               f"{q['first_difference_at']}")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":
