@@ -13,7 +13,7 @@ import socket
 import sys
 
 from baton.engine.config import EngineConfig
-from baton.model.modes import DTYPES, QUANTIZATION_REQUESTS
+from baton.model.modes import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_REQUESTS
 from baton.ops.cluster_keys import add_key_args, keys_from_args
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 from kv_transfer.config import CHECKSUM_MODES
@@ -98,6 +98,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--num-blocks", type=int, default=0,
                    help="KV blocks in the pool (0 = from --kv-cache-gb)")
     m.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool size when --num-blocks 0")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV pool's element type, independent of --dtype (auto = --dtype); "
+                   "bfloat16 holds twice the tokens of float32 in the same --kv-cache-gb and "
+                   "halves the bytes a completion engine pulls (README: KV cache dtype)")
     m.add_argument("--max-num-seqs", type=int, default=64)
     m.add_argument("--max-num-batched-tokens", type=int, default=1024)
     m.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
     return EngineConfig(
         model=args.model or None, dtype=args.dtype, device=args.device or None,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size, num_blocks=args.num_blocks,
         kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -132,7 +132,8 @@ def wait_for_go(engine_id: str) -> None:
 # Flags that mean something only to a model runner, at their defaults: with --mock one set
 # otherwise is refused by name (a mock has no model, no torch threads, no dtype).
 MOCK_UNUSED = {"model": "", "dtype": "float32", "quantization": "auto", "device": "",
-               "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0}
+               "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0,
+               "kv_cache_dtype": "auto"}
 
 
 def mock_runner(args: argparse.Namespace):

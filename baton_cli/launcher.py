@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from baton.model.modes import KV_CACHE_DTYPES, check_kv_cache_dtype
 from baton.ops.cluster_keys import INSECURE_WARNING, add_key_args
 from baton.ops.cpus import cpu_shares, engine_threads
 from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
@@ -82,8 +83,12 @@ class LaunchConfig:
     # when the engine exits: a restart then costs the NIXL agent and the socket. Each spare
     # costs a process; its weights are the load cache's pages, shared with the engine.
     warm_standby: bool = False
+    # Every engine's --kv-cache-dtype: a prompt and a completion engine of different KV dtypes
+    # cannot exchange blocks, so the fleet gets one (auto = the engines' --dtype).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("num_prompt_engines", "num_completion_engines", "num_normal_engines"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -124,6 +129,11 @@ class LaunchConfig:
                              "tokenizes with the default model's tokenizer)")
         if "--mock" in self.engine_args:
             raise ValueError("give --mock to `baton up` itself, not after --")
+        if self.mock and self.kv_cache_dtype != "auto":
+            raise ValueError("--mock engines have no KV dtype: drop --kv-cache-dtype")
+        if any(a.split("=")[0] == "--kv-cache-dtype" for a in self.engine_args):
+            raise ValueError("give --kv-cache-dtype to `baton up` itself, not after --: "
+                             "prompt and completion engines must share it")
         if self.api_keys_file:
             from router.api_keys import load_api_keys
 
@@ -330,6 +340,8 @@ class Launcher:
                 *self.redis_args,
                 *(["--mock", cfg.mock] if cfg.mock else ["--num-threads", str(threads)]),
                 *(["--cpus", cpus] if cpus else []), *self._model_args(),
+                *(["--kv-cache-dtype", cfg.kv_cache_dtype] if cfg.kv_cache_dtype != "auto"
+                  else []),
                 *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
@@ -514,6 +526,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "--completion-engines, a mixed fleet where the router chooses each "
                    "request's path (--profile, --pd-threshold-tokens)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="every engine's KV pool dtype (baton engine --help); auto = --dtype")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
                         "model; the router tokenizes with the default model's tokenizer")
@@ -593,7 +607,8 @@ def run(args: argparse.Namespace) -> int:
             routing=args.routing, insecure=args.insecure, mock=args.mock,
             profile=args.profile, pd_threshold_tokens=args.pd_threshold_tokens,
             pd_handoff_ms=args.pd_handoff_ms,
-            warm_standby=args.warm_standby, planner=args.planner,
+            warm_standby=args.warm_standby, kv_cache_dtype=args.kv_cache_dtype,
+            planner=args.planner,
             planner_profile=args.planner_profile or args.profile,
             slos_ms=parse_slos(args.goodput),
             planner_interval_s=args.planner_interval, planner_window_s=args.planner_window,

@@ -61,9 +61,10 @@ class _Admission:
 
 
 def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
-                 key_seed: int | None = None) -> kvproto.KVHandle:
+                 key_seed: int | None = None, keyed_as: str = "") -> kvproto.KVHandle:
     """The request's KV handle, decoded and checked against the tokens it covers, the prompt
-    and any earlier outputs (with `key_seed`, their prefix-cache keys too); ValueError if not."""
+    and any earlier outputs (with `key_seed`, their prefix-cache keys too, of the engine whose
+    model fingerprint is `keyed_as`); ValueError if not."""
     if not req.kv_handle:
         raise ValueError("a completion engine needs the prompt's KV handle")
     try:
@@ -87,7 +88,11 @@ def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
     if handle.block_keys and key_seed is not None:
         want = compute_block_keys(tokens, block_size, key_seed)
         if [int(k) for k in want] != list(handle.block_keys):
-            raise ValueError("KV handle's block keys disagree with its prompt tokens")
+            # The seed names the model, quantization and KV dtype: a prompt engine that differs
+            # in any of them keys (and stores) blocks otherwise.
+            raise ValueError("KV handle's block keys disagree with its prompt tokens as this "
+                             f"engine keys them ({keyed_as or 'its own key seed'}): a prompt "
+                             "engine of another model, quantization or KV cache dtype?")
     return handle
 
 
@@ -145,7 +150,7 @@ class Admission:
         seed = (engine.prefix_cache_seed if seed is None else seed) \
             if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
-                              seed)
+                              seed, engine.model_fingerprint)
         choices = check_choices(req, params, engine.model_config.vocab_size,
                                 engine.model_config.eos_token_ids, len(outputs))
         for _, token, _ in choices:

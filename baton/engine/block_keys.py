@@ -5,6 +5,11 @@ the router, a completion engine checking a KV handle and the scheduler agree). T
 derived from everything that decides a block's bytes: two engines share a key only when they
 would share the block's contents. Whatever else must keep caches apart (the KV dtype, a LoRA
 adapter, a tenant's cache salt) enters here, in `key_seed`, and nowhere else.
+
+The KV dtype enters through the model fingerprint (`LLMEngine.model_fingerprint`: the pool's
+layout, `KVCacheSpec.fingerprint`, names its dtype, and the compute dtype follows when it
+differs): the compiled scheduler is handed the engine's seed, and the router keys a prompt
+with the seed each engine announces in its KV events, so neither spells the dtype again.
 """
 
 from __future__ import annotations

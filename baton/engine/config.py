@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.engine.scheduler import EngineType
-from baton.model.modes import check_dtype_name, check_quantization
+from baton.model.modes import check_dtype_name, check_kv_cache_dtype, check_quantization
 from baton.protocol import NORMAL, ROLES
 
 # Each role runs the scheduler in the mode of the same name.
@@ -65,9 +65,16 @@ class EngineConfig:
     # writes what the loader produced here, later loads map it; None = no cache (the library's
     # default; the engine command's is ~/.cache/baton/load).
     load_cache_dir: str | None = None
+    # The KV pool's element type (and the CPU backend's decode rows'), independent of the
+    # weights': auto | float32 | bfloat16 | float16; auto = `dtype`. K/V are rounded to it when
+    # computed and attention runs in `dtype` over the rounded values, so every path (a prefix
+    # hit, a pulled prompt, a decode row) reads the same numbers. bfloat16 holds twice the
+    # tokens of float32 in the same budget (quality gate: README, "KV cache dtype").
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         check_quantization(self.quantization)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                      "prefill_attempt_interval", "prefill_any_attempt_interval"):

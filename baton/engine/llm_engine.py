@@ -36,6 +36,7 @@ from baton.engine.kv_events import KvEventSource
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig
+from baton.model.modes import check_dtype_name
 from baton.protocol import COMPLETION, MAX_CACHE_SALT_CHARS, NORMAL
 from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
 from baton.sampling.params import SamplingParams
@@ -109,7 +110,11 @@ class LLMEngine:
         agree on its bytes."""
         # Quantized weights compute other K/V than the float ones (same layout, other bytes).
         quant = "" if self.quantization == "none" else f"/{self.quantization}"
-        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}{quant}"
+        # The layout names the KV dtype; K/V computed in another dtype than they are stored
+        # in are other bytes again (fp32 math rounded to bf16 != bf16 math).
+        kv, compute = self.config.kv_cache_dtype, check_dtype_name(self.config.dtype)
+        compute = "" if kv in ("auto", compute) else f"/compute-{compute}"
+        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}{quant}{compute}"
 
     @property
     def prefix_cache_seed(self) -> int:

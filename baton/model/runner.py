@@ -31,9 +31,11 @@ class ModelRunner:
     """One model, its KV pool and its backend on one device."""
 
     def __init__(self, loaded: LoadedModel, block_size: int = 16, num_blocks: int = 0,
-                 kv_cache_memory_bytes: int = 0, backend: Backend | None = None) -> None:
+                 kv_cache_memory_bytes: int = 0, backend: Backend | None = None,
+                 kv_cache_dtype: torch.dtype | str | None = None) -> None:
         """`num_blocks` (null block included), or 0 to fit `kv_cache_memory_bytes`: the pool
-        and what the backend keeps beside it (`Backend.kv_memory_factor`) together."""
+        and what the backend keeps beside it (`Backend.kv_memory_factor`) together.
+        `kv_cache_dtype`: the pool's element type (None or "auto": the model's dtype)."""
         self.model, self.config = loaded.model, loaded.config
         self.tokenizer, self.model_path = loaded.tokenizer, loaded.path
         self.quantization = loaded.quantization  # the mode it runs (auto resolved)
@@ -44,15 +46,18 @@ class ModelRunner:
         self.step_threads = {True: threads, False: threads}
         # The quantized modes are not the exact one: they may take the fused decode kernels.
         self.backend = backend or get_backend(self.device, exact=loaded.quantization == "none")
-        self.kv_spec = KVCacheSpec.from_model(self.config, block_size)
+        self.kv_spec = KVCacheSpec.from_model(
+            self.config, block_size, None if kv_cache_dtype == "auto" else kv_cache_dtype)
         if not num_blocks:
             pool_bytes = int(kv_cache_memory_bytes / (1.0 + self.backend.kv_memory_factor))
             num_blocks = self.kv_spec.num_blocks_for_budget(pool_bytes)
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.startup: dict[str, float | str] = {}  # build_runner's phases (engine start-up log)
-        logger.info("model runner: %s backend, %d KV blocks (+%.0f%% for the backend's rows)",
-                    self.backend.name, num_blocks, 100 * self.backend.kv_memory_factor)
+        logger.info("model runner: %s backend, %d KV blocks of %s, %d bytes each (+%.0f%% for "
+                    "the backend's rows)", self.backend.name, num_blocks,
+                    str(self.kv_spec.dtype).removeprefix("torch."), self.kv_spec.bytes_per_block,
+                    100 * self.backend.kv_memory_factor)
 
     @property
     def num_blocks(self) -> int:
@@ -207,7 +212,8 @@ def build_runner(config, loaded: LoadedModel | None = None) -> ModelRunner:
                                           config.quantization, config.load_cache_dir)
     t1 = time.perf_counter()
     runner = ModelRunner(loaded, config.block_size, config.num_blocks,
-                         config.kv_cache_memory_bytes)
+                         config.kv_cache_memory_bytes,
+                         kv_cache_dtype=config.kv_cache_dtype)
     threads = torch.get_num_threads()
     # Decode steps of the quantized modes run on one thread unless told otherwise (see
     # EngineConfig.decode_threads for the measurements).

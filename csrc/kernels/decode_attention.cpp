@@ -9,6 +9,7 @@
 // Built for plain x86-64: the inner loops have AVX2 clones chosen at load time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
@@ -24,14 +25,17 @@ namespace baton_decode {
 
 // Inner loops of the portable paths, inlined into their callers (RMSNorm's row is compiled for
 // AVX2+FMA and for plain x86-64 by GCC's target_clones; the attention has an AVX2 twin below).
+// `KV` is the decode rows' element type (float, or c10::BFloat16 under --kv-cache-dtype
+// bfloat16): read as float, so the arithmetic is the float rows' over the rounded values.
+template <typename KV>
 __attribute__((always_inline)) inline float dot(const float* __restrict a,
-                                                const float* __restrict b, int64_t n) {
+                                                const KV* __restrict b, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t j = 0;
     for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; ++l) acc[l] += a[j + l] * b[j + l];
+        for (int l = 0; l < 8; ++l) acc[l] += a[j + l] * static_cast<float>(b[j + l]);
     float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-    for (; j < n; ++j) s += a[j] * b[j];
+    for (; j < n; ++j) s += a[j] * static_cast<float>(b[j]);
     return s;
 }
 
@@ -48,9 +52,10 @@ float sum(const float* x, int64_t n) {
     return s;
 }
 
+template <typename KV>
 __attribute__((always_inline)) inline void axpy(float* __restrict y, float a,
-                                                const float* __restrict x, int64_t n) {
-    for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
+                                                const KV* __restrict x, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) y[j] += a * static_cast<float>(x[j]);
 }
 
 // exp(v), v clamped to [-87, 88] (softmax's arguments, after the max is taken off, are <= 0; SiLU's
@@ -151,7 +156,8 @@ void rope(float* out, const float* x, const float* cos, const float* ssin, int64
 
 // One query head over its row's keys and values 0..len-1: out = softmax(q . k * scale) v.
 // Portable path (any CPU, any head size).
-void head_attention_scalar(const float* q, const float* keys, const float* vals, int64_t len,
+template <typename KV>
+void head_attention_scalar(const float* q, const KV* keys, const KV* vals, int64_t len,
                            int64_t d, float scale, float* scores, float* out) {
     float mx = -INFINITY;
     for (int64_t t = 0; t < len; ++t) {
@@ -171,25 +177,33 @@ __attribute__((target("avx2"))) inline float reduce8(__m256 v) {
     return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1));
 }
 
+// Eight row values as floats: a load, or (bf16) the 16 bits widened into a float's top half,
+// which is exactly static_cast<float>(c10::BFloat16).
+__attribute__((target("avx2"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 load8(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // The same operations as the portable path, lane for lane, for head sizes 8 * NV (a template
 // argument, so that the output row stays in NV registers while the values stream by): four
 // keys' dot products at a time (four independent add chains).
-template <int NV>
-__attribute__((target("avx2"))) void head_attention_avx2(const float* q, const float* keys,
-                                                         const float* vals, int64_t len,
+template <int NV, typename KV>
+__attribute__((target("avx2"))) void head_attention_avx2(const float* q, const KV* keys,
+                                                         const KV* vals, int64_t len,
                                                          float scale, float* scores, float* out) {
     constexpr int64_t d = 8 * NV, nv = NV;
     float mx = -INFINITY;
     int64_t t = 0;
     for (; t + 4 <= len; t += 4) {
-        const float* k = keys + t * d;
+        const KV* k = keys + t * d;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t j = 0; j < d; j += 8) {
             const __m256 qv = _mm256_loadu_ps(q + j);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_loadu_ps(k + j)));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k + d + j)));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k + 2 * d + j)));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k + 3 * d + j)));
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, load8(k + j)));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, load8(k + d + j)));
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, load8(k + 2 * d + j)));
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, load8(k + 3 * d + j)));
         }
         scores[t] = reduce8(a0) * scale;
         scores[t + 1] = reduce8(a1) * scale;
@@ -201,8 +215,7 @@ __attribute__((target("avx2"))) void head_attention_avx2(const float* q, const f
     for (; t < len; ++t) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t j = 0; j < d; j += 8)
-            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + j),
-                                               _mm256_loadu_ps(keys + t * d + j)));
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + j), load8(keys + t * d + j)));
         scores[t] = reduce8(a) * scale;
         mx = std::max(mx, scores[t]);
     }
@@ -212,19 +225,71 @@ __attribute__((target("avx2"))) void head_attention_avx2(const float* q, const f
     for (int64_t i = 0; i < nv; ++i) o[i] = _mm256_setzero_ps();
     for (t = 0; t < len; ++t) {
         const __m256 w = _mm256_set1_ps(scores[t] * inv);
-        const float* v = vals + t * d;
+        const KV* v = vals + t * d;
         for (int64_t i = 0; i < nv; ++i)
-            o[i] = _mm256_add_ps(o[i], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * i)));
+            o[i] = _mm256_add_ps(o[i], _mm256_mul_ps(w, load8(v + 8 * i)));
     }
     for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
 }
 
-void head_attention(const float* q, const float* keys, const float* vals, int64_t len, int64_t d,
+template <typename KV>
+void head_attention(const float* q, const KV* keys, const KV* vals, int64_t len, int64_t d,
                     float scale, float* scores, float* out) {
     if (kAvx2 && d == 64) return head_attention_avx2<8>(q, keys, vals, len, scale, scores, out);
     if (kAvx2 && d == 128) return head_attention_avx2<16>(q, keys, vals, len, scale, scores, out);
     if (kAvx2 && d == 32) return head_attention_avx2<4>(q, keys, vals, len, scale, scores, out);
     head_attention_scalar(q, keys, vals, len, d, scale, scores, out);
+}
+
+// A new key or value into its row: rounded to nearest even for bf16, as torch's .to() rounds
+// (the eager path and the prefill path round the same token identically).
+inline void store_row(float* dst, const float* src, int64_t d) { std::copy(src, src + d, dst); }
+inline void store_row(c10::BFloat16* dst, const float* src, int64_t d) {
+    for (int64_t j = 0; j < d; ++j) dst[j] = c10::BFloat16(src[j]);
+}
+
+// The op's body over rows of element type KV (its arguments are checked by decode_attention).
+template <typename KV>
+void decode_rows(const float* qp, const float* cp, const float* sp, KV* wp, float* op,
+                 const int64_t* rp, const int64_t* pp, int64_t n, int64_t layer, int64_t d,
+                 int64_t cap, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t width) {
+    const bool rotate = cp != nullptr;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t head_stride = cap * d, row_stride = num_kv_heads * head_stride;
+    const int64_t kv_stride = num_rows * row_stride;  // keys -> values
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    // The new keys and values first (every query head of the group reads them), then one task
+    // per (sequence, query head): nine for one SmolLM2 token, which two threads share evenly.
+    std::vector<float> rotated(d);
+    for (int64_t i = 0; i < n; ++i) {
+        const float* x = qp + i * width;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            KV* key = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride + pp[i] * d;
+            const float* k = x + (num_heads + h) * d;
+            if (rotate) {
+                rope(rotated.data(), k, cp + i * d, sp + i * d, d);
+                k = rotated.data();
+            }
+            store_row(key, k, d);
+            store_row(key + kv_stride, x + (num_heads + num_kv_heads + h) * d, d);
+        }
+    }
+    at::parallel_for(0, n * num_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qr(d), scores;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t i = task / num_heads, qh = task % num_heads, h = qh / group;
+            const float* x = qp + i * width;
+            const int64_t len = pp[i] + 1;
+            const KV* keys = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride;
+            const KV* vals = keys + kv_stride;
+            if (rotate) rope(qr.data(), x + qh * d, cp + i * d, sp + i * d, d);
+            else std::copy(x + qh * d, x + (qh + 1) * d, qr.begin());
+            scores.resize(len);
+            head_attention(qr.data(), keys, vals, len, d, scale, scores.data(),
+                           op + i * num_heads * d + qh * d);
+        }
+    });
 }
 
 // One decode step of one layer's attention for n sequences with one new token each:
@@ -235,7 +300,9 @@ at::Tensor decode_attention(const at::Tensor& qkv, const c10::optional<at::Tenso
                             at::Tensor ws, int64_t layer, const at::Tensor& rows,
                             const at::Tensor& pos, int64_t num_heads, int64_t num_kv_heads) {
     TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv");
-    TORCH_CHECK(ws.dim() == 6 && ws.scalar_type() == at::kFloat && ws.is_contiguous(), "ws");
+    TORCH_CHECK(ws.dim() == 6 && ws.is_contiguous() &&
+                (ws.scalar_type() == at::kFloat || ws.scalar_type() == at::kBFloat16),
+                "ws must be contiguous 6-D float32 or bfloat16, got ", ws.scalar_type());
     const int64_t n = qkv.size(0), d = ws.size(5), cap = ws.size(4), num_rows = ws.size(2);
     TORCH_CHECK(num_kv_heads > 0 && ws.size(3) == num_kv_heads && num_heads % num_kv_heads == 0,
                 "heads");
@@ -262,40 +329,13 @@ at::Tensor decode_attention(const at::Tensor& qkv, const c10::optional<at::Tenso
     const float* qp = qkv.data_ptr<float>();
     const float* cp = rotate ? cos.data_ptr<float>() : nullptr;
     const float* sp = rotate ? ssin.data_ptr<float>() : nullptr;
-    float* wp = ws.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const int64_t group = num_heads / num_kv_heads, width = qkv.size(1);
-    const int64_t head_stride = cap * d, row_stride = num_kv_heads * head_stride;
-    const int64_t kv_stride = num_rows * row_stride;  // keys -> values
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    // The new keys and values first (every query head of the group reads them), then one task
-    // per (sequence, query head): nine for one SmolLM2 token, which two threads share evenly.
-    for (int64_t i = 0; i < n; ++i) {
-        const float* x = qp + i * width;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            float* key = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride + pp[i] * d;
-            const float* k = x + (num_heads + h) * d;
-            if (rotate) rope(key, k, cp + i * d, sp + i * d, d);
-            else std::copy(k, k + d, key);
-            const float* v = x + (num_heads + num_kv_heads + h) * d;
-            std::copy(v, v + d, key + kv_stride);
-        }
-    }
-    at::parallel_for(0, n * num_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qr(d), scores;
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t i = task / num_heads, qh = task % num_heads, h = qh / group;
-            const float* x = qp + i * width;
-            const int64_t len = pp[i] + 1;
-            const float* keys = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride;
-            const float* vals = keys + kv_stride;
-            if (rotate) rope(qr.data(), x + qh * d, cp + i * d, sp + i * d, d);
-            else std::copy(x + qh * d, x + (qh + 1) * d, qr.begin());
-            scores.resize(len);
-            head_attention(qr.data(), keys, vals, len, d, scale, scores.data(),
-                           op + i * num_heads * d + qh * d);
-        }
-    });
+    if (ws.scalar_type() == at::kBFloat16)
+        decode_rows(qp, cp, sp, ws.data_ptr<c10::BFloat16>(), op, rp, pp, n, layer, d, cap,
+                    num_rows, num_heads, num_kv_heads, qkv.size(1));
+    else
+        decode_rows(qp, cp, sp, ws.data_ptr<float>(), op, rp, pp, n, layer, d, cap, num_rows,
+                    num_heads, num_kv_heads, qkv.size(1));
     return out;
 }
 

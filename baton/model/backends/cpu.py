@@ -104,7 +104,8 @@ class DecodeGroup:
     # additive [n, 1, 1, max_len] in row order: 0 up to the length, -inf after; None when every
     # row is max_len long (batch 1 always): adding zeros changes nothing but costs a dispatch.
     mask: torch.Tensor | None
-    kv: torch.Tensor  # the workspace view described above
+    kv: torch.Tensor  # the workspace view described above, in the pool's dtype
+    dtype: torch.dtype  # the compute dtype: the masks', and what attention reads the rows as
     _window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> mask
 
     def window_mask(self, window: int) -> torch.Tensor | None:
@@ -117,7 +118,7 @@ class DecodeGroup:
             pos = self.new_pos if self.permutation is None else \
                 torch.empty_like(self.new_pos).index_copy_(0, self.rows, self.new_pos)
             keys = torch.arange(self.kv.shape[4], device=pos.device)
-            far = torch.zeros((len(pos), self.kv.shape[4]), dtype=self.kv.dtype, device=pos.device)
+            far = torch.zeros((len(pos), self.kv.shape[4]), dtype=self.dtype, device=pos.device)
             far.masked_fill_(keys[None, :] <= pos[:, None] - window, float("-inf"))
             far = far[:, None, None, :]
             mask = far if mask is None else mask + far
@@ -177,7 +178,7 @@ def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarra
         groups.append(DecodeGroup(
             group, None if len(prepared) == 1 else torch.as_tensor(index, device=device), rows,
             None if identity else rows, lens_t - 1, glens, mask,
-            group.ws[:, :, :n, :, :max_len]))
+            group.ws[:, :, :n, :, :max_len], dtype))
     tokens = None if is_all else torch.as_tensor(starts[dec], device=device)
     return DecodeBatch(tokens, groups)
 
@@ -207,7 +208,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Decod
     if d.tokens is not None:
         q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
     if d.fused and options.is_plain:  # rotated already (a step with prefills): the op takes the rows as they are
-        qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)
+        # (k, v arrive rounded to a bf16 pool's dtype: exact in fp32, the op rounds them back.)
+        qkv = torch.cat((q.flatten(1), k.flatten(1).to(q.dtype), v.flatten(1).to(q.dtype)), dim=1)
         return fused_groups(qkv, None, None, d, layer, q.shape[1], k.shape[1]).view_as(q)
     if len(d.groups) == 1:
         return group_attention(q, k, v, d.groups[0], layer, options)
@@ -245,6 +247,8 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Decode
     if g.permutation is not None:
         qd = torch.empty_like(qd).index_copy_(0, g.permutation, qd)
     keys, vals = dense[0], dense[1]  # [n, Hkv, max_len, D]
+    if keys.dtype != q.dtype:  # rows in another KV dtype: attention runs in the compute dtype
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
     mask = g.mask if options.window is None else g.window_mask(options.window)
     if keys.shape[2] <= _MATH_ATTENTION_MAX_LEN or options.softcap is not None:
         # Two batched GEMMs and a softmax: for short contexts the fused CPU kernel's own
@@ -334,7 +338,8 @@ class CPUBackend:
             self.decode_rows.reset()  # no identities: nothing may be matched across steps
             seq_ids = np.arange(len(batch.seqlens_q))
         meta = build_metadata(batch, seq_ids, kv_cache, self.decode_rows, dtype)
-        if meta.decode is not None and self.fused_decode and dtype == torch.float32:
+        if meta.decode is not None and self.fused_decode and dtype == torch.float32 \
+                and kv_cache.dtype in cpu_fused.ROW_DTYPES:
             meta.decode.fused = True
         return meta
 
@@ -370,6 +375,11 @@ class CPUBackend:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor,
                   meta: AttentionMetadata, layer: int,
                   options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
+        if k.dtype != layer_kv.dtype:
+            # A KV dtype other than the compute dtype: the new K/V are rounded to it before
+            # anything reads them, so a chunk attends over the same numbers whether they come
+            # from this step, the pool (a prefix hit, a pulled prompt) or a decode row.
+            k, v = k.to(layer_kv.dtype), v.to(layer_kv.dtype)
         if meta.deferred_pool is None:
             # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
             layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)

@@ -38,6 +38,9 @@ def _load() -> bool:
 
 
 AVAILABLE = _load()
+# The decode rows' element types the op reads and writes (the KV cache dtype; float16 takes the
+# eager path).
+ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor | None, signed_sin: torch.Tensor | None,
@@ -45,8 +48,9 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor | None, signed_sin: to
                      num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """One layer's decode attention for n single-token sequences: qkv [n, (Hq + 2 Hkv) D] (the
     projection; already rotated when cos is None), cos / signed_sin [n, D]; the new K/V lands
-    in `ws` [L, 2, rows, Hkv, capacity, D] at (layer, rows[i], positions[i]) and each sequence
-    attends over its row's positions 0..positions[i]. Returns [n, Hq D]."""
+    in `ws` [L, 2, rows, Hkv, capacity, D] (float32, or bfloat16: rounded to nearest even) at
+    (layer, rows[i], positions[i]) and each sequence attends over its row's positions
+    0..positions[i] in float32. Returns [n, Hq D]."""
     return torch.ops.baton_decode.decode_attention(qkv, cos, signed_sin, ws, layer, rows,
                                                    positions, num_heads, num_kv_heads)
 

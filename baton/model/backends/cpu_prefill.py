@@ -170,6 +170,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            is_causal: bool, options: AttentionOptions) -> torch.Tensor:
     """SDPA over [B, H, L, D] tensors (bool mask: True = visible), or, where SDPA cannot
     express the layer's options (soft-capping), the eager formula transformers runs for it."""
+    if k.dtype != q.dtype:  # K/V of another KV dtype: attention runs in the compute dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
     gqa = q.shape[1] > k.shape[1]
     if options.softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
