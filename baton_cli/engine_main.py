@@ -44,13 +44,16 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         # Standalone, assume one other engine shares the host (the launcher passes the share).
         num_threads=args.num_threads or engine_threads(2),
         decode_threads=getattr(args, "decode_threads", 0),
-        **{name: getattr(args, name) for name in CADENCE if hasattr(args, name)},
+        **{name: getattr(args, name) for name in (*CADENCE, *SPECULATION)
+           if hasattr(args, name)},
         engine_type=role, load_cache_dir=None if getattr(args, "no_load_cache", False)
         else getattr(args, "load_cache_dir", "") or default_cache_dir())
 
 
 # The prefill cadence flags (NORMAL engines only): EngineConfig fields of the same names.
 CADENCE = ("prefill_attempt_interval", "prefill_any_attempt_interval", "prefill_min_decode_steps")
+# The speculative decoding flags (engines that decode): EngineConfig fields of the same names.
+SPECULATION = ("speculative", "num_speculative_tokens")
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
@@ -116,7 +119,9 @@ def wait_for_go(engine_id: str) -> None:
 # Flags that mean something only to a model runner, at their defaults: with --mock one set
 # otherwise is refused by name (a mock has no model, no torch threads, no dtype).
 MOCK_UNUSED = {"model": "", "dtype": "float32", "quantization": "auto", "device": "",
-               "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0}
+               "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0,
+               # A mock runner samples no logits: it has nothing to verify drafts with.
+               "speculative": "off", "num_speculative_tokens": 0}
 
 
 def mock_runner(args: argparse.Namespace):

@@ -1,0 +1,191 @@
+"""Speculative decoding (baton/engine/speculation.py): n-gram drafts verified in one forward
+give the plain run's tokens (greedy, seeded), logprobs within rounding, the plain stops; the
+verification is rejection sampling (a statistical test); requests it cannot serve yet decode
+plainly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from model.reference import LONG_TEXT, baton_model
+
+from baton.engine import EngineConfig, LLMEngine
+from baton.engine.proposers import NgramProposer
+from baton.model.sampler import Sampler, sample_verified
+from baton.sampling.params import SamplingParams
+
+# ---------------------------------------------------------------- the proposer (no model)
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
+    proposer = NgramProposer(min_n=2, max_n=3)
+    history = [5, 6, 7, 8, 9, 1, 2, 6, 7]
+    assert proposer.propose(history, 3) == [8, 9, 1]
+    history += [8, 3, 3]  # the tail (3, 3) was never seen before
+    assert proposer.propose(history, 3) == []
+    assert proposer.propose([1, 2, 3], 2) == []  # shorter: the index restarts, no match
+
+
+def test_ngram_runs_on_into_its_own_drafts_for_a_loop() -> None:
+    # Period 2: the copy after the earlier (4, 5) runs past the history's end periodically.
+    assert NgramProposer().propose([9, 4, 5, 4, 5], 5) == [4, 5, 4, 5, 4]
+    assert NgramProposer().propose([9, 4, 5, 4, 5], 0) == []
+
+
+def test_ngram_prefers_the_longest_match() -> None:
+    # (2, 3) last occurred before 9; the longer (1, 2, 3) before 7.
+    history = [1, 2, 3, 7, 0, 2, 3, 9, 1, 2, 3]
+    assert NgramProposer(min_n=2, max_n=3).propose(history, 1) == [7]
+    assert NgramProposer(min_n=2, max_n=2).propose(history, 1) == [9]
+
+
+# ---------------------------------------------------------------- verification (sampler only)
+
+
+def test_verification_is_rejection_sampling() -> None:
+    """Draft d against p: kept with probability p(d); a rejected position's token follows p
+    with d removed, renormalised; the first token's marginal is p (fixed seed)."""
+    torch.manual_seed(1234)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    draft, trials = 2, 20000
+    logits = p.log().repeat(2 * trials, 1)  # two positions a row: draft 1 and the token after
+    params = [SamplingParams(temperature=1.0)] * trials
+    tokens, _, kept = sample_verified(Sampler(), logits, params, [[0]] * trials,
+                                      [[]] * trials, [[draft]] * trials)
+    kept = np.asarray(kept)
+    assert abs(kept.mean() - p[draft].item()) < 0.015
+    rejected = tokens[kept == 0, 0]
+    residual = np.bincount(rejected, minlength=4) / len(rejected)
+    want = p.clone()
+    want[draft] = 0
+    want /= want.sum()
+    assert np.abs(residual - want.numpy()).max() < 0.015
+    first = np.where(kept == 1, draft, tokens[:, 0])
+    assert np.abs(np.bincount(first, minlength=4) / trials - p.numpy()).max() < 0.015
+
+
+def test_a_seeded_row_draws_its_plain_tokens() -> None:
+    """Each position draws with the seed's uniform of its output position: the kept drafts and
+    the token after them are what plain seeded decoding samples there."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = SamplingParams(temperature=0.9, seed=7)
+    sampler, outputs = Sampler(), [3, 4]
+    plain = []
+    for j in range(4):
+        ids, _ = sampler(logits[j:j + 1], [params], prompt_token_ids=[[1]],
+                         output_token_ids=[outputs + plain])
+        plain.append(int(ids[0]))
+    drafts = [plain[0], plain[1], (plain[2] + 1) % 50]  # the third is wrong
+    tokens, _, kept = sample_verified(sampler, logits, [params], [[1]], [outputs], [drafts])
+    assert kept == [2]
+    assert tokens[0].tolist() == [plain[2], plain[0], plain[1], -1]
+
+
+# ---------------------------------------------------------------- the engine, real model
+
+COPY_PROMPT_TEXT = LONG_TEXT[:700] + " " + LONG_TEXT[:160]
+
+
+def make_engine(**overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{"num_blocks": 96, **overrides}), loaded=baton_model())
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[LLMEngine, LLMEngine]:
+    return make_engine(), make_engine(speculative="ngram", num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def copy_prompt() -> list[int]:
+    return baton_model().tokenizer.encode(COPY_PROMPT_TEXT)
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_return(request):
+    yield
+    if "engines" in request.fixturenames:
+        for eng in request.getfixturevalue("engines"):
+            assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+def run_both(engines, prompts, params):
+    plain, spec = engines
+    before = spec.speculator.stats.num_accepted
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    return want, got, spec.speculator.stats.num_accepted - before
+
+
+@pytest.mark.slow
+def test_greedy_equals_plain_decoding_token_for_token(engines, copy_prompt) -> None:
+    """Greedy with logprobs and top logprobs: the same tokens; logprobs within rounding (the
+    verified positions attend as a short chunk, the plain ones over the dense decode rows)."""
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=True, top_logprobs=2)
+    prompts = [copy_prompt, copy_prompt[:90], baton_model().tokenizer.encode("1, 2, 3, 4,")]
+    want, got, accepted = run_both(engines, prompts, params)
+    assert accepted > 10  # the copy was drafted and kept
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_stops_and_lengths_as_without_drafts(engines, copy_prompt) -> None:
+    """max_tokens cuts inside a verified row, a stop token among the kept drafts ends the
+    output there, ignore_eos runs on; penalties see the drafts before each position."""
+    plain, _ = engines
+    run = plain.generate(copy_prompt, SamplingParams(temperature=0, max_tokens=24))[0].token_ids
+    cases = [SamplingParams(temperature=0, max_tokens=7),
+             SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(run[13],)),
+             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.5,
+                            min_tokens=5)]
+    for params in cases:
+        want, got, _ = run_both(engines, [copy_prompt], params)
+        assert got[0].token_ids == want[0].token_ids, params
+        assert got[0].finish_reason == want[0].finish_reason
+
+
+@pytest.mark.slow
+def test_seeded_sampling_repeats_the_plain_run(engines, copy_prompt) -> None:
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=32)
+    want, got, accepted = run_both(engines, [copy_prompt], params)
+    assert got[0].token_ids == want[0].token_ids
+    assert accepted > 0
+
+
+@pytest.mark.slow
+def test_unsupported_features_and_the_opt_out_decode_plainly(engines, copy_prompt) -> None:
+    """n > 1 choices and a request that opts out draft nothing; their output is the plain
+    one."""
+    _, spec = engines
+    cases = [SamplingParams(temperature=0, max_tokens=16, speculative=False),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=16, n=2)]
+    for params in cases:
+        rows_before = spec.speculator.stats.num_verify_rows
+        outs = []
+        for eng in engines:
+            rid = eng.add_request(None, copy_prompt, params)
+            done: dict[int, list[int]] = {}
+            while eng.has_unfinished():
+                for out in eng.step():
+                    if out.request_id.startswith(rid) or out.base_id == rid:
+                        done.setdefault(out.index, []).extend(out.new_token_ids)
+            outs.append(done)
+        assert outs[0] == outs[1]
+        assert spec.speculator.stats.num_verify_rows == rows_before
+
+
+def test_config_refuses_what_speculation_cannot_do() -> None:
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        EngineConfig(speculative="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens=3 with speculative='off'"):
+        EngineConfig(num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="on a prompt engine"):
+        EngineConfig(speculative="ngram", engine_type="prompt")
+    assert EngineConfig(speculative="ngram").num_draft_tokens == 4
+    with pytest.raises(ValueError, match="speculative must be a bool"):
+        SamplingParams(speculative=1)
