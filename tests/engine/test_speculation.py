@@ -189,3 +189,46 @@ def test_config_refuses_what_speculation_cannot_do() -> None:
     assert EngineConfig(speculative="ngram").num_draft_tokens == 4
     with pytest.raises(ValueError, match="speculative must be a bool"):
         SamplingParams(speculative=1)
+
+
+def test_flags_on_the_engines_that_decode(capsys) -> None:
+    from baton_cli.engine_main import engine_config
+    from baton_cli.launcher import role_engine_args
+    from baton_cli.main import build_parser
+
+    flags = ["--speculative", "ngram", "--num-speculative-tokens", "2"]
+    for command, role in (("engine", "normal"), ("completion-engine", "completion")):
+        config = engine_config(build_parser().parse_args([command, *flags]), role)
+        assert (config.speculative, config.num_draft_tokens) == ("ngram", 2)
+        assert role_engine_args(flags, role) == flags  # baton up forwards them
+    assert engine_config(build_parser().parse_args(["engine"]), "normal").num_draft_tokens == 0
+    assert role_engine_args(flags, "prompt") == []
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prompt-engine", "--speculative", "ngram"])
+    assert "unrecognized arguments: --speculative ngram" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_metrics_count_drafts_by_position(engines, copy_prompt) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from baton.protocol import EngineStats
+    from baton.service.metrics import EngineMetrics
+    from baton.service.worker import EngineWorker
+
+    _, spec = engines
+    spec.generate(copy_prompt, SamplingParams(temperature=0, max_tokens=12))
+    stats = EngineStats(engine_id="e1", role="normal")
+    EngineWorker(spec).fill_stats(stats)
+    metrics = EngineMetrics("e1", "normal")
+    metrics.publish(stats)
+    samples = {(s.name, s.labels.get("position")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples}
+    counts = spec.speculator.stats
+    assert samples[("baton_spec_drafted_tokens_total", None)] == counts.num_drafted > 0
+    assert samples[("baton_spec_accepted_tokens_total", None)] == counts.num_accepted > 0
+    per_pos = [samples[("baton_spec_accepted_tokens_per_pos_total", str(j))] for j in range(4)]
+    assert sum(per_pos) == counts.num_accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft is kept only after the one before
+    assert samples[("baton_spec_drafted_tokens_per_pos_total", "0")] == counts.num_verify_rows
