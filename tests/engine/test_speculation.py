@@ -40,6 +40,32 @@ def test_ngram_prefers_the_longest_match() -> None:
     assert NgramProposer(min_n=2, max_n=2).propose(history, 1) == [9]
 
 
+def test_draft_length_follows_acceptance() -> None:
+    """All kept: one more (up to the cap); some rejected: the number kept plus one; a request
+    whose features a verified row cannot serve, or that opts out, drafts nothing."""
+    from baton.engine.request import Request
+    from baton.engine.speculation import Speculator
+
+    spec = Speculator("ngram", 4)
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
+    assert spec.propose(req) == [3, 1, 2, 3]
+    spec.record("r", 4, 1)
+    assert spec.propose(req) == [3, 1]
+    spec.record("r", 2, 2)
+    assert len(spec.propose(req)) == 3
+    req.token_ids.extend([3, 1])
+    assert spec.propose(req) == [2, 3, 1]  # the history grew by the outputs
+    spec.record("r", 3, 0)
+    assert spec.propose(req) == [2]
+    req.params.max_tokens = 3  # the step's own token comes on top: no draft past max_tokens
+    assert spec.propose(req) == []
+    for params in (SamplingParams(speculative=False), SamplingParams(n=2),
+                   SamplingParams(grammar="start: /a+/")):
+        assert spec.propose(Request("x", [1, 2, 1, 2], params)) == []
+    assert spec.stats.num_drafted == 9 and spec.stats.num_accepted == 3
+    assert spec.stats.accepted_per_pos == [2, 1, 0, 0]
+
+
 # ---------------------------------------------------------------- verification (sampler only)
 
 
