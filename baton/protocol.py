@@ -113,8 +113,17 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True
     nonce: int = 0
 
 
+class ChangeRole(msgspec.Struct, tag="change_role", array_like=True, omit_defaults=True):
+    """Become `role` without a restart (the planner's verb): stop taking new work, drain, switch
+    the scheduler's mode over the same weights and KV pool, re-register (docs/scheduler.md
+    S41). Answered at once by a `ControlReply`: accepted (the change runs) or refused, why."""
+
+    role: Annotated[str, msgspec.Meta(max_length=32)]
+    nonce: int = 0
+
+
 class ControlReply(msgspec.Struct, tag="control", array_like=True, omit_defaults=True):
-    """The answer to a control request (`ResetPrefixCache`), matched by nonce."""
+    """The answer to a control request (`ResetPrefixCache`, `ChangeRole`), matched by nonce."""
 
     nonce: int
     ok: bool
@@ -204,7 +213,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
 
 
 RouterToEngine = (GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
-                  | SubscribeKvEvents)
+                  | SubscribeKvEvents | ChangeRole)
 EngineToRouter = EngineOutputs | EngineStats | ControlReply | KvEvents
 
 _encoder = msgspec.msgpack.Encoder()

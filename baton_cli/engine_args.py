@@ -16,7 +16,9 @@ from baton.engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 from baton.engine.proposers import SPECULATIVE_METHODS
 from baton.model.modes import DTYPES, QUANTIZATION_REQUESTS
 from baton.ops.cluster_keys import add_key_args, keys_from_args
-from baton.protocol import COMPLETION, NORMAL, PROMPT
+from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
+from kv_transfer.config import CHECKSUM_MODES
+from kv_transfer.integrity import SAMPLE_EVERY
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="KV side channel port (0 = ephemeral)")
         k.add_argument("--lease-ttl", type=float, default=30.0,
                        help="seconds a prompt's KV waits for its completion engine")
+        k.add_argument("--kv-checksum", choices=CHECKSUM_MODES, default="all",
+                       help="which handed-off prompts carry a checksum of each KV block, "
+                            "verified by the completion engine before it decodes: all, one "
+                            f"in {SAMPLE_EVERY} (sample), or none (off)")
     if role == COMPLETION:
         k = p.add_argument_group("kv transfer")
         k.add_argument("--kv-timeout", type=float, default=30.0,
@@ -192,6 +198,49 @@ def run_probe(args: argparse.Namespace) -> int:
     print(f"{stats.role} {stats.engine_id}: free {stats.num_free_blocks}/{stats.num_total_blocks}"
           f" blocks, running {stats.num_running}, waiting {stats.num_waiting}")
     return 0 if stats.healthy and not stats.draining else 1
+
+
+def add_role_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("role", help="change a running engine's role without a restart (S41)")
+    p.add_argument("--address", required=True, help="the engine, e.g. tcp://127.0.0.1:7000")
+    p.add_argument("--to", required=True, choices=ROLES, dest="role", help="the new role")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for the change to finish (0: ask and return)")
+    add_key_args(p)
+    p.set_defaults(func=run_role)
+
+
+def run_role(args: argparse.Namespace) -> int:
+    import time
+
+    from baton.service.client import EngineClient, EngineTimeout
+
+    try:
+        keys = keys_from_args(args, "baton role")
+    except ValueError as exc:
+        print(f"baton role: {exc}", file=sys.stderr)
+        return 2
+    with EngineClient(args.address, keys=keys) as client:
+        try:
+            reply = client.change_role(args.role)
+            print(f"{args.address}: {reply.message}")
+            if not reply.ok:
+                return 1
+            deadline = time.monotonic() + args.wait
+            while args.wait:
+                stats = client.stats()
+                if stats.role == args.role and not stats.draining:
+                    print(f"{args.address}: now {args.role}")
+                    return 0
+                if time.monotonic() > deadline:
+                    print(f"{args.address}: still {stats.role}, draining "
+                          f"{stats.num_running + stats.num_waiting} requests", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+        except EngineTimeout as exc:
+            print(f"baton role: no answer from {args.address}: {exc}", file=sys.stderr)
+            return 1
+    return 0
 
 
 def run_engine(args: argparse.Namespace) -> int:

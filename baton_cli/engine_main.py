@@ -27,6 +27,7 @@ from baton.service.engine_service import EngineService, ServiceConfig
 from baton.service.metrics import EngineMetrics
 from completion_engine.worker import CompletionWorker
 from kv_transfer.config import TransferConfig
+from kv_transfer.integrity import FaultPlan
 from normal_engine.worker import NormalWorker
 from prompt_engine.worker import PromptWorker
 
@@ -57,12 +58,17 @@ SPECULATION = ("speculative", "num_speculative_tokens")
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
-    """The KV side channel's config; `args.cluster_keys` is what main() resolved."""
+    """The KV side channel's config; `args.cluster_keys` is what main() resolved. An engine
+    that changes its role (S41) has only its first role's flags: the others' defaults."""
     if role == PROMPT:
-        return TransferConfig(host=args.host, side_channel_port=args.side_channel_port,
-                              lease_ttl_s=args.lease_ttl, keys=args.cluster_keys)
-    return TransferConfig(host=args.host, transfer_timeout_s=args.kv_timeout,
-                          claim_ttl_s=max(60.0, 2 * args.kv_timeout), keys=args.cluster_keys)
+        return TransferConfig(host=args.host,
+                              side_channel_port=getattr(args, "side_channel_port", 0),
+                              lease_ttl_s=getattr(args, "lease_ttl", 30.0),
+                              keys=args.cluster_keys,
+                              checksum=getattr(args, "kv_checksum", "all"))
+    kv_timeout = getattr(args, "kv_timeout", 30.0)
+    return TransferConfig(host=args.host, transfer_timeout_s=kv_timeout,
+                          claim_ttl_s=max(60.0, 2 * kv_timeout), keys=args.cluster_keys)
 
 
 def _normal_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
@@ -71,12 +77,13 @@ def _normal_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
 
 def _prompt_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
     return PromptWorker(engine, transfer_config(args, PROMPT), engine_id,
-                        advertise_host=args.advertise_host)
+                        advertise_host=args.advertise_host, faults=FaultPlan.from_env())
 
 
 def _completion_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
     return CompletionWorker(engine, transfer_config(args, COMPLETION), engine_id,
-                            on_pull_result=metrics.on_pull if metrics is not None else None)
+                            on_pull_result=metrics.on_pull if metrics is not None else None,
+                            faults=FaultPlan.from_env())
 
 
 # The one table of roles: each role's worker (normal_engine/, prompt_engine/, completion_engine/)
@@ -104,6 +111,15 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
     if clock is not None:
         clock.mark("transfer agent" if role != NORMAL else "worker")
     return worker
+
+
+def role_factory(args: argparse.Namespace, engine_id: str, metrics: EngineMetrics | None):
+    """A role change's worker (S41): a new engine core in the new mode over the old one's
+    runner, so the weights and the KV pool stay; the role's worker around it."""
+    def build(role: str, old) -> object:
+        engine = LLMEngine(engine_config(args, role), runner=old.engine.runner)
+        return ROLE_WORKERS[role](engine, args, engine_id, metrics)
+    return build
 
 
 def wait_for_go(engine_id: str) -> None:
@@ -211,7 +227,10 @@ def main(args: argparse.Namespace) -> int:
         service = EngineService(worker, ServiceConfig(
             engine_id=engine_id, host=args.host, port=port,
             drain_timeout_s=args.drain_timeout, heartbeat_s=args.registry_ttl / 3,
-            advertise_host=args.advertise_host, keys=args.cluster_keys), registry=registry, dp=dp, metrics=metrics)
+            advertise_host=args.advertise_host, keys=args.cluster_keys), registry=registry,
+            dp=dp, metrics=metrics,
+            # Data-parallel ranks vote in lockstep: one rank alone cannot change its mode.
+            role_factory=role_factory(args, engine_id, metrics) if dp_size == 1 else None)
         if metrics is not None:
             metrics.serve(args.host, args.metrics_port + rank)
     except (ValueError, OSError) as exc:  # model not found, port in use, bad flag values

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from baton.ops.cpus import cpu_shares, engine_threads
 from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
 from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
+from baton.workload.results import parse_slos
 from baton_cli.engine_args import COMMAND_OF, ROLE_COMMANDS, add_common_args
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
@@ -41,11 +43,27 @@ class LaunchConfig:
     router_port: int = 8000
     num_prompt_engines: int = 1
     num_completion_engines: int = 1
-    num_normal_engines: int = 0  # > 0 with no prompt/completion engines: co-located serving
+    # Co-located engines; beside prompt + completion engines a mixed fleet, where the router
+    # chooses each request's path (router/path.py).
+    num_normal_engines: int = 0
     model: str = ""  # "" = the default model
     redis_url: str = ""  # "" = start a local redis-server (closed: a generated password)
     redis_password_file: str = ""  # the password of an external redis_url
     api_key: str = ""
+    # Named API keys for the router (router/api_keys.py): each its own rate limit and usage
+    # counters; with cache_salt_per_key each key's requests share a prefix cache only among
+    # themselves. Checked here, so a bad file fails `baton up` before anything starts.
+    api_keys_file: str = ""
+    cache_salt_per_key: bool = False
+    _launcher_key: str = field(default="", init=False, repr=False)  # one of api_keys_file's
+    # The planner (planner/core.py, baton_cli/live_planner.py): off, advise or apply, over a
+    # prompt/completion fleet, with the profile it predicts with and the SLOs it serves.
+    planner: str = "off"
+    planner_profile: str = ""
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    planner_interval_s: float = 30.0
+    planner_window_s: float = 120.0
+    planner_cooldown_s: float = 300.0
     ready_timeout_s: float = 300.0
     # Flags after `--`, passed to every engine whose role has them (role_engine_args).
     engine_args: list[str] = field(default_factory=list)
@@ -53,6 +71,10 @@ class LaunchConfig:
     metrics: bool = True  # each engine serves Prometheus metrics on a free port (the banner)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # once up, for every child
     routing: str = "cache-aware"  # the router's --routing (router/engine_pool.py)
+    # A mixed fleet's path choice, the router's flags of the same names (router/path.py):
+    profile: str = ""  # --profile: predict each path's cost from this [sim] profile
+    pd_threshold_tokens: int | None = None  # --pd-threshold-tokens: a static rule instead
+    pd_handoff_ms: float | None = None  # --pd-handoff-ms (with profile); None = the router's
     cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
     insecure: bool = False  # no CURVE on the internal wires (benchmarks only)
     mock: str = ""  # a profile: every engine a mock engine (--mock), the router unchanged
@@ -71,8 +93,26 @@ class LaunchConfig:
             raise ValueError("need at least one prompt and one completion engine, "
                              f"or a normal engine (got {self.num_prompt_engines} prompt, "
                              f"{self.num_completion_engines} completion)")
-        if self.num_normal_engines and disagg:
-            raise ValueError("run either normal engines or prompt+completion engines, not both")
+        if self.num_normal_engines and disagg and not (self.num_prompt_engines
+                                                       and self.num_completion_engines):
+            raise ValueError(
+                "a mixed fleet needs both --prompt-engines and --completion-engines beside "
+                f"--normal-engines (got {self.num_prompt_engines} prompt, "
+                f"{self.num_completion_engines} completion): a prompt engine hands its KV "
+                "to a completion engine")
+        if self.pd_threshold_tokens is not None and self.pd_threshold_tokens < 0:
+            raise ValueError(f"--pd-threshold-tokens must be >= 0, got {self.pd_threshold_tokens}")
+        if self.profile and self.pd_threshold_tokens is not None:
+            raise ValueError("give either --profile or --pd-threshold-tokens, not both")
+        if self.pd_handoff_ms is not None and not self.profile:
+            raise ValueError("--pd-handoff-ms prices the disaggregated path for --profile's "
+                             "predictions; it needs --profile")
+        if self.pd_handoff_ms is not None and not 0 <= self.pd_handoff_ms < float("inf"):
+            raise ValueError(f"--pd-handoff-ms must be >= 0 and finite, got {self.pd_handoff_ms}")
+        if self.profile:
+            from baton.perf.profile import load
+
+            load(self.profile)  # ProfileError (a ValueError) naming the file and its bad field
         role_engine_args(self.engine_args, NORMAL)  # an unknown flag fails here, not at start
         if self.redis_password_file and not self.redis_url:
             raise ValueError("--redis-password-file is for an external --redis-url; the "
@@ -84,10 +124,34 @@ class LaunchConfig:
                              "tokenizes with the default model's tokenizer)")
         if "--mock" in self.engine_args:
             raise ValueError("give --mock to `baton up` itself, not after --")
+        if self.api_keys_file:
+            from router.api_keys import load_api_keys
+
+            self._launcher_key = load_api_keys(self.api_keys_file)[0].key
+        if self.planner not in ("off", "advise", "apply"):
+            raise ValueError(f"--planner must be off, advise or apply, got {self.planner!r}")
+        if self.planner != "off":
+            if self.num_normal_engines:
+                raise ValueError("--planner moves engines between prompt and completion: "
+                                 "run prompt and completion engines, no --normal-engines")
+            if not self.planner_profile or not self.slos_ms:
+                raise ValueError("--planner needs a profile (--planner-profile or --profile: "
+                                 "its predictions) and --goodput ttft:MS tpot:MS (what it "
+                                 "serves)")
+            from baton.perf.profile import load as load_profile
+
+            load_profile(self.planner_profile)  # a bad profile fails here, naming its field
+        if self.cache_salt_per_key and not (self.api_key or self.api_keys_file):
+            raise ValueError("--cache-salt-per-key needs API keys (--api-key or --api-keys-file)")
         for flag in ("--cluster-key-dir", "--insecure"):
             if flag in self.engine_args:
                 raise ValueError(f"give {flag} to `baton up` itself, not after --: the router "
                                  "and every engine must share it")
+
+
+    def launcher_key(self) -> str:
+        """A key the launcher itself may use to ask the router (the banner's model name)."""
+        return self.api_key or self._launcher_key
 
 
 def role_engine_args(engine_args: list[str], role: str) -> list[str]:
@@ -138,9 +202,12 @@ def _http_ok(url: str) -> bool:
 
 def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadline: float,
                        ready_s: dict[str, float], spawned_at: dict[str, float],
-                       keys: ClusterKeys | None = None) -> None:
+                       keys: ClusterKeys | None = None,
+                       address_files: dict[str, str] | None = None) -> None:
     """Probe every engine until each answers, all together, so each one's time-to-ready
-    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it."""
+    (`ready_s`, seconds from its spawn) is its own and not the slowest one's before it. An
+    engine started with --port 0 is probed once its address file names the port it bound;
+    its command line then names that port, so a restart binds it again."""
     from baton.service.client import probe_engine
 
     waiting = [c for c in children if c.name in addresses]
@@ -149,10 +216,24 @@ def wait_engines_ready(children: list[Child], addresses: dict[str, str], deadlin
             raise LaunchError(f"{', '.join(c.name for c in waiting)} not ready in time")
         for child in list(waiting):
             child.check_alive()
+            if not addresses[child.name]:
+                address = _read_address((address_files or {}).get(child.name, ""))
+                if not address:
+                    continue
+                addresses[child.name] = address
+                child.pin_port(address.rsplit(":", 1)[1])
             if probe_engine(addresses[child.name], timeout_s=0.5, keys=keys) is not None:
                 ready_s[child.name] = time.monotonic() - spawned_at[child.name]
                 logger.info("%s ready in %.1f s", child.name, ready_s[child.name])
                 waiting.remove(child)
+
+
+def _read_address(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def wait_http_ready(url: str, deadline: float, child: Child) -> None:
@@ -178,6 +259,9 @@ class Launcher:
         self.redis_args: list[str] = (["--redis-password-file", config.redis_password_file]
                                       if config.redis_password_file else [])
         self.engine_addresses: dict[str, str] = {}
+        self.address_files: dict[str, str] = {}  # engine id -> its --address-file
+        self.engine_roles: dict[str, str] = {}  # engine id -> its role now (S41 may change it)
+        self.planner = None  # baton_cli/live_planner.py, with --planner advise|apply
         self.metrics_urls: dict[str, str] = {}  # engine id -> its Prometheus endpoint
         self.spawned_at: dict[str, float] = {}  # child -> time.monotonic() of its spawn
         self.ready_s: dict[str, float] = {}  # child -> seconds from its spawn to ready
@@ -186,6 +270,10 @@ class Launcher:
         self.keys: ClusterKeys | None = None
         self.key_args: list[str] = []
         self._own_key_dir = ""  # generated here: removed at stop
+        # Each engine's --address-file: engines bind an ephemeral port on their first start and
+        # report it (a port picked here in advance could be taken, before the engine bound it,
+        # by another engine's ephemeral KV side channel); restarts then bind that same port.
+        self._run_dir = tempfile.mkdtemp(prefix="baton-up-")
 
     def _setup_keys(self) -> list[str]:
         """The children's key flags; generates the keys unless given a dir or --insecure."""
@@ -227,7 +315,7 @@ class Launcher:
             idx = counts[role] = counts.get(role, -1) + 1
             self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
         wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
-                           self.spawned_at, self.keys)
+                           self.spawned_at, self.keys, self.address_files)
         self._start_router(deadline)
 
     def _model_args(self) -> list[str]:
@@ -235,20 +323,45 @@ class Launcher:
 
     def _start_engine(self, command: str, engine_id: str, threads: int, cpus: str) -> None:
         cfg = self.config
-        port = free_port(cfg.host)
+        address_file = os.path.join(self._run_dir, f"{engine_id}.address")
         argv = [sys.executable, "-m", "baton_cli", command, "--engine-id", engine_id,
-                "--host", cfg.host, "--port", str(port), "--redis-url", self.redis_url,
+                "--host", cfg.host, "--port", "0", "--address-file", address_file,
+                "--redis-url", self.redis_url,
                 *self.redis_args,
                 *(["--mock", cfg.mock] if cfg.mock else ["--num-threads", str(threads)]),
                 *(["--cpus", cpus] if cpus else []), *self._model_args(),
                 *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
-        address = self.engine_addresses[engine_id] = f"tcp://{cfg.host}:{port}"
+        self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
+        self.address_files[engine_id] = address_file
+        self.engine_roles[engine_id] = ROLE_COMMANDS[command]
         keys = self.keys
         self.spawned_at[engine_id] = time.monotonic()
-        self.children.append(Child(engine_id, argv, is_ready=lambda: _engine_answers(address, keys),
-                                   standby_argv=[*argv, "--standby"] if cfg.warm_standby
-                                   else None))
+        self.children.append(Child(
+            engine_id, argv,
+            is_ready=lambda: _engine_answers(self.engine_addresses[engine_id], keys),
+            standby_argv=[*argv, "--standby"] if cfg.warm_standby else None))
+
+    def redis_password_file(self) -> str:
+        return self.redis.password_file if self.redis is not None else \
+            self.config.redis_password_file
+
+    def set_engine_role(self, engine_id: str, role: str) -> None:
+        """`engine_id` was told to become `role` (S41): a restart starts it as one, and its
+        warm spare, if any, is replaced by one of the new role."""
+        old = self.engine_roles[engine_id]
+        self.engine_roles[engine_id] = role
+        child = next(c for c in self.children if c.name == engine_id)
+        old_tail = role_engine_args(self.config.engine_args, old)
+        head = child.argv[:len(child.argv) - len(old_tail)] if old_tail else child.argv
+        head[3] = COMMAND_OF[role]  # [python, -m, baton_cli, COMMAND, ...]
+        child.argv = [*head, *role_engine_args(self.config.engine_args, role)]
+        if child.standby_argv is not None:
+            child.standby_argv = [*child.argv, "--standby"]
+            if child.standby is not None:
+                child.standby.kill()
+                child.standby = None
+            child.spawn_standby()
 
     def _metrics_args(self, engine_id: str) -> list[str]:
         # A --metrics-port among the engine flags would give every engine the same port.
@@ -267,12 +380,19 @@ class Launcher:
         return ["--no-load-cache"] if known.no_load_cache else \
             ["--load-cache-dir", known.load_cache_dir] if known.load_cache_dir else []
 
-    def _start_router(self, deadline: float) -> None:
+    def router_argv(self) -> list[str]:
         cfg = self.config
-        argv = [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
+        return [sys.executable, "-m", "baton_cli", "router", "--host", cfg.host,
                 "--port", str(cfg.router_port), "--redis-url", self.redis_url, *self.redis_args,
                 "--routing", cfg.routing, *self._model_args(), *self.key_args,
-                *self._load_cache_args()]
+                *self._load_cache_args(),
+                *(["--api-keys-file", cfg.api_keys_file] if cfg.api_keys_file else []),
+                *(["--cache-salt-per-key"] if cfg.cache_salt_per_key else []),
+                *self._path_args()]
+
+    def _start_router(self, deadline: float) -> None:
+        cfg = self.config
+        argv = self.router_argv()
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
         self.spawned_at["router"] = time.monotonic()
@@ -283,6 +403,36 @@ class Launcher:
         logger.info("router ready in %.1f s", self.ready_s["router"])
         for child in self.children:  # every child is up: now the spares, if asked for
             child.spawn_standby()
+        if cfg.planner != "off":
+            self._start_planner()
+
+    def _start_planner(self) -> None:
+        from baton.perf.profile import load as load_profile
+        from baton_cli.live_planner import LivePlanner
+        from planner.core import Planner, PlannerConfig
+        from simulator.fleet import FleetConfig
+
+        cfg = self.config
+        profile = load_profile(cfg.planner_profile)
+        fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
+        planner = Planner(profile, PlannerConfig(
+            slos_ms=cfg.slos_ms, interval_s=cfg.planner_interval_s,
+            window_s=cfg.planner_window_s, cooldown_s=cfg.planner_cooldown_s,
+            apply=cfg.planner == "apply"), fleet)
+        self.planner = LivePlanner(self, planner, cfg.planner_interval_s,
+                                   cfg.planner_window_s).start()
+        logger.info("planner (%s) every %.0f s on the last %.0f s of requests", cfg.planner,
+                    cfg.planner_interval_s, cfg.planner_window_s)
+
+    def _path_args(self) -> list[str]:
+        cfg = self.config
+        if cfg.profile:
+            return ["--profile", os.path.abspath(cfg.profile),
+                    *([] if cfg.pd_handoff_ms is None else
+                      ["--pd-handoff-ms", str(cfg.pd_handoff_ms)])]
+        if cfg.pd_threshold_tokens is not None:
+            return ["--pd-threshold-tokens", str(cfg.pd_threshold_tokens)]
+        return []
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise the children until a signal (returns 0), or until the router or every
@@ -301,6 +451,9 @@ class Launcher:
         return 0
 
     def stop(self, timeout_s: float = 40.0) -> None:
+        if self.planner is not None:
+            self.planner.stop()
+            self.planner = None
         for child in reversed(self.children):  # router first: no new work reaches the engines
             child.stop(timeout_s)
         self.children.clear()
@@ -310,6 +463,7 @@ class Launcher:
         if self._own_key_dir:
             shutil.rmtree(self._own_key_dir, ignore_errors=True)
             self._own_key_dir = ""
+        shutil.rmtree(self._run_dir, ignore_errors=True)
 
     def served_model(self) -> str:
         """The model id the router serves (clients must name it), or a placeholder."""
@@ -317,7 +471,8 @@ class Launcher:
         import urllib.request
 
         url = f"http://{self.config.host}:{self.config.router_port}/v1/models"
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        key = self.config.launcher_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
             with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
                                         timeout=5.0) as resp:
@@ -329,7 +484,7 @@ class Launcher:
         cfg = self.config
         base = f"http://{cfg.host}:{cfg.router_port}"
         model = self.served_model()
-        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.api_key else ""
+        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.launcher_key() else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
         ready = {name: f"  ready in {s:.1f} s" for name, s in self.ready_s.items()}
         lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
@@ -354,9 +509,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--completion-engines", type=int, default=None,
                    help="completion engines (default 1; 0 with --normal-engines)")
     p.add_argument("--normal-engines", type=int, default=0,
-                   help="co-located engines instead of prompt+completion (whose counts then "
-                   "default to 0; a mixed fleet is refused: the router has no per-request "
-                   "path choice yet)")
+                   help="co-located engines: alone, instead of prompt+completion (whose counts "
+                   "then default to 0); with explicit --prompt-engines and "
+                   "--completion-engines, a mixed fleet where the router chooses each "
+                   "request's path (--profile, --pd-threshold-tokens)")
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
@@ -365,6 +521,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-password-file", default="",
                    help="file holding the password of --redis-url (the user goes in the URL)")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY", ""))
+    p.add_argument("--api-keys-file", default=os.environ.get("BATON_API_KEYS_FILE", ""),
+                   help="the router's named API keys (YAML, 0600; see baton router --help)")
+    p.add_argument("--cache-salt-per-key", action="store_true",
+                   help="each API key's requests share a prefix cache only among themselves")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--no-cpu-pinning", action="store_true",
                    help="do not give each engine its own cores")
@@ -376,10 +536,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds the restarts are counted over")
     p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's engine choice (see baton router --help)")
+    p.add_argument("--profile", default="", metavar="PROFILE.json",
+                   help="mixed fleets: the router chooses each request's path from this "
+                        "profile's predicted costs (see baton router --help)")
+    p.add_argument("--pd-threshold-tokens", type=int, default=None, metavar="N",
+                   help="mixed fleets: disaggregated past N uncached prompt tokens instead")
+    p.add_argument("--pd-handoff-ms", type=float, default=None,
+                   help="with --profile: the disaggregated path's cost beyond the KV copy "
+                        "(see baton router --help)")
     add_key_args(p)
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "
                    "promoted when the engine exits: restarts in about a second")
+    g = p.add_argument_group("planner (docs/scheduler.md S41: engines change roles in place)")
+    g.add_argument("--planner", choices=("off", "advise", "apply"), default="off",
+                   help="advise: publish the split it would choose (router /planner, "
+                        "metrics); apply: also move engines between prompt and completion")
+    g.add_argument("--planner-profile", default="", metavar="PROFILE.json",
+                   help="the profile the planner predicts with (default: --profile)")
+    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                   help="the planner's SLOs, e.g. ttft:2000 tpot:100")
+    g.add_argument("--planner-interval", type=float, default=30.0)
+    g.add_argument("--planner-window", type=float, default=120.0)
+    g.add_argument("--planner-cooldown", type=float, default=300.0)
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
     p.set_defaults(func=run)
@@ -387,17 +566,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def engine_counts(args: argparse.Namespace) -> tuple[int, int, int]:
     """(prompt, completion, normal) engines the flags ask for. --normal-engines alone means
-    co-located serving only; with an explicit prompt or completion count too it is a mixed
-    fleet, which the router cannot yet split per request: refused by name, never zeroed."""
+    co-located serving only (the prompt and completion counts default to 0); with explicit
+    prompt and completion counts too it is a mixed fleet (LaunchConfig refuses one of the two
+    without the other by name)."""
     normal = args.normal_engines
-    given = {f"--{name}-engines": value for name, value in
-             (("prompt", args.prompt_engines), ("completion", args.completion_engines))
-             if value is not None}
-    if normal and any(given.values()):
-        flags = " and ".join(f"{flag} {value}" for flag, value in given.items())
-        raise ValueError(f"--normal-engines {normal} with {flags}: a mixed fleet needs the "
-                         "router to choose the path per request, which it does not yet; run "
-                         "normal engines or prompt+completion engines")
     default = 0 if normal else 1
     prompt = default if args.prompt_engines is None else args.prompt_engines
     completion = default if args.completion_engines is None else args.completion_engines
@@ -411,13 +583,21 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, router_port=args.port, model=args.model, redis_url=args.redis_url,
             redis_password_file=args.redis_password_file,
             num_prompt_engines=prompt, num_completion_engines=completion,
-            num_normal_engines=normal, api_key=args.api_key, ready_timeout_s=args.ready_timeout,
+            num_normal_engines=normal, api_key=args.api_key,
+            api_keys_file=args.api_keys_file, cache_salt_per_key=args.cache_salt_per_key,
+            ready_timeout_s=args.ready_timeout,
             engine_args=[a for a in args.engine_args if a != "--"],
             pin_cpus=not args.no_cpu_pinning, metrics=not args.no_metrics,
             restart=RestartPolicy(max_restarts=args.max_restarts,
                                   window_s=args.restart_window),
             routing=args.routing, insecure=args.insecure, mock=args.mock,
-            warm_standby=args.warm_standby,
+            profile=args.profile, pd_threshold_tokens=args.pd_threshold_tokens,
+            pd_handoff_ms=args.pd_handoff_ms,
+            warm_standby=args.warm_standby, planner=args.planner,
+            planner_profile=args.planner_profile or args.profile,
+            slos_ms=parse_slos(args.goodput),
+            planner_interval_s=args.planner_interval, planner_window_s=args.planner_window,
+            planner_cooldown_s=args.planner_cooldown,
             # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
             cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(
                 ENV_KEY_DIR, "") else args.cluster_key_dir)

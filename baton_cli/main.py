@@ -20,9 +20,11 @@ _SUBCOMMANDS: dict[str, str] = {
     "prompt-engine": "baton_cli.engine_args:add_prompt_parser",
     "completion-engine": "baton_cli.engine_args:add_completion_parser",
     "probe": "baton_cli.engine_args:add_probe_parser",
+    "role": "baton_cli.engine_args:add_role_parser",
     "keys": "baton.ops.cluster_keys:add_generate_parser",
     "bench": "baton_cli.bench:add_parser",
     "sim": "simulator.cli:add_parser",
+    "plan": "simulator.plan:add_parser",
     "profile": "baton_cli.profile:add_parser",
     "router": "router.cli:add_parser",
 }

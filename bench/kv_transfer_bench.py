@@ -51,7 +51,9 @@ def _exporter_main(conn, env: dict) -> None:
             if exp is not None:
                 exp.close()
             pool = np.ones((args[0], args[1]), dtype=np.uint8)  # touched: no page faults later
-            exp = KVExporter(pool, TransferConfig(), _fingerprint(), lambda r, b: None, "bench-p")
+            # The transport alone: block checksums (on by default) are bench/kv_integrity_bench.py's
+            exp = KVExporter(pool, TransferConfig(checksum="off"), _fingerprint(),
+                             lambda r, b: None, "bench-p")
             conn.send(None)
         elif cmd == "hold":
             end = time.monotonic() + 5  # the previous pull's release note may be in flight

@@ -10,6 +10,10 @@ greedy, ignore_eos, --max-tokens tokens) and keeps the run's median TTFT and TPO
 KV pulls: an exporter process and an in-process importer per mode, interleaved the same way;
 each rep pulls a 1-block handle (the claim round trip dominates: where CURVE could show) and a
 --kv-mib MiB handle (the NIXL READ dominates; it never crosses ZMQ, so CURVE cannot slow it).
+Wire: round trips of one one-token TokenDelta (what each streamed token costs on the engine
+wire) between a DEALER and a ROUTER on loopback, CURVE against NULL, in interleaved batches:
+the per-token price of the encryption without the serving runs' noise (on a loaded 2-core host
+the serving medians swing by more than the effect).
 Prints medians and spread (min..max) of the runs; writes bench/results/secure_cost.json.
 """
 
@@ -34,6 +38,7 @@ ROOT = HERE.parent
 MODEL_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M fp32: 737,280 bytes per block
 MODES = ("curve", "insecure")
 KV_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+IDLE_TPOT_MS = 13.8  # the README's c1 TPOT of the default model on an idle 2-core host
 PROMPT = ("The history of the city begins with a small town by the river where people built "
           "houses, roads and a market; over the years the town grew into a place of trade and ")
 
@@ -197,6 +202,76 @@ def kv_pulls(args: argparse.Namespace) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- the wire
+def wire_rtt(args: argparse.Namespace) -> dict:
+    """Round trips of one engine-wire message (a one-token TokenDelta, what every streamed
+    token costs) between a DEALER and a ROUTER on loopback, CURVE against NULL, interleaved in
+    batches: the per-token price of the encryption, free of the serving runs' noise."""
+    import threading
+
+    import zmq
+
+    from baton.protocol import TokenDelta, encode
+    from kv_transfer.auth import ClusterKeys, generate
+
+    key_dir = str(generate())
+    keys = ClusterKeys.load(key_dir)
+    msg = encode(TokenDelta("cmpl-0123456789abcdef0123456789abcdef", token_ids=[1234],
+                            logprobs=[-0.5]))
+    ctx = zmq.Context()
+    pairs = {}
+    try:
+        for m in MODES:
+            server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+            for sock in (server, client):
+                sock.setsockopt(zmq.LINGER, 0)
+            if m == "curve":
+                keys.apply_server(server, "bench")
+                keys.apply_client(client)
+            port = server.bind_to_random_port("tcp://127.0.0.1")
+            client.connect(f"tcp://127.0.0.1:{port}")
+            stop = threading.Event()
+
+            def echo(sock=server, stop=stop) -> None:
+                poller = zmq.Poller()
+                poller.register(sock, zmq.POLLIN)
+                while not stop.is_set():
+                    if poller.poll(50):
+                        sock.send_multipart(sock.recv_multipart())
+            thread = threading.Thread(target=echo, daemon=True)
+            thread.start()
+            pairs[m] = (server, client, stop, thread)
+        out: dict[str, list[float]] = {m: [] for m in MODES}
+
+        def batch(m: str, n: int) -> float:
+            client = pairs[m][1]
+            start = time.perf_counter()
+            for _ in range(n):
+                client.send(msg)
+                client.recv()
+            return 1e6 * (time.perf_counter() - start) / n
+
+        for m in MODES:
+            batch(m, 200)  # handshake, warm
+        for rep in range(args.wire_reps):
+            for m in (MODES if rep % 2 == 0 else MODES[::-1]):
+                out[m].append(batch(m, args.wire_batch))
+        return out
+    finally:
+        for server, client, stop, thread in pairs.values():
+            stop.set()
+            thread.join(2)
+            server.close()
+            client.close()
+        from kv_transfer.auth import stop_authenticator
+
+        stop_authenticator(ctx)
+        ctx.term()
+        import shutil
+
+        shutil.rmtree(key_dir, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------- report
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values),
@@ -211,6 +286,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18300, help="router ports: PORT and PORT+1")
     ap.add_argument("--kv-reps", type=int, default=7, help="interleaved KV pulls per mode")
     ap.add_argument("--kv-mib", type=int, default=32, help="MiB of the large KV pull")
+    ap.add_argument("--wire-reps", type=int, default=11, help="interleaved wire batches per mode")
+    ap.add_argument("--wire-batch", type=int, default=2000, help="round trips per wire batch")
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--log-dir", default="/tmp/secure_cost_logs", help="baton up logs")
     ap.add_argument("--out", default=str(HERE / "results" / "secure_cost.json"))
@@ -219,6 +296,8 @@ def main() -> None:
                     # no paths of this machine in a committed result
                     "args": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
                     "serving": {}, "kv": {}}
+    print("wire round trips (interleaved):", flush=True)
+    report["wire"] = {m: {"rtt_us": summary(v)} for m, v in wire_rtt(args).items()}
     print("KV pulls (interleaved):", flush=True)
     kv = kv_pulls(args)
     report["kv"] = {m: {k: summary(v) for k, v in d.items()} for m, d in kv.items()}
@@ -237,11 +316,11 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    rows = [("kv", "1-block pull ms", "small_ms"), ("kv", "large pull GB/s", "big_gbps"),
+    rows = [("wire", "token RTT us", "rtt_us"), ("kv", "1-block pull ms", "small_ms"), ("kv", "large pull GB/s", "big_gbps"),
             ("serving", "c1 TTFT ms", "ttft_ms"), ("serving", "c1 TPOT ms", "tpot_ms")]
     print(f"{'figure':<18} {'curve (min..max)':>26} {'insecure (min..max)':>26} {'cost':>7}")
     for part, name, key in rows:
-        if set(report[part]) != set(MODES):
+        if set(report.get(part, {})) != set(MODES):
             continue
         on, off = report[part]["curve"][key], report[part]["insecure"][key]
         worse = off["median"] / on["median"] - 1 if key == "big_gbps" else \
@@ -249,6 +328,14 @@ def print_table(report: dict) -> None:
         print(f"{name:<18} {on['median']:>9.2f} ({on['min']:.2f}..{on['max']:.2f})"
               f"{'':>2} {off['median']:>9.2f} ({off['min']:.2f}..{off['max']:.2f})"
               f"{'':>2} {100 * worse:>+6.1f}%")
+    if set(report.get("wire", {})) == set(MODES):
+        extra_us = (report["wire"]["curve"]["rtt_us"]["median"]
+                    - report["wire"]["insecure"]["rtt_us"]["median"])
+        serving = report.get("serving", {}).get("insecure")
+        tpot_ms = serving["tpot_ms"]["median"] if serving else IDLE_TPOT_MS
+        print(f"CURVE per streamed token: {extra_us:+.0f} us a round trip (a token crosses the "
+              f"engine wire once), {100 * extra_us / 1e3 / tpot_ms:+.2f}% of a {tpot_ms:.1f} ms "
+              f"TPOT ({'this run' if serving else 'the README idle c1 figure'})")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@
    engine tracks the request (its first token, sampled by the prompt engine, is output 1) and
    the importer starts pulling the rest (at least the last block, so the lease is always
    claimed and released).
-3. The importer's result: DONE -> `commit_prompted` (the sequence joins `prompted`, then
-   `running` on the next decode step); FAILED -> `free_prompted`, finish with
-   `kv_transfer_failed` and the importer's reason (peer gone, lease expired, timeout...).
+3. The importer's result: DONE (the pulled blocks verified against the prompt engine's
+   checksums) -> `commit_prompted` (the sequence joins `prompted`, then `running` on the next
+   decode step); FAILED -> `free_prompted` (blocks back, none of them keyed), finish with
+   `kv_transfer_failed` and the importer's reason (peer gone, lease expired, timeout, checksum
+   or fingerprint mismatch...): the router migrates the request (a new prefill and pull), so
+   KV that is not what the prompt engine computed is never decoded.
 4. `abort`: in admission the request just leaves; during the pull the importer is told and the
    blocks are freed once its result arrives (never while a NIXL read may still write into
    them); after the commit the engine's own abort applies (the caller's business).
@@ -36,6 +39,7 @@ from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferState
 from kv_transfer.importer import KVImporter
+from kv_transfer.integrity import FaultPlan
 from kv_transfer.pulls import TransferResult
 
 logger = logging.getLogger(__name__)
@@ -75,6 +79,9 @@ def check_handle(req: GenerateRequest, block_size: int, vocab_size: int,
     if len(handle.block_ids) != -(-num_prompt // block_size):
         raise ValueError(f"KV handle has {len(handle.block_ids)} blocks for {num_prompt} "
                          f"tokens of block size {block_size}")
+    if handle.checksums and len(handle.checksums) != len(handle.block_ids):
+        raise ValueError(f"KV handle has {len(handle.checksums)} block checksums for "
+                         f"{len(handle.block_ids)} blocks")
     if not 0 <= req.first_token_id < vocab_size:
         raise ValueError(f"first token id {req.first_token_id} out of range")
     if handle.block_keys and key_seed is not None:
@@ -116,10 +123,11 @@ class Admission:
 
     def __init__(self, engine: LLMEngine, kv_cache, transfer: TransferConfig,
                  fingerprint: kvproto.Fingerprint, engine_id: str,
-                 on_pull_result: PullObserver | None = None):
+                 on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None):
         self.engine = engine
         self.on_pull_result = on_pull_result
-        self.importer = KVImporter(kv_cache, transfer, fingerprint, engine_id=engine_id)
+        self.importer = KVImporter(kv_cache, transfer, fingerprint, engine_id=engine_id,
+                                   faults=faults)
         self.queue: collections.deque[_Admission] = collections.deque()
         self.pulling: dict[str, _Admission] = {}
         self.num_pulls_done = 0

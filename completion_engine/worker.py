@@ -18,9 +18,12 @@ import logging
 from baton.engine import LLMEngine
 from baton.ops.registry import EngineRecord
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
+from baton.service.metrics import INTEGRITY_PREFIX
 from baton.service.worker import EngineWorker, error_delta, to_sampling_params
 from completion_engine.admission import Admission, PullObserver
 from kv_transfer.config import TransferConfig
+from kv_transfer.errors import INTEGRITY_FAILURES
+from kv_transfer.integrity import FaultPlan
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +32,10 @@ class CompletionWorker(EngineWorker):
     role = "completion"
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
-                 on_pull_result: PullObserver | None = None):
+                 on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None):
         super().__init__(engine)
         self.admission = Admission(engine, engine.kv_cache, transfer, self.kv_fingerprint(),
-                                   engine_id, on_pull_result)
+                                   engine_id, on_pull_result, faults)
 
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         try:
@@ -65,9 +68,12 @@ class CompletionWorker(EngineWorker):
         stats.extra["kv_pulls_failed"] = float(self.admission.num_pulls_failed)
         stats.extra["kv_blocks_pulled"] = float(self.admission.num_blocks_pulled)
         stats.extra["kv_blocks_reused"] = float(self.admission.num_blocks_reused)
-        for key, value in self.admission.metrics().items():
+        pulls = self.admission.metrics()
+        for key, value in pulls.items():
             if isinstance(value, (int, float)):
                 stats.extra[f"kv_{key}"] = float(value)
+        stats.extra[INTEGRITY_PREFIX + "pull"] = float(sum(
+            pulls.get(f"failed_{reason.value}", 0) for reason in INTEGRITY_FAILURES))
 
     def fill_record(self, record: EngineRecord) -> None:
         super().fill_record(record)

@@ -10,6 +10,9 @@ from kv_transfer.auth import ClusterKeys
 
 OPS = ("READ", "WRITE")
 MEM_TYPES = ("DRAM", "VRAM")  # NIXL memory types: host memory, a GPU's memory
+# Which handed-off prompts carry block checksums (kv_transfer/integrity.py): every one, one in
+# integrity.SAMPLE_EVERY, none. The producer decides; an importer verifies whatever it gets.
+CHECKSUM_MODES = ("all", "sample", "off")
 
 
 @dataclasses.dataclass
@@ -40,6 +43,9 @@ class TransferConfig:
     # pair and admits only the cluster's client key, the importer dials with the client pair.
     # None = plain TCP, for benchmarks and tests of the insecure mode only.
     keys: ClusterKeys | None = None
+    # The exporter's checksum policy (CHECKSUM_MODES): "all" adds 0.1-0.4% of a prompt's
+    # prefill on each side of the hand-off (bench/kv_integrity_bench.py).
+    checksum: str = "all"
 
     def __post_init__(self) -> None:
         try:
@@ -61,6 +67,8 @@ class TransferConfig:
             )
         if self.op not in OPS:
             raise ValueError(f"op={self.op!r} not one of {OPS}")
+        if self.checksum not in CHECKSUM_MODES:
+            raise ValueError(f"checksum={self.checksum!r} not one of {list(CHECKSUM_MODES)}")
         if self.max_msg_bytes < 4096:
             raise ValueError(f"max_msg_bytes={self.max_msg_bytes} below 4096")
         for key, value in self.ucx_env.items():

@@ -25,10 +25,16 @@ class FailReason(str, enum.Enum):
     BAD_CREDENTIAL = "bad_credential"  # a claim without the lease's credential
     BAD_HANDLE = "bad_handle"  # ids, counts or sizes out of range / not matching
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    CHECKSUM_MISMATCH = "checksum_mismatch"  # a pulled block's bytes differ from the producer's
     TIMEOUT = "timeout"
     ABORTED = "aborted"
     TRANSFER_ERROR = "transfer_error"  # any other NIXL failure
     CLOSED = "closed"  # the importer was closed with the transfer pending
+
+
+# The failures that mean "these bytes are not the KV they claim to be" (counted apart:
+# baton_kv_integrity_failures_total).
+INTEGRITY_FAILURES = (FailReason.FINGERPRINT_MISMATCH, FailReason.CHECKSUM_MISMATCH)
 
 
 class KVTransferError(Exception):

@@ -2,7 +2,8 @@
 
 Life of one request on the prompt engine:
 1. prefill ends; the engine calls hold(request_id, block_ids, num_tokens) and gets a KVHandle
-   for the router; the lease runs for lease_ttl_s.
+   for the router, with the blocks' checksums (config.checksum says which prompts carry them,
+   kv_transfer/integrity.py); the lease runs for lease_ttl_s.
 2. an importer handshakes once (agent metadata, pool shape, fingerprint), then sends a Claim
    for the request over the side channel with the handle's lease credential (wrong or reused:
    refused); the lease now waits for the reader (claim_ttl_s).
@@ -32,6 +33,7 @@ from kv_transfer.auth import RefusalCounter
 from kv_transfer.blocks import check_block_ids
 from kv_transfer.config import PoolSpec, TransferConfig
 from kv_transfer.errors import BadHandleError, FailReason
+from kv_transfer.integrity import BlockReader, FaultPlan, checksum_for
 from kv_transfer.leases import Lease, LeaseTable
 
 logger = logging.getLogger(__name__)
@@ -49,12 +51,18 @@ class KVExporter:
     """
 
     def __init__(self, pool: Any, config: TransferConfig, fingerprint: proto.Fingerprint,
-                 on_free: OnFree, engine_id: str = "prompt-0") -> None:
+                 on_free: OnFree, engine_id: str = "prompt-0",
+                 faults: FaultPlan | None = None) -> None:
         self.config = config
         self.spec = PoolSpec.of(pool)
         self._pool = pool  # keeps the registered memory alive
+        self._reader = BlockReader(pool, self.spec)
         self.engine_id = engine_id
+        if faults is not None and faults.foreign_weights:
+            fingerprint = msgspec.structs.replace(fingerprint,
+                                                  weights="foreign-" + fingerprint.weights)
         self.fingerprint = fingerprint
+        self._num_holds = 0
         self.instance_id = uuid.uuid4().hex[:16]
         self._on_free = on_free
         self._table = LeaseTable(self.spec.num_blocks)
@@ -95,9 +103,20 @@ class KVExporter:
         with self._lock:
             lease = self._table.hold(request_id, list(block_ids), num_tokens,
                                      time.monotonic() + ttl)
+            self._num_holds += 1
+            ordinal = self._num_holds
+        checksums = []
+        if checksum_for(self.config.checksum, ordinal):
+            # The blocks are the lease's now: nothing writes them until it ends, so their bytes
+            # at this point are what every reader must get.
+            start = time.perf_counter()
+            checksums = self._reader.checksums(lease.block_ids)
+            with self._lock:
+                self._table.counters["checksummed_blocks"] += len(checksums)
+                self._table.counters["checksum_seconds"] += time.perf_counter() - start
         return proto.KVHandle(self.engine_id, self.address, self.instance_id, request_id,
                               list(lease.block_ids), num_tokens, list(block_keys),
-                              lease.credential)
+                              lease.credential, checksums)
 
     def abort(self, request_id: str) -> bool:
         """Drop the lease; True if its blocks were freed now (False: unknown or claimed,

@@ -7,9 +7,12 @@ Life of one pull on the completion engine:
 3. it claims the lease over the side channel; a claim on an expired, unknown or claimed lease
    fails the pull (nothing was transferred).
 4. it posts a NIXL READ of the blocks carrying the Release note: TRANSFERRING.
-5. NIXL completes (DONE) or raises (FAILED: peer_gone, transfer_error), or the deadline passes
-   (FAILED: timeout, the transfer cancelled first). The engine sees the result through
-   poll(), collect(), on_result or transfer(); only then may it reuse the local blocks.
+5. NIXL completes, or raises (FAILED: peer_gone, transfer_error), or the deadline passes
+   (FAILED: timeout, the transfer cancelled first). What landed is verified against the
+   handle's checksums (kv_transfer/integrity.py): DONE, or FAILED checksum_mismatch, so a
+   request never decodes KV other than what its prompt engine computed. The engine sees the
+   result through poll(), collect(), on_result or transfer(); only then may it reuse the
+   local blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kv_transfer.agent import NixlAgent
 from kv_transfer.blocks import check_block_ids
 from kv_transfer.config import PoolSpec, TransferConfig
 from kv_transfer.errors import BadHandleError, FailReason, KVTransferError, TransferState
+from kv_transfer.integrity import BlockReader, FaultPlan
 from kv_transfer.pull_loop import PullLoop
 from kv_transfer.pulls import Pull, PullTable, TransferResult
 
@@ -43,7 +47,8 @@ class KVImporter:
 
     def __init__(self, pool: Any, config: TransferConfig, fingerprint: proto.Fingerprint,
                  engine_id: str = "completion-0",
-                 on_result: Callable[[TransferResult], None] | None = None) -> None:
+                 on_result: Callable[[TransferResult], None] | None = None,
+                 faults: FaultPlan | None = None) -> None:
         if config.op != "READ":
             raise ValueError(f"KVImporter supports op='READ' only, got {config.op!r}")
         self.config = config
@@ -54,8 +59,8 @@ class KVImporter:
         self.agent = NixlAgent(f"{engine_id}-{uuid.uuid4().hex[:16]}", self.spec,
                                config.ucx_env)
         self._pulls = PullTable(on_result)
-        self._loop = PullLoop(self.agent, config, self.spec, fingerprint, self._pulls,
-                              zmq.Context.instance())
+        self._loop = PullLoop(self.agent, config, BlockReader(pool, self.spec), fingerprint,
+                              self._pulls, zmq.Context.instance(), faults or FaultPlan())
         self._thread = threading.Thread(target=self._loop.run, name=f"kv-importer-{engine_id}",
                                         daemon=True)
         self._thread.start()

@@ -10,6 +10,7 @@ import zmq
 from kv_transfer import protocol as proto
 from kv_transfer.auth import ClusterKeys
 from kv_transfer.config import PoolSpec
+from kv_transfer.integrity import fingerprint_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,10 @@ def check_handshake(reply: proto.HandshakeReply, local: PoolSpec,
         raise ValueError(f"pool shape {reply.num_blocks}x{reply.block_bytes} out of range")
     remote = PoolSpec(reply.base_address, reply.num_blocks * reply.block_bytes,
                       reply.num_blocks, reply.block_bytes, reply.mem_type, reply.device_id)
-    if reply.fingerprint != fingerprint:
-        return remote, (f"peer {reply.engine_id} at fingerprint {reply.fingerprint.describe()} "
-                        f"!= local fingerprint {fingerprint.describe()}")
+    differs = fingerprint_mismatch(fingerprint, reply.fingerprint)
+    if differs:
+        return remote, (f"peer {reply.engine_id} computes other KV: {differs} (peer "
+                        f"{reply.fingerprint.describe()}, here {fingerprint.describe()})")
     if remote.block_bytes != local.block_bytes:
         return remote, (f"peer {reply.engine_id} block_bytes={remote.block_bytes} "
                         f"!= local block_bytes={local.block_bytes}")

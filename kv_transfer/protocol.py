@@ -20,11 +20,15 @@ import msgspec
 # Bumped whenever a message changes shape; part of the fingerprint, so two engines
 # that would misread each other refuse to talk instead of corrupting a transfer. It is the KV
 # wire's own version, not the Baton release's: kv_transfer depends on nothing in baton.
-PROTOCOL_VERSION = 2  # 2: the lease credential in KVHandle and Claim
+# 2: the lease credential in KVHandle and Claim; 3: block checksums in KVHandle, the weights and
+# the key scheme in the Fingerprint.
+PROTOCOL_VERSION = 3
 
 
 class Fingerprint(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
-    """What must match for two engines' KV blocks to be interchangeable byte for byte."""
+    """What must match for two engines' KV blocks to be interchangeable byte for byte: the one
+    definition, checked at the hand-off's handshake and (later) by every tier that keeps
+    blocks (kv_transfer/integrity.py)."""
 
     model: str
     dtype: str
@@ -34,11 +38,18 @@ class Fingerprint(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     block_size: int
     layout: str = "block-major:[blocks,layers,2,block_size,kv_heads,head_dim]"
     version: str = f"kv-{PROTOCOL_VERSION}"
+    # Identity of the weights that computed the blocks (a digest of the weight files and the
+    # quantization): two files under one name compute other K/V.
+    weights: str = ""
+    # The prefix-cache key chain's seed, hex: pools whose keys name blocks differently must
+    # not share them by key.
+    key_scheme: str = ""
 
     def describe(self) -> str:
         return (
             f"{self.model}/{self.dtype}/L{self.num_layers}/H{self.num_kv_heads}"
             f"/D{self.head_dim}/B{self.block_size}/{self.layout}/{self.version}"
+            f"/W{self.weights[:12] or '-'}/K{self.key_scheme or '-'}"
         )
 
 
@@ -58,6 +69,10 @@ class KVHandle(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     # The lease's single-use secret (16 random bytes): only a claim carrying it is granted. It
     # reaches the completion engine inside this handle, over the CURVE-encrypted engine wires.
     credential: bytes = b""
+    # CRC-32 of each block in block_ids (kv_transfer/integrity.py), taken when the lease began;
+    # empty when the exporter's checksum policy skipped this prompt. The importer verifies the
+    # blocks it pulled against them before the request may decode.
+    checksums: list[int] = []
 
 
 class Handshake(msgspec.Struct, tag="hs", array_like=True, omit_defaults=True):

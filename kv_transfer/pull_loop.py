@@ -27,6 +27,7 @@ from kv_transfer.errors import (
     PeerGoneError,
     TransferState,
 )
+from kv_transfer.integrity import BlockReader, FaultPlan
 from kv_transfer.peers import Peer, check_address, check_handshake
 from kv_transfer.pulls import Pull, PullTable, TransferResult
 
@@ -38,15 +39,20 @@ _IDLE_POLL_MS = 100
 class PullLoop:
     """The poller of one importer: owns its side-channel sockets and drives its NIXL agent.
 
-    `spec` and `fingerprint` are the local pool's, checked against every peer's handshake;
-    `table` is where pulls come in and results go out; run() returns after stop().
+    `reader` reads the local pool (its spec and `fingerprint` are checked against every peer's
+    handshake, its blocks against the handles' checksums); `table` is where pulls come in and
+    results go out; `faults` are a test's (integrity.FaultPlan); run() returns after stop().
     """
 
-    def __init__(self, agent: NixlAgent, config: TransferConfig, spec: PoolSpec,
-                 fingerprint: proto.Fingerprint, table: PullTable, ctx: zmq.Context) -> None:
+    def __init__(self, agent: NixlAgent, config: TransferConfig, reader: BlockReader,
+                 fingerprint: proto.Fingerprint, table: PullTable, ctx: zmq.Context,
+                 faults: FaultPlan) -> None:
         self.cfg = config
         self.agent = agent
-        self.spec = spec
+        self.reader = reader
+        self.spec: PoolSpec = reader.spec
+        self.faults = faults
+        self.num_landed = 0  # pulls whose bytes landed, the faults' ordinal
         self.fingerprint = fingerprint
         self.table = table
         self.ctx = ctx
@@ -106,6 +112,9 @@ class PullLoop:
                                      f"{pull.first_block}")
             if not h.instance_id or len(h.instance_id) > 64:
                 raise BadHandleError(f"bad instance id {h.instance_id!r:.80}")
+            if h.checksums and len(h.checksums) != len(h.block_ids):
+                raise BadHandleError(f"handle has {len(h.checksums)} checksums for "
+                                     f"{len(h.block_ids)} blocks")
         except (ValueError, BadHandleError) as exc:
             self.pulls[h.request_id] = pull
             self._finish(pull, FailReason.BAD_HANDLE, str(exc))
@@ -291,8 +300,30 @@ class PullLoop:
         if pull.fail is not None or pull.is_aborted:
             reason, text = pull.fail or (FailReason.ABORTED, "aborted")
             self._finish(pull, reason, text)
-        else:
-            self._finish(pull, None, "")
+            return
+        self.num_landed += 1
+        if self.num_landed in self.faults.corrupt_pulls:
+            logger.warning("TEST FAULT: corrupting landed pull %d (%s)", self.num_landed,
+                           pull.handle.request_id)
+            self.reader.invert(pull.local_ids[0])
+        bad = self._verify(pull)
+        self._finish(pull, FailReason.CHECKSUM_MISMATCH if bad else None, bad)
+
+    def _verify(self, pull: Pull) -> str:
+        """"" when every pulled block has its checksum (or the handle carries none), else what
+        differs. The blocks before first_block were here already (verified when they came)."""
+        sums = pull.handle.checksums
+        if not sums:
+            return ""
+        start = time.perf_counter()
+        bad = self.reader.mismatches(pull.local_ids, sums[pull.first_block:])
+        self.table.add_time("verify_seconds", time.perf_counter() - start)
+        if not bad:
+            return ""
+        h = pull.handle
+        return (f"{len(bad)} of {len(pull.local_ids)} pulled blocks differ from their checksum "
+                f"at {h.engine_id} (first: block {h.block_ids[pull.first_block + bad[0]]} there, "
+                f"{pull.local_ids[bad[0]]} here)")
 
     def _cancel(self, pull: Pull, reason: FailReason, text: str) -> None:
         """Fail a posted transfer, but only once NIXL let go of it: until then the local

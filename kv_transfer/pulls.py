@@ -159,6 +159,10 @@ class PullTable:
         with self._lock:
             self._counters[name] += 1
 
+    def add_time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._counters[name] += seconds
+
     def finish(self, result: TransferResult) -> None:
         """Record a finished pull, wake its waiter, and tell on_result."""
         with self._lock:

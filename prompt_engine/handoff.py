@@ -2,7 +2,9 @@
 
 1. The engine's step reports a prompt that left the scheduler with its blocks
    (`RequestOutput.handed_off_block_ids`); `hold` puts them under a lease in the exporter, keyed
-   by request id, and returns the encoded `KVHandle` the router carries to a completion engine.
+   by request id, and returns the encoded `KVHandle` the router carries to a completion engine,
+   with the blocks' checksums (the exporter takes them here, after the prompt step and before
+   the handle leaves, as `--kv-checksum` says: kv_transfer/integrity.py).
 2. The completion engine claims the lease, READs the blocks over NIXL and sends a release note;
    or nobody claims it and it expires; or the router aborts it (`abort`). Each way the exporter's
    `on_free` fires on its poller thread and queues the request id.
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from kv_transfer import protocol as kvproto
 from kv_transfer.config import TransferConfig
 from kv_transfer.exporter import KVExporter
+from kv_transfer.integrity import FaultPlan
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +31,12 @@ class HandOff:
     """Leases on handed-off prompts, and the return of their blocks when a lease ends."""
 
     def __init__(self, kv_cache, transfer: TransferConfig,
-                 fingerprint: kvproto.Fingerprint, engine_id: str, advertise_host: str = ""):
+                 fingerprint: kvproto.Fingerprint, engine_id: str, advertise_host: str = "",
+                 faults: FaultPlan | None = None):
         self._ended: collections.deque[str] = collections.deque()  # filled by the exporter thread
         self._lock = threading.Lock()
         self.exporter = KVExporter(kv_cache, transfer, fingerprint, on_free=self._on_lease_end,
-                                   engine_id=engine_id)
+                                   engine_id=engine_id, faults=faults)
         if advertise_host:
             # Bound to a wildcard (or a pod-local) address: KV handles must name the address a
             # completion engine on another host can dial.

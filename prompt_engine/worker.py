@@ -22,6 +22,7 @@ from baton.ops.registry import EngineRecord
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
 from baton.service.worker import EngineWorker, error_delta, to_delta
 from kv_transfer.config import TransferConfig
+from kv_transfer.integrity import FaultPlan
 from prompt_engine.handoff import HandOff
 
 logger = logging.getLogger(__name__)
@@ -31,10 +32,10 @@ class PromptWorker(EngineWorker):
     role = "prompt"
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
-                 advertise_host: str = ""):
+                 advertise_host: str = "", faults: FaultPlan | None = None):
         super().__init__(engine)
         self.handoff = HandOff(engine.kv_cache, transfer, self.kv_fingerprint(), engine_id,
-                               advertise_host)
+                               advertise_host, faults)
 
     @property
     def side_channel(self) -> str:

@@ -125,6 +125,16 @@ class Health(_Open):
     reason: str | None = None
 
 
+class Observations(_Open):
+    now: float  # the router's wall clock (seconds since the epoch)
+    observations: list[list[float]]  # [arrival time, prompt tokens, output tokens] each
+
+
+class Plan(_Open):
+    status: str  # "none": no planner publishes; else its last decision's action
+    plan: dict[str, Any] | None = None
+
+
 class ResetResult(_Open):
     status: str
     engines: dict[str, bool]

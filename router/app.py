@@ -43,7 +43,22 @@ from router.text import ModelInfo, load_model_info
 logger = logging.getLogger(__name__)
 
 _COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
-_ADMIN_PATHS = ("/reset_prefix_cache",)  # need the API key too, when one is set
+_ADMIN_PATHS = ("/reset_prefix_cache", "/planner/observations")  # need the API key too, when one is set
+
+
+async def _read_plan(app) -> dict | None:
+    """The planner's decision from the registry; sets the recommended-engines gauge."""
+    registry = app.state.pool.membership.registry
+    try:
+        plan = await asyncio.to_thread(registry.read_plan)
+    except Exception as exc:  # a registry outage costs the plan only
+        logger.warning("cannot read the planner's decision: %s", exc)
+        return None
+    if plan:
+        for role, count in (plan.get("recommended") or {}).items():
+            if role in ROLES and isinstance(count, int):
+                app.state.metrics.planner_recommended.labels(role).set(count)
+    return plan
 
 
 def create_app(config: RouterConfig, info: ModelInfo | None = None,
@@ -240,7 +255,26 @@ def _add_routes(app: FastAPI) -> None:
                                  "reason": "; ".join(failed)}, status_code=503)
         return {"status": "ok", "engines": results}
 
+    @app.get("/planner/observations", response_model=api_models.Observations,
+             responses=api_models.error_responses(400, 401))
+    async def planner_observations(request: Request, window_s: float = 120.0):
+        """What the planner plans on: each request finished within the last `window_s`
+        seconds (at most an hour): arrival time, prompt tokens, output tokens. No content."""
+        if not 0 < window_s <= 3600:
+            raise APIError(400, "window_s must be in (0, 3600]", "invalid_request_error",
+                           param="window_s")
+        now = time.time()
+        recent = request.app.state.metrics.recent
+        return {"now": now, "observations": [list(o) for o in recent if o[0] >= now - window_s]}
+
+    @app.get("/planner", response_model=api_models.Plan)
+    async def planner(request: Request):
+        """The planner's last decision (`baton up --planner advise|apply`), from the registry."""
+        plan = await _read_plan(request.app)
+        return {"status": plan.get("action", "unknown") if plan else "none", "plan": plan}
+
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics(request: Request):
+        await _read_plan(request.app)  # the planner gauge is as fresh as a scrape
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)

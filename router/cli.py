@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from baton.load_cache import default_cache_dir
 from baton.ops.cluster_keys import add_key_args
+from router.path import DEFAULT_HANDOFF_MS, DEFAULT_THRESHOLD_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +75,49 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "load; least-loaded: load only")
     p.add_argument("--kv-overlap-weight", type=float, default=1.0,
                    help="cache-aware cost = weight * blocks the engine lacks + active blocks")
+    add_path_args(p)
     add_key_args(p)
     p.set_defaults(func=run)
+
+
+def add_path_args(p: argparse.ArgumentParser) -> None:
+    """The path choice of a mixed fleet (router/path.py); `baton up` passes them on."""
+    p.add_argument("--profile", default="", metavar="PROFILE.json",
+                   help="mixed fleets: choose each request's path (co-located or "
+                        "disaggregated) from this profile's predicted costs (baton profile); "
+                        f"without it, disaggregated past {DEFAULT_THRESHOLD_TOKENS} uncached "
+                        "prompt tokens")
+    p.add_argument("--pd-threshold-tokens", type=int, default=None, metavar="N",
+                   help="mixed fleets: a static rule instead: disaggregated when a normal engine "
+                        "would prefill more than N prompt tokens (its cached prefix left out)")
+    p.add_argument("--pd-handoff-ms", type=float, default=DEFAULT_HANDOFF_MS,
+                   help="with --profile: the disaggregated path's cost beyond the KV copy "
+                        "(the extra hop, admission, the pull's claim), milliseconds")
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import create_app
-    from router.config import RouterConfig
     from router.limits import uvicorn_limits
 
-    config = RouterConfig(
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        print(f"baton router: {exc}", file=sys.stderr)
+        return 2
+    logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
+    uvicorn.run(create_app(config), host=config.host, port=config.port,
+                log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
+                **uvicorn_limits(config))
+    return 0
+
+
+def _config(args: argparse.Namespace):
+    """The RouterConfig of the flags; ValueError naming a bad one (a bad profile's field)."""
+    from router.config import RouterConfig
+
+    return RouterConfig(
         host=args.host, port=args.port, registry_url=args.redis_url,
         registry_password_file=args.redis_password_file, api_keys_file=args.api_keys_file,
         cache_salt_per_key=args.cache_salt_per_key,
@@ -100,9 +133,5 @@ def run(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
         num_prepare_workers=args.prepare_workers, routing=args.routing,
         kv_overlap_weight=args.kv_overlap_weight, cluster_key_dir=args.cluster_key_dir,
-        insecure=args.insecure)
-    logger.info("router config: %s", {**vars(config), "api_key": "***" if config.api_key else ""})
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
-                **uvicorn_limits(config))
-    return 0
+        insecure=args.insecure, profile_path=args.profile,
+        pd_threshold_tokens=args.pd_threshold_tokens, pd_handoff_ms=args.pd_handoff_ms)

@@ -10,6 +10,7 @@ from baton.ops.cluster_keys import resolve_keys
 from baton.protocol import MAX_CHOICES, ROLES
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys
 from router.api_keys import ENV_KEYS_FILE, ApiKey, load_api_keys
+from router.path import DEFAULT_HANDOFF_MS
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
 
@@ -87,6 +88,16 @@ class RouterConfig:
     routing: str = "cache-aware"
     # cache-aware cost = kv_overlap_weight * blocks the engine lacks + its active blocks.
     kv_overlap_weight: float = 1.0
+    # Mixed fleets (NORMAL engines beside PROMPT + COMPLETION ones), each request's path
+    # (router/path.py): a [sim] profile (`baton profile`) to predict each path's cost from;
+    # "" = no profile (the default threshold, unless pd_threshold_tokens is given).
+    profile_path: str = ""
+    # Static rule instead: disaggregated when the prompt tokens a normal engine would prefill
+    # exceed this; None = no static rule (the profile's prediction, else the default threshold).
+    pd_threshold_tokens: int | None = None
+    # The disaggregated path's cost beyond the profile's KV copy (the extra hop, admission, the
+    # pull's claim), in milliseconds; used with profile_path.
+    pd_handoff_ms: float = DEFAULT_HANDOFF_MS
     # The cluster's CURVE keys (kv_transfer/auth.py) the engine sockets dial with; empty =
     # $BATON_CLUSTER_KEY_DIR. One of the two, or `insecure`, is required.
     cluster_key_dir: str = ""
@@ -160,3 +171,18 @@ class RouterConfig:
             raise ValueError(f"max_n must be an int in [1, {MAX_CHOICES}], got {self.max_n!r}")
         if self.failure_cooldown_s < 0:
             raise ValueError(f"failure_cooldown_s must be >= 0, got {self.failure_cooldown_s}")
+        self._check_path_policy()
+
+    def _check_path_policy(self) -> None:
+        threshold = self.pd_threshold_tokens
+        if threshold is not None and (not isinstance(threshold, int) or threshold < 0):
+            raise ValueError(f"pd_threshold_tokens must be an int >= 0, got {threshold!r}")
+        if threshold is not None and self.profile_path:
+            raise ValueError("give either pd_threshold_tokens (a static rule) or profile_path "
+                             "(predicted costs), not both")
+        if not 0 <= self.pd_handoff_ms < float("inf"):
+            raise ValueError(f"pd_handoff_ms must be >= 0 and finite, got {self.pd_handoff_ms}")
+        if self.profile_path:
+            from baton.perf.profile import load
+
+            load(self.profile_path)  # ProfileError (a ValueError) naming the file and field

@@ -11,7 +11,11 @@ Disaggregated (prompt and completion engines registered):
   3. pick a completion engine the same way (cache-aware: the one that must pull the least);
      send GenerateRequest with the handle, the first token and its logprob; yield the first
      token; stream the completion engine's deltas.
-Otherwise a NORMAL engine serves the whole request (same first-token retry).
+Otherwise a NORMAL engine serves the whole request (same first-token retry). In a mixed fleet
+(both kinds live) each attempt first takes its path from the pool (router/path.py), logged on
+the request's line and counted in `baton_router_path_total{path,reason}`; a request whose path
+failed before any token went out (its retries spent, or no live engine of the role left) takes
+the other path in a new attempt (reason `fallback`; it counts as one of `migration_limit`'s).
 With n > 1 (baton/engine/choices.py) the request is still one request per engine: the prompt engine
 sends one first delta per choice (the KV handle on one of them), the completion engine gets the
 handle once with the first token of every choice that goes on, and deltas carry their choice's
@@ -26,8 +30,12 @@ tokens streamed so far as `output_token_ids`: the prompt engine prefills prompt 
 a prefix-cache hit) and samples the next token as if nothing had happened, since a greedy or
 seeded token depends only on the tokens and its position. The client sees one stream, no token
 repeated or missing; after `migration_limit` migrations the next failure ends it with an error.
-A request with n > 1 is not migrated: a failure after its first tokens ends it with an error
-that says so.
+A request with n > 1 migrates choice by choice: each open choice goes on as a request of its
+own (n = 1, wire id `REQ~cI`, sample_index base + I, its tokens so far), so a seeded choice
+draws what it would have drawn (its draw depends on seed, sample_index and position only) and
+a grammar, penalties and logprobs continue from its own tokens; the choices run concurrently
+and their deltas are merged into the one stream under their own index. Each choice migrates
+again on its own, within the same `migration_limit`.
 
 Whoever stops reading early (client gone, stop string hit) closes the generator; its `finally`
 sends AbortRequest to every engine that may still hold the request. The aborts run as their own
@@ -48,7 +56,10 @@ from baton.protocol import COMPLETION, NORMAL, PROMPT, GenerateRequest, Sampling
 from router.engine_client import DISCONNECTED
 from router.engine_pool import EnginePool, NoEngineError
 from router.kv_index import RequestKeys
+from router.load import LegWork
+from router.path import DISAGGREGATED, ONLY_PATH
 from router.request import Attempt, Leg, RouterRequest
+from router.selection import DEFAULT_BLOCK_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -104,19 +115,14 @@ class Dispatcher:
         self.migration_limit = migration_limit
         self._abort_tasks: set[asyncio.Task] = set()
 
-    def _roles(self) -> tuple[str, ...]:
-        return (PROMPT, COMPLETION) if self.pool.is_disaggregated else (NORMAL,)
-
     def check_available(self) -> None:
-        """Raise NoEngineError (HTTP 503) now if some role the request needs has no live engine."""
-        for role in self._roles():
-            self.pool.pick(role)
+        """Raise NoEngineError (HTTP 503) now unless some path has a live engine of each role."""
+        self.pool.check_path()
 
     async def wait_available(self) -> None:
-        """Wait (up to the pool's engine wait timeout) until every role the request needs has a
-        live engine; NoEngineError naming the role otherwise."""
-        for role in self._roles():
-            await self.pool.wait_pick(role)
+        """Wait (up to the pool's engine wait timeout) until some path has a live engine of
+        each of its roles; NoEngineError naming the roles otherwise."""
+        await self.pool.wait_path()
 
     async def generate(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
         """Deltas of one request until each choice has a finish reason, migrated to other
@@ -128,6 +134,10 @@ class Dispatcher:
         """
         await self.wait_available()
         while True:
+            if request.is_split_by_choice:
+                async for delta in self._migrate_choices(request):
+                    yield delta
+                return
             attempt = request.start_attempt()
             try:
                 async with aclosing(self._attempt(request, attempt)) as deltas:
@@ -136,14 +146,30 @@ class Dispatcher:
                         yield delta
                 return
             except (EngineFailure, NoEngineError) as exc:
+                if self._untried_path(request) is not None:
+                    logger.warning("request %s: %s; nothing sent yet: trying the %s path",
+                                   request.req_id, exc, self._untried_path(request))
+                    continue
                 self._check_migration(request, exc)
                 role = exc.role if isinstance(exc, EngineFailure) else ""
                 reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
                 self.metrics.migrations.labels(role or "unknown", reason or "error").inc()
-                logger.warning("request %s: %s; migrating with %d tokens generated (migration "
+                logger.warning("request %s: %s; migrating with %s tokens generated (migration "
                                "%d of at most %d)", request.req_id, exc,
-                               len(request.choices[0].token_ids), request.num_migrations + 1,
-                               self.migration_limit)
+                               "+".join(str(len(request.choices[i].token_ids))
+                                        for i in request.open_choices()),
+                               request.num_migrations + 1, self.migration_limit)
+                # n > 1: the choices go on each as a request of their own (_migrate_choices)
+                request.is_split_by_choice = request.sampling.n > 1
+
+    def _untried_path(self, request: RouterRequest) -> str | None:
+        """A mixed fleet's live path no attempt of the request took yet, while nothing went
+        out: an engine that fails a request before its first token (or a path left without a
+        live engine) sends it down the other path instead of a 503."""
+        if request.has_output:
+            return None
+        tried = {a.path.path for a in request.attempts if a.path is not None}
+        return next((p for p in self.pool.live_paths() if p not in tried), None)
 
     def _check_migration(self, request: RouterRequest,
                          exc: EngineFailure | NoEngineError) -> None:
@@ -152,14 +178,48 @@ class Dispatcher:
         if not request.has_output:
             raise exc
         reason = exc.reason if isinstance(exc, EngineFailure) else "no_engine"
-        n = request.sampling.n
-        if n > 1:  # the choices' outputs would each need a migration
-            raise EngineFailure(f"{exc}; not migrated: a request with n={n} choices is not "
-                                "migrated", started=True, reason=reason) from None
         if reason in _NOT_MIGRATED or request.num_migrations >= self.migration_limit:
             raise EngineFailure(f"{exc}; not migrated (migration {request.num_migrations} of "
                                 f"at most {self.migration_limit})", started=True,
                                 reason=reason) from None
+
+    async def _migrate_choices(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        """Every open choice of an n > 1 request continued as a request of its own (see the
+        module's docstring), concurrently; their deltas merged under the choices' indices."""
+        merged: asyncio.Queue[tuple[int, TokenDelta | BaseException | None]] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            sub = request.for_choice(index)
+            try:
+                async with aclosing(self.generate(sub)) as deltas:
+                    async for delta in deltas:
+                        await merged.put((index, delta))
+                await merged.put((index, None))
+            except (EngineFailure, NoEngineError) as exc:
+                await merged.put((index, exc))
+
+        tasks = {i: asyncio.get_running_loop().create_task(run(i))
+                 for i in request.open_choices()}
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await merged.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    reason = item.reason if isinstance(item, EngineFailure) else "no_engine"
+                    raise EngineFailure(f"choice {index}: {item}", started=True,
+                                        reason=reason)
+                choice = request.choices[index]
+                choice.token_ids.extend(item.token_ids)
+                if item.finish_reason:
+                    choice.is_engine_finished = True
+                yield msgspec.structs.replace(item, index=index)
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _attempt(self, request: RouterRequest,
                        attempt: Attempt) -> AsyncIterator[TokenDelta]:
@@ -173,10 +233,21 @@ class Dispatcher:
         # The tokens whose KV this pass computes and moves: a migration's outputs too, keyed
         # as the engines key them (the tenant's salted seed).
         keys = RequestKeys(prompt_token_ids + outputs, request.cache_salt)
+        # A fallback (nothing sent yet) avoids the paths tried; a migration chooses afresh.
+        tried = set() if attempt.is_migration else {a.path.path for a in request.attempts
+                                                     if a.path is not None}
+        attempt.path = self.pool.choose_path(keys, sampling.max_tokens, exclude=tried)
+        # The request's line: its path and why (info only where there was a choice to make).
+        logger.log(logging.DEBUG if attempt.path.reason == ONLY_PATH else logging.INFO,
+                   "request %s: %d prompt tokens, path %s", req_id, len(keys.token_ids),
+                   attempt.path.describe())
         try:
-            disaggregated = self.pool.is_disaggregated
-            first_leg, first = await self._first_delta(PROMPT if disaggregated else NORMAL,
-                                                       wire, keys, legs)
+            disaggregated = attempt.path.path == DISAGGREGATED
+            # With another path live and untried, a role without a live engine is no reason
+            # to wait for one: the request takes the other path (generate).
+            first_leg, first = await self._first_delta(
+                PROMPT if disaggregated else NORMAL, wire, keys, legs,
+                may_wait=self._untried_path(request) is None)
             if attempt.is_migration:
                 self._observe_migrated_prefill(req_id, first, len(prompt_token_ids) + len(outputs))
             else:
@@ -223,12 +294,13 @@ class Dispatcher:
                     req_id, num_tokens, first.num_cached_tokens)
 
     async def _first_delta(self, role: str, request: GenerateRequest, keys: RequestKeys,
-                           legs: list[Leg]) -> tuple[Leg, TokenDelta]:
+                           legs: list[Leg], may_wait: bool = True) -> tuple[Leg, TokenDelta]:
         failed_up: set[str] = set()  # engines that failed the request and are still up
         last_error = ""
         for attempt in range(1 + self.prompt_retry_limit):
             try:
-                leg = await self._send(role, request, keys, legs, exclude=failed_up)
+                leg = await self._send(role, request, keys, legs, exclude=failed_up,
+                                       may_wait=may_wait)
             except NoEngineError as exc:
                 if not last_error:
                     raise
@@ -238,6 +310,7 @@ class Dispatcher:
                 self.metrics.retries.labels(role).inc()
             delta = await self._wait(leg, self.first_token_timeout_s)
             if not is_error(delta):
+                self.pool.prefilled(leg.record.address, leg.work)
                 return leg, delta
             last_error = f"{role} engine {leg.record.engine_id} failed: {delta.error or delta.finish_reason}"
             logger.warning("request %s: %s (attempt %d)", request.req_id, last_error, attempt + 1)
@@ -261,11 +334,18 @@ class Dispatcher:
             logger.warning("request %s: abort to %s not sent: %s", req_id, leg.record.address, exc)
 
     async def _send(self, role: str, request: GenerateRequest, keys: RequestKeys,
-                    legs: list[Leg], exclude: set[str] = frozenset()) -> Leg:
-        record, num_blocks, _ = await self.pool.wait_choose(role, keys, exclude)
+                    legs: list[Leg], exclude: set[str] = frozenset(),
+                    may_wait: bool = True) -> Leg:
+        record, num_blocks, overlap = (await self.pool.wait_choose(role, keys, exclude)
+                                       if may_wait else self.pool.choose(role, keys, exclude))
         client = self.pool.client(record.address)
-        self.pool.acquire(record.address, num_blocks)
-        leg = Leg(record, client, client.open(request.req_id), num_blocks=num_blocks)
+        num_tokens = len(keys.token_ids)
+        # What it prefills there: the tokens past its cached prefix (the last one always).
+        num_prefill = 0 if role == COMPLETION else max(
+            1, num_tokens - overlap * (record.block_size or DEFAULT_BLOCK_SIZE))
+        work = LegWork(num_prefill, num_tokens)
+        self.pool.acquire(record.address, num_blocks, work)
+        leg = Leg(record, client, client.open(request.req_id), num_blocks=num_blocks, work=work)
         legs.append(leg)
         await client.send(request)
         return leg
@@ -352,7 +432,7 @@ class Dispatcher:
 
     def _end(self, req_id: str, legs: list[Leg]) -> None:
         for leg in legs:
-            self.pool.release(leg.record.address, leg.num_blocks)
+            self.pool.release(leg.record.address, leg.num_blocks, leg.work)
             if not leg.is_finished:
                 self._abort_leg(req_id, leg)
             leg.client.close_request(req_id)

@@ -8,8 +8,11 @@ A request's engine, step by step (router/dispatch.py drives it):
      those that failed within `failure_cooldown_s` (router/load.py) unless nothing else is left;
   3. the policy (`--routing`, router/selection.py) picks one: cache-aware (default, the
      overlap-minus-load cost over the KV index) or least-loaded;
-  4. `acquire` / `add_blocks` / `release` / `mark_failed` keep the engine's load and health
-     (router/load.py) while the request is there.
+  4. `acquire` / `prefilled` / `add_blocks` / `release` / `mark_failed` keep the engine's
+     load and health (router/load.py) while the request is there.
+In a mixed fleet (NORMAL engines beside PROMPT and COMPLETION ones) `choose_path` first decides
+each request's path (router/path.py): it shows the path policy the engine of each role the
+request would get, and counts the choice in `baton_router_path_total{path,reason}`.
 """
 
 from __future__ import annotations
@@ -25,13 +28,28 @@ from baton.ops.registry import (
     make_registry,
     record_signing_key,
 )
-from baton.protocol import ROLES
+from baton.perf.profile import load as load_profile
+from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 from router.config import RouterConfig
 from router.engine_client import EngineClient
 from router.kv_index import KvIndex, RequestKeys
-from router.load import LoadTracker
+from router.load import LegWork, LoadTracker
 from router.membership import Membership
 from router.metrics import RouterMetrics
+from router.path import (
+    COLOCATED,
+    DEFAULT_THRESHOLD,
+    DEFAULT_THRESHOLD_TOKENS,
+    DISAGGREGATED,
+    FALLBACK,
+    ONLY_PATH,
+    EngineView,
+    PathChoice,
+    PathPolicy,
+    PathRequest,
+    PredictedPath,
+    ThresholdPath,
+)
 from router.selection import (
     DEFAULT_BLOCK_SIZE,
     Candidate,
@@ -43,10 +61,24 @@ from router.selection import (
 logger = logging.getLogger(__name__)
 
 _WAIT_POLL_S = 0.05  # how often a waiting request looks again (registry, connections)
+# An engine's published counts are a snapshot up to this old at its record's `updated_at`
+# (baton/service: snapshots every 0.25 s), with margin.
+_SNAPSHOT_LAG_S = 0.5
+PATH_ROLES = {COLOCATED: (NORMAL,), DISAGGREGATED: (PROMPT, COMPLETION)}
 
 
 class NoEngineError(Exception):
     """No live engine of a role can take the request (HTTP 503)."""
+
+
+def make_path_policy(config: RouterConfig) -> PathPolicy:
+    """The mixed fleet's path policy: the static threshold when one is given, else the
+    profile's prediction, else the default threshold (router/path.py)."""
+    if config.pd_threshold_tokens is not None:
+        return ThresholdPath(config.pd_threshold_tokens)
+    if config.profile_path:
+        return PredictedPath(load_profile(config.profile_path), config.pd_handoff_ms)
+    return ThresholdPath(DEFAULT_THRESHOLD_TOKENS, DEFAULT_THRESHOLD)
 
 
 class EnginePool:
@@ -66,6 +98,7 @@ class EnginePool:
             LeastLoaded() if self.kv_index is None
             else OverlapMinusLoad(self.kv_index, config.kv_overlap_weight))
         self._least_loaded = LeastLoaded()
+        self.path_policy = make_path_policy(config)
         self._refresh_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -103,12 +136,93 @@ class EnginePool:
     def is_live(self, address: str) -> bool:
         return self.membership.is_live(address)
 
-    @property
-    def is_disaggregated(self) -> bool:
-        return self.membership.is_disaggregated
-
     def has_live(self, role: str) -> bool:
         return bool(self.membership.live(role))
+
+    def paths(self) -> list[str]:
+        """The paths the registered engines offer (co-located first); with nothing registered,
+        co-located: a request waits for a normal engine as it always did."""
+        paths = [COLOCATED] if self.membership.records.get(NORMAL) else []
+        if self.membership.is_disaggregated:
+            paths.append(DISAGGREGATED)
+        return paths or [COLOCATED]
+
+    def live_paths(self) -> list[str]:
+        """The offered paths whose every role has a live engine taking new work (a draining
+        one, in a role change, does not)."""
+        return [p for p in self.paths()
+                if all(any(not r.draining for r in self.membership.live(role))
+                       for role in PATH_ROLES[p])]
+
+    def check_path(self) -> None:
+        """NoEngineError now unless some offered path has a live engine of each of its roles."""
+        errors = []
+        for path in self.paths():
+            try:
+                for role in PATH_ROLES[path]:
+                    self.pick(role)
+                return
+            except NoEngineError as exc:
+                errors.append(str(exc))
+        raise NoEngineError("; ".join(errors))
+
+    async def wait_path(self) -> None:
+        """`check_path`, after waiting up to `engine_wait_timeout_s` for a live path."""
+        paths = self.paths()
+        if len(paths) == 1:  # a fleet of one kind: wait for each role as a request always did
+            for role in PATH_ROLES[paths[0]]:
+                await self.wait_pick(role)
+            return
+        deadline = time.monotonic() + self.config.engine_wait_timeout_s
+        while not self.live_paths():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                try:
+                    self.check_path()
+                except NoEngineError as exc:
+                    raise NoEngineError(f"no live path within "
+                                        f"{self.config.engine_wait_timeout_s:g} s: {exc}") from None
+                return
+            await asyncio.sleep(min(_WAIT_POLL_S, remaining))
+
+    def choose_path(self, request: RequestKeys, num_max_tokens: int,
+                    exclude: set[str] = frozenset()) -> PathChoice:
+        """The request's path (router/path.py), counted in the path metric. With one path
+        live there is nothing to choose; the caller waits for its engines as before.
+        `exclude`: paths the request already failed on (a live other one is its fallback)."""
+        live = self.live_paths()
+        untried = [p for p in live if p not in exclude]
+        if exclude and untried:
+            choice = PathChoice(untried[0], FALLBACK)
+        elif len(live) != 2:
+            choice = PathChoice(live[0] if live else self.paths()[0], ONLY_PATH)
+        else:
+            choice = self.path_policy.choose(
+                PathRequest(len(request.token_ids), num_max_tokens), self._view(NORMAL, request),
+                self._view(PROMPT, request), self._view(COMPLETION, request))
+        self.metrics.path.labels(choice.path, choice.reason).inc()
+        return choice
+
+    def _view(self, role: str, request: RequestKeys) -> EngineView:
+        """The engine of `role` the selection policy would give the request, as the path
+        policy sees it: this router's work there (router/load.py), the registry's running
+        count when another router's requests make it larger, the request's blocks it holds.
+
+        The registry's count is a snapshot that may still hold this router's finished requests
+        (a heartbeat late): it counts only when published well after this router's last change
+        there, or an idle engine would look busy for a second after every request."""
+        by_address, choice = self._select(role, request)
+        record = by_address[choice.engine_id]
+        work = self.load.work(record.address)
+        decoding = self.load.num_requests(record.address) - work.num_prefilling
+        is_fresh = record.updated_at - self.load.changed_at(record.address) > _SNAPSHOT_LAG_S
+        block_size = ((self.kv_index.block_size(record.address) if self.kv_index else None)
+                      or record.block_size or DEFAULT_BLOCK_SIZE)
+        return EngineView(num_running=max(decoding, record.num_running if is_fresh else 0),
+                          num_queued_prefills=work.num_prefilling,
+                          num_queued_tokens=work.num_prefill_tokens,
+                          num_context_tokens=work.num_context_tokens,
+                          num_overlap_blocks=choice.num_overlap_blocks, block_size=block_size)
 
     def pick(self, role: str, exclude: set[str] = frozenset()) -> EngineRecord:
         """The least-loaded live engine of `role` not in `exclude`; NoEngineError if none."""
@@ -119,8 +233,7 @@ class EnginePool:
                exclude: set[str] = frozenset()) -> tuple[EngineRecord, int, int]:
         """The engine for a request: `(record, active_blocks, overlap_blocks)`, the blocks the
         request adds to the engine's load (`acquire`) and those it holds already."""
-        by_address, candidates = self._candidates(role, exclude)
-        choice = self.policy.select(role, candidates, request)
+        by_address, choice = self._select(role, request, exclude)
         if not self.policy.is_cache_aware:
             self.metrics.routing_decisions.labels(role, "least_loaded").inc()
         else:
@@ -130,11 +243,17 @@ class EnginePool:
         return (by_address[choice.engine_id], choice.num_active_blocks,
                 choice.num_overlap_blocks)
 
+    def _select(self, role: str, request: RequestKeys, exclude: set[str] = frozenset()):
+        by_address, candidates = self._candidates(role, exclude)
+        return by_address, self.policy.select(role, candidates, request)
+
     def _candidates(self, role: str, exclude: set[str]
                     ) -> tuple[dict[str, EngineRecord], list[Candidate]]:
         """The live engines of `role` not in `exclude`, the recently failed ones left out
         while another is healthy, as the policy sees them; NoEngineError if none is live."""
-        live = [r for r in self.membership.live(role) if r.address not in exclude]
+        # A draining engine (a role change, S41) finishes what it runs but gets nothing new.
+        live = [r for r in self.membership.live(role)
+                if r.address not in exclude and not r.draining]
         if not live:
             known = len(self.membership.records.get(role, []))
             if not known:
@@ -173,11 +292,14 @@ class EnginePool:
         await self.wait_pick(role, exclude)
         return self.choose(role, request, exclude)
 
-    def acquire(self, address: str, num_blocks: int = 0) -> None:
-        self.load.acquire(address, num_blocks)
+    def acquire(self, address: str, num_blocks: int = 0, work: LegWork | None = None) -> None:
+        self.load.acquire(address, num_blocks, work)
 
-    def release(self, address: str, num_blocks: int = 0) -> None:
-        self.load.release(address, num_blocks)
+    def prefilled(self, address: str, work: LegWork) -> None:
+        self.load.prefilled(address, work)
+
+    def release(self, address: str, num_blocks: int = 0, work: LegWork | None = None) -> None:
+        self.load.release(address, num_blocks, work)
 
     def add_blocks(self, address: str, num_blocks: int) -> None:
         """Move an engine's active blocks (cache-aware cost) by `num_blocks`."""

@@ -6,6 +6,8 @@ without "duplicated timeseries" errors, and keeps the scrape free of unrelated c
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -18,7 +20,12 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class RouterMetrics:
+    # The planner's input (planner/core.py, `baton up --planner`): (arrival wall time, prompt
+    # tokens, output tokens) of each finished request, bounded.
+    MAX_OBSERVATIONS = 50_000
+
     def __init__(self) -> None:
+        self.recent: deque[tuple[float, int, int]] = deque(maxlen=self.MAX_OBSERVATIONS)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("baton_router_requests", "HTTP requests by endpoint and status",
@@ -52,6 +59,9 @@ class RouterMetrics:
                                         ["kind"], registry=r)
         self.aborts = Counter("baton_router_aborts", "Requests aborted in the engines, by cause",
                               ["cause"], registry=r)
+        self.planner_recommended = Gauge(
+            "baton_router_planner_recommended_engines", "Engines of each role the planner "
+            "recommends (its last decision, read from the registry)", ["role"], registry=r)
         self.engine_load = Gauge("baton_router_engine_load",
                                  "Registry load of an engine plus this router's in-flight requests",
                                  ["role", "engine"], registry=r)
@@ -68,6 +78,12 @@ class RouterMetrics:
             "baton_router_routing_credited_blocks",
             "Prompt blocks the chosen engine held, as its KV events said (cache-credited hits)",
             ["role"], registry=r)
+        self.path = Counter(
+            "baton_router_path",
+            "Requests by the path they took (colocated on a normal engine, or disaggregated) "
+            "and why (router/path.py: only_path, predicted, threshold, default_threshold, "
+            "fallback)",
+            ["path", "reason"], registry=r)
         self.kv_index_keys = Gauge("baton_router_kv_index_keys",
                                    "Block keys this router's index credits an engine with",
                                    ["role", "engine"], registry=r)

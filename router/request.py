@@ -11,7 +11,8 @@ A request's life in the router:
      client is told: the engine's, or "stop" when a stop string matched in the router first.
      Once every choice has one (`is_answered`), the engines are aborted for the rest;
   4. an engine that fails after tokens went out: the dispatcher starts a new attempt (a
-     migration, n == 1 only) from the tokens of the one choice, under `REQ~mN`.
+     migration) from the tokens of the one choice, under `REQ~mN`; with n > 1 each open choice
+     goes on as a request of its own (`for_choice`: n = 1, `REQ~cI`) from its own tokens.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from baton.ops.registry import EngineRecord
 from baton.protocol import SamplingOptions, TokenDelta
 
 if TYPE_CHECKING:
     from router.engine_client import EngineClient
+    from router.load import LegWork
     from router.logprobs import CompletionLogprobs
+    from router.path import PathChoice
     from router.text import TextStream
 
 
@@ -38,6 +43,7 @@ class Leg:
     queue: asyncio.Queue[TokenDelta]
     is_finished: bool = False
     num_blocks: int = 0  # what this leg adds to the engine's active blocks (cache-aware cost)
+    work: LegWork | None = None  # its prefill and context tokens there (router/load.py)
 
 
 @dataclass
@@ -47,6 +53,7 @@ class Attempt:
     wire_id: str  # the request's id on the engines: `REQ`, then `REQ~mN` for migration N
     output_token_ids: list[int]  # the tokens it starts from (a migration's: those streamed)
     legs: list[Leg] = field(default_factory=list)
+    path: PathChoice | None = None  # co-located or disaggregated, and why (router/path.py)
 
     @property
     def is_migration(self) -> bool:
@@ -100,6 +107,8 @@ class RouterRequest:
     num_cached_tokens: int = 0  # prompt tokens the engines took from their prefix caches
     cache_salt: str = ""  # the tenant's prefix-cache salt (baton/engine/block_keys.py)
     api_key_name: str = ""  # whose usage it counts as (router/api_keys.py)
+    # n > 1 after a failure: each open choice goes on as a request of its own (for_choice)
+    is_split_by_choice: bool = False
 
     def __post_init__(self) -> None:
         assert [c.index for c in self.choices] == list(range(self.sampling.n)), \
@@ -114,12 +123,27 @@ class RouterRequest:
         streamed so far (n == 1: migrations are for one choice only)."""
         if not self.attempts:
             attempt = Attempt(self.req_id, [])
-        else:
-            assert self.sampling.n == 1, "a request with n > 1 is not migrated"
+        else:  # n > 1 starts again only with nothing sent (a mixed fleet's other path)
+            assert self.sampling.n == 1 or not self.has_output, \
+                "an n > 1 request migrates choice by choice"
             attempt = Attempt(f"{self.req_id}~m{len(self.attempts)}",
                               list(self.choices[0].token_ids))
         self.attempts.append(attempt)
         return attempt
+
+    def for_choice(self, index: int) -> RouterRequest:
+        """Choice `index` of an n > 1 request as a request of its own, to migrate it: n = 1,
+        the choice's sample_index (a seeded choice draws what it would have), its tokens so far
+        (its next attempt is a migration from them), the migrations so far (one limit)."""
+        choice = self.choices[index]
+        sampling = msgspec.structs.replace(self.sampling, n=1,
+                                           sample_index=self.sampling.sample_index + index)
+        sub = RouterRequest(f"{self.req_id}~c{index}", self.prompt_token_ids, sampling,
+                            self.arrival, [RouterChoice(0, choice.text,
+                                                        token_ids=list(choice.token_ids))],
+                            attempts=list(self.attempts), cache_salt=self.cache_salt,
+                            api_key_name=self.api_key_name)
+        return sub
 
     @property
     def has_output(self) -> bool:

@@ -275,7 +275,10 @@ class Server:
                      "created": prep.created, "model": prep.model, "choices": [choice], **extra})
 
     def _observe_done(self, state: RouterRequest) -> None:
-        self.metrics.e2e.observe(time.monotonic() - state.arrival)
+        now = time.monotonic()
+        self.metrics.recent.append((time.time() - (now - state.arrival),
+                                    len(state.prompt_token_ids), state.num_generated()))
+        self.metrics.e2e.observe(now - state.arrival)
         self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
         self.metrics.generated_tokens.inc(state.num_generated())
         if state.api_key_name:

@@ -46,6 +46,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV pulls over a link of this many Gbit/s (default: the profile's)")
     g.add_argument("--link-latency-ms", type=float, default=0.0,
                    help="with --link-gbit: the fixed time of one pull")
+    g = p.add_argument_group("planner (planner/core.py; a prompt/completion fleet)")
+    g.add_argument("--planner", choices=("off", "advise", "apply"), default="off",
+                   help="advise: record its decisions; apply: also re-role engines (S41)")
+    g.add_argument("--engines", type=int, default=0,
+                   help="with --planner: the budget; the start is --prompt-engines and "
+                        "--completion-engines if given, else half and half")
+    g.add_argument("--planner-interval", type=float, default=30.0, help="seconds between "
+                   "decisions")
+    g.add_argument("--planner-window", type=float, default=120.0,
+                   help="seconds of arrivals each decision plans on")
+    g.add_argument("--planner-cooldown", type=float, default=300.0,
+                   help="seconds after a change before another")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s with Poisson arrivals (default inf: all at once)")
@@ -63,6 +75,22 @@ def configs_from_args(args: argparse.Namespace):
     from simulator.fleet import FleetConfig
     from simulator.run import SimConfig
 
+    if args.planner != "off":
+        if not args.engines or args.engines < 2:
+            raise ValueError("--planner needs --engines N (N >= 2): the budget it splits")
+        if args.normal_engines:
+            raise ValueError("--planner moves engines between prompt and completion: no "
+                             "--normal-engines")
+        if not (args.prompt_engines or args.completion_engines):
+            args.prompt_engines = args.engines // 2
+            args.completion_engines = args.engines - args.engines // 2
+        if args.prompt_engines + args.completion_engines != args.engines:
+            raise ValueError(f"--prompt-engines {args.prompt_engines} + --completion-engines "
+                             f"{args.completion_engines} must make --engines {args.engines}")
+        if not args.goodput:
+            raise ValueError("--planner needs --goodput SLOs: it maximises goodput")
+    elif args.engines:
+        raise ValueError("--engines is the planner's budget: give --planner advise|apply")
     disagg = args.prompt_engines or args.completion_engines
     normal = args.normal_engines if args.normal_engines is not None else (0 if disagg else 1)
     fleet = FleetConfig(num_normal=normal, num_prompt=args.prompt_engines,
@@ -88,7 +116,15 @@ def run(args: argparse.Namespace) -> int:
         if args.link_gbit:
             profile = profile.with_link(args.link_gbit, args.link_latency_ms)
         cfg, workload, trace = configs_from_args(args)
-        record = simulate(profile, cfg, workload, trace)
+        planner = None
+        if args.planner != "off":
+            from planner.core import Planner, PlannerConfig
+
+            planner = Planner(profile, PlannerConfig(
+                slos_ms=cfg.slos_ms, interval_s=args.planner_interval,
+                window_s=args.planner_window, cooldown_s=args.planner_cooldown,
+                apply=args.planner == "apply"), cfg.fleet)
+        record = simulate(profile, cfg, workload, trace, planner=planner)
     except (ProfileError, TraceError, ValueError) as exc:
         print(f"baton sim: {exc}", file=sys.stderr)
         return 2
@@ -97,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
                      for e in record["fleet"]["engines"][:16])
     print(f"busy: {busy}; simulated {record['fleet']['virtual_s']:.1f} s in "
           f"{record['sim_wall_s']:.1f} s")
+    if "roles_over_time" in record["fleet"]:
+        changes = [d for d in record["fleet"]["planner_decisions"] if d["action"] == "change"]
+        print(f"planner ({args.planner}): {len(changes)} changes: " + ", ".join(
+            f"{d['target']} at {d['t']:.0f} s" for d in changes))
     path = write_result(record, Path(args.results_dir))
     print(f"wrote {path}")
     return 0 if record["summary"]["num_completed"] else 1

@@ -77,29 +77,49 @@ class SimEngine:
         self.sim, self.name, self.role = sim, name, role
         cfg = sim.config
         self.runner = MockRunner(sim.profile, cfg.num_blocks, on_step=self._on_step)
-        self.engine = LLMEngine(EngineConfig(
-            engine_type=role, block_size=sim.profile.model.block_size,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_prefix_caching=cfg.enable_prefix_caching, num_threads=1),
-            runner=self.runner)
-        self.events = self.engine.kv_event_source()
-        self.events.scheduler.set_kv_event_capacity(4 * self.events.num_total_blocks)
         self.keys: set[int] = set()  # what its KV events said it holds
+        self._build(role)
         self.busy = False
         self._step_s = 0.0
         self.num_inflight = 0  # the router's books: its requests in flight here (the load)
         self.active_blocks = 0  # and the blocks they add (Choice.num_active_blocks)
         self.admissions: deque[Handoff] = deque()  # COMPLETION: waiting for blocks (LATER)
         self.num_pulled_blocks = 0
+        self.draining_to = ""  # a role change (S41) in progress: the role it becomes
+
+    def _build(self, role: str) -> None:
+        """The engine core in `role`'s mode over this engine's runner (S41)."""
+        cfg = self.sim.config
+        self.engine = LLMEngine(EngineConfig(
+            engine_type=role, block_size=self.sim.profile.model.block_size,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching, num_threads=1),
+            runner=self.runner)
+        self.events = self.engine.kv_event_source()
+        self.events.scheduler.set_kv_event_capacity(4 * self.events.num_total_blocks)
+        self.keys.clear()  # in place: the policy's KeySets holds this set
+
+    def is_empty(self) -> bool:
+        e = self.engine
+        return (not e.has_unfinished() and e.num_free_blocks() == e.num_total_blocks()
+                and self.num_inflight == 0 and not self.admissions and not self.busy)
+
+    def start_change(self, role: str) -> None:
+        """S41: no new work from now on; the switch happens once it is empty."""
+        self.draining_to = role
+        self.kick()
 
     def _on_step(self, seconds: float) -> None:
         self._step_s += seconds
 
     def kick(self) -> None:
-        """Something may have given it work: step now unless a step is running."""
+        """Something may have given it work: step now unless a step is running. A draining
+        engine that has become empty switches its role."""
         if not self.busy and self.engine.has_unfinished():
             self.busy = True
             self.sim.at(self.sim.now, self._step)
+        elif self.draining_to and self.is_empty():
+            self.sim.switched(self)
 
     def _step(self) -> None:
         self._step_s = 0.0
@@ -162,7 +182,7 @@ class Simulation:
 
     def __init__(self, profile: Profile, config: FleetConfig,
                  make_policy: Callable[[KeySets], SelectionPolicy],
-                 on_done: Callable[[Flight], None] | None = None) -> None:
+                 on_done: Callable[[Flight], None] | None = None, planner=None) -> None:
         self.profile, self.config = profile, config
         self.now = 0.0
         self._queue: list = []
@@ -182,6 +202,60 @@ class Simulation:
         self.policy = make_policy(self.cache)
         self.flights: dict[str, Flight] = {}
         self.num_handoffs_failed = 0
+        # The planner (planner/core.py), deciding every interval on the arrivals it saw.
+        self.planner = planner
+        self.observations: list = []
+        self.roles_over_time: list[dict] = []
+        self.decisions: list[dict] = []
+        if planner is not None:
+            if not config.is_disaggregated:
+                raise ValueError("the planner moves engines between prompt and completion: "
+                                 "start it on a prompt/completion fleet")
+            self._note_roles()
+            self.at(planner.config.interval_s, self._plan)
+
+    # ------------------------------------------------------------------ the planner
+    def _counts(self) -> dict[str, int]:
+        return {role: len(self.engines.get(role, [])) for role in ("prompt", "completion")}
+
+    def _note_roles(self) -> None:
+        draining = sum(bool(e.draining_to) for es in self.engines.values() for e in es)
+        self.roles_over_time.append({"t": self.now, **self._counts(), "draining": draining})
+
+    def _plan(self) -> None:
+        """One decision of the planner (planner/core.py, given by duck type: the simulator
+        imports no planner code, the planner imports the simulator)."""
+        if not (self._queue or self.flights):
+            return  # the run is over: no more decisions
+        self.at(self.now + self.planner.config.interval_s, self._plan)
+        if any(e.draining_to for es in self.engines.values() for e in es):
+            return  # a change is still draining: decide on the fleet it makes
+        counts = self._counts()
+        current = (counts["prompt"], counts["completion"])
+        decision = self.planner.decide(self.now, current, self.observations)
+        self.decisions.append({"t": self.now, "action": decision.action,
+                               "target": decision.target.name, "reason": decision.reason})
+        if decision.action != "change":
+            return
+        logger.info("planner at %.0f s: %dP:%dD -> %s (%s)", self.now, *current,
+                    decision.target.name, decision.reason)
+        move = decision.target.num_prompt - current[0]
+        src, dst = ("completion", "prompt") if move > 0 else ("prompt", "completion")
+        for engine in sorted(self.engines[src], key=lambda e: e.num_inflight)[:abs(move)]:
+            engine.start_change(dst)
+        self._note_roles()
+
+    def switched(self, engine: SimEngine) -> None:
+        """`engine` drained: it becomes its new role (S41) and takes work at once."""
+        old, new = engine.role, engine.draining_to
+        self.engines[old].remove(engine)
+        engine._build(new)
+        engine.role, engine.draining_to = new, ""
+        self.engines.setdefault(new, []).append(engine)
+        self._note_roles()
+        for comp in self.engines.get("completion", []):
+            if comp.admissions:
+                self.retry_admissions(comp)
 
     # ------------------------------------------------------------------ the event queue
     def at(self, t: float, fn: Callable, *args) -> None:
@@ -195,7 +269,8 @@ class Simulation:
 
     # ------------------------------------------------------------------ routing
     def _choose(self, role: str, flight: Flight) -> SimEngine:
-        engines = self.engines[role]
+        # A draining engine (a role change) gets nothing new while another can take it.
+        engines = [e for e in self.engines[role] if not e.draining_to] or self.engines[role]
         choice = self.policy.select(role, [e.candidate() for e in engines], flight.keys)
         engine = self._by_name[choice.engine_id]
         self._charge(flight, engine, choice.num_active_blocks)
@@ -219,6 +294,8 @@ class Simulation:
         self.at(t, self._arrive, spec, token_ids)
 
     def _arrive(self, spec: RequestSpec, token_ids: list[int]) -> None:
+        if self.planner is not None:  # (arrival, prompt tokens, output tokens)
+            self.observations.append((self.now, len(token_ids), spec.max_tokens))
         res = RequestResult(spec.idx, spec.kind, prompt_tokens=len(token_ids),
                             expected_output_tokens=spec.max_tokens, start_s=self.now)
         flight = Flight(spec, token_ids, res, self.now, RequestKeys(token_ids))
@@ -341,5 +418,10 @@ class Simulation:
                     "cache_hit_rate": stats["prefix_cache_hit_tokens"] / query if query else 0.0,
                     "num_free_blocks": stats["num_free_blocks"],
                     "num_total_blocks": stats["num_total_blocks"]})
-        return {"engines": engines, "virtual_s": self.now,
-                "pulled_kv_bytes": sum(e["pulled_kv_bytes"] for e in engines)}
+        record = {"engines": engines, "virtual_s": self.now,
+                  "pulled_kv_bytes": sum(e["pulled_kv_bytes"] for e in engines)}
+        if self.planner is not None:
+            self._note_roles()
+            record["roles_over_time"] = self.roles_over_time
+            record["planner_decisions"] = self.decisions
+        return record

@@ -47,11 +47,15 @@ class SimConfig:
         return OverlapMinusLoad(cache, self.kv_overlap_weight)
 
 
-def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig,
-             trace: TraceConfig | None = None) -> dict:
-    """Run the workload over the fleet in virtual time; the result record."""
+def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig | None,
+             trace: TraceConfig | None = None, specs: list[RequestSpec] | None = None,
+             planner=None) -> dict:
+    """Run the workload over the fleet in virtual time; the result record. `specs` (with their
+    arrivals) replace the workload and the trace; `planner` (planner/core.py) re-roles engines
+    as the run goes (the fleet record then has `roles_over_time`)."""
     wall0 = time.perf_counter()
-    specs = build_specs(workload, trace, cfg.num_requests)
+    if specs is None:
+        specs = build_specs(workload, trace, cfg.num_requests)
     tok = WordTokenizer(profile.model.vocab_size)
     units: dict[int, list[RequestSpec]] = {}
     for spec in specs:
@@ -68,8 +72,9 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig,
             history = flight.token_ids + flight.output_ids + tok.encode(nxt.prompt)
             sim.submit(nxt, history, sim.now)
 
-    sim = Simulation(profile, cfg.fleet, cfg.make_policy, on_done)
-    for unit, t in zip(unit_list, unit_arrivals(unit_list, cfg.request_rate, workload.seed),
+    sim = Simulation(profile, cfg.fleet, cfg.make_policy, on_done, planner=planner)
+    seed = workload.seed if workload is not None else 0
+    for unit, t in zip(unit_list, unit_arrivals(unit_list, cfg.request_rate, seed),
                        strict=True):
         sim.submit(unit[0], tok.encode(unit[0].text), t)
     sim.run()
@@ -84,7 +89,8 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig,
              "fleet": asdict(cfg.fleet), "profile": profile.model.fingerprint}
     return {"label": cfg.label, "model": f"mock/{profile.model.name}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench": bench,
-            "workload": workload_record(workload, trace), "summary": summary,
+            "workload": workload_record(workload, trace) if workload is not None
+            else {"dataset": "given", "num_requests": len(specs)}, "summary": summary,
             "requests": [_result_dict(r) for r in ordered], "fleet": sim.fleet_record(),
             "sim_wall_s": time.perf_counter() - wall0}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -24,10 +25,12 @@ BASE_ARGS = ["--num-threads", "1", "--block-size", "16", "--quantization", "none
 
 class EngineProcess:
     def __init__(self, command: str, engine_id: str, log_dir: Path, redis_url: str = "",
-                 prefix: str = "baton", args: list[str] | None = None, port: int = 0):
+                 prefix: str = "baton", args: list[str] | None = None, port: int = 0,
+                 env: dict[str, str] | None = None):
         """`port` 0: the engine binds an ephemeral port and writes its address to a file
         (--address-file), read by wait_ready. A port picked here in advance could be taken,
-        before the engine binds it, by another engine's ephemeral KV side channel."""
+        before the engine binds it, by another engine's ephemeral KV side channel. `env`:
+        variables added to the engine's environment (e.g. a test fault)."""
         self.command, self.engine_id = command, engine_id
         self.port = port
         self.address = f"tcp://127.0.0.1:{port}" if port else ""
@@ -42,7 +45,8 @@ class EngineProcess:
             self.argv += ["--redis-url", redis_url]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         env={**os.environ, **env} if env else None)
 
     def wait_ready(self, deadline: float) -> EngineProcess:
         while not (self.address or self._read_address()) or \

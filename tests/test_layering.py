@@ -26,10 +26,11 @@ FLOORS: list[tuple[str, ...]] = [
     ("baton.service",),
     ("normal_engine", "prompt_engine", "completion_engine", "router"),
     ("simulator",),
+    ("planner", "simulator.cli"),  # `baton sim --planner` wires the planner into a run
     ("baton_cli",),
 ]
 PACKAGES = ("kv_transfer", "baton", "normal_engine", "prompt_engine", "completion_engine",
-            "router", "simulator", "baton_cli")
+            "router", "simulator", "planner", "baton_cli")
 # Siblings on one floor that must not import each other (roles plug into the engine, the router
 # talks to them over the wire).
 SIBLINGS = ("normal_engine", "prompt_engine", "completion_engine", "router")

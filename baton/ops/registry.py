@@ -54,6 +54,9 @@ class EngineRecord(msgspec.Struct, omit_defaults=True):
     # Random per engine process start (baton/engine/kv_events.py): a new one means a restarted engine,
     # whose prefix cache is empty whatever a router remembers of the old one.
     instance_id: str = ""
+    # Finishing what it runs before a role change (S41) or a shutdown: routers send it nothing
+    # new, but its running requests are not failed over.
+    draining: bool = False
     # Hex HMAC-SHA256 of the record (see the module docstring); "" = unsigned.
     signature: str = ""
 
@@ -191,6 +194,40 @@ class RedisRegistry:
     def remove(self, role: str, engine_id: str) -> None:
         self._redis.delete(self._key(role, engine_id))
 
+    # The planner's latest decision (planner/, `baton up --planner`), for the routers'
+    # `/planner` and metrics: signed like a record, so a Redis writer cannot forge advice.
+    def _plan_key(self) -> str:
+        return f"{self.config.prefix}:planner"
+
+    def _plan_mac(self, body: bytes) -> str:
+        return hmac.new(self.config.signing_key, self._plan_key().encode() + b"\n" + body,
+                        hashlib.sha256).hexdigest()
+
+    def publish_plan(self, plan: dict, ttl_s: float) -> None:
+        body = self._enc.encode({**plan, "updated_at": time.time()})
+        signature = self._plan_mac(body) if self.config.signing_key else ""
+        self._redis.set(self._plan_key(), self._enc.encode({"body": body.decode(),
+                                                             "signature": signature}),
+                        px=max(1, int(ttl_s * 1000)))
+
+    def read_plan(self) -> dict | None:
+        """The planner's latest decision, or None (no planner, expired, or not verifying)."""
+        raw = self._redis.get(self._plan_key())
+        if raw is None or len(raw) > 1 << 20:
+            return None
+        try:
+            outer = msgspec.json.decode(raw, type=dict[str, str])
+            body = outer["body"].encode()
+            if self.config.signing_key and not hmac.compare_digest(
+                    outer.get("signature", ""), self._plan_mac(body)):
+                self._reject(self._plan_key().encode(), raw, "bad signature")
+                return None
+            plan = msgspec.json.decode(body, type=dict)
+        except (msgspec.DecodeError, msgspec.ValidationError, KeyError):
+            self._reject(self._plan_key().encode(), raw, "undecodable")
+            return None
+        return plan
+
     def list(self, role: str) -> list[EngineRecord]:
         keys = sorted(self._redis.scan_iter(match=self._key(role, "*"), count=100))
         records = []
@@ -240,6 +277,9 @@ class StaticRegistry:
 
     def list(self, role: str) -> list[EngineRecord]:
         return [r for r in self._records if r.role == role]
+
+    def read_plan(self) -> dict | None:  # a static fleet has no planner
+        return None
 
     def close(self) -> None:
         pass

@@ -99,6 +99,14 @@ class Child:
         return subprocess.Popen(argv or self.argv, preexec_fn=die_with_parent, stdin=stdin,
                                 env={**os.environ, **(self.env or {})})
 
+    def pin_port(self, port: str) -> None:
+        """From now on start with `--port port` (it started with --port 0 and bound `port`):
+        a restart binds the port its first start chose, so the engine's address stays."""
+        for argv in (self.argv, self.standby_argv or []):
+            for i, arg in enumerate(argv[:-1]):
+                if arg == "--port":
+                    argv[i + 1] = port
+
     def spawn_standby(self) -> None:
         """Start a warm spare, unless there is one or this child has none."""
         if self.standby_argv is None or (self.standby is not None and self.standby.poll() is None):

@@ -17,6 +17,7 @@ import zmq
 
 from baton.protocol import (
     AbortRequest,
+    ChangeRole,
     ControlReply,
     EngineOutputs,
     EngineStats,
@@ -77,6 +78,11 @@ class EngineClient:
 
     def reset_prefix_cache(self, timeout_s: float = 5.0) -> ControlReply:
         return self._ask(ResetPrefixCache, ControlReply, timeout_s)
+
+    def change_role(self, role: str, timeout_s: float = 5.0) -> ControlReply:
+        """Ask the engine to become `role` (S41): accepted (it drains, then switches) or
+        refused with the reason; `stats().role` says when it is done."""
+        return self._ask(lambda nonce: ChangeRole(role, nonce), ControlReply, timeout_s)
 
     def _ask(self, request_type, reply_type, timeout_s: float):
         """Send a request carrying a fresh nonce; its reply (other messages are skipped)."""

@@ -17,6 +17,13 @@ One process, one thread of control:
 With `ServiceConfig.keys` the socket serves CURVE and its ZAP handler admits only the cluster's
 client key (kv_transfer/auth.py): a peer without it never gets an answer, and each refused
 handshake is counted (`baton_auth_refused_total{endpoint="engine"}`).
+5. `ChangeRole` (docs/scheduler.md S41): with a `role_factory`, the engine stops taking new
+   work (new requests finish at once with reason `abort`: the router retries them elsewhere)
+   and publishes itself as draining (routers send it nothing new but do not fail over what it
+   runs); once it holds no request, no pull, no lease and no block, the factory builds the
+   new role's worker over the same runner (weights and KV pool), the old worker closes, the
+   record moves to the new role. What still runs after `drain_timeout_s` is aborted (the
+   router migrates it). A change asked while one runs is refused with the reason.
 With `metrics` (baton/service/metrics.py) the loop also publishes a stats snapshot for Prometheus at
 the registry-snapshot cadence, times and counts every request it tracks, and stops the HTTP
 server last.
@@ -38,7 +45,9 @@ from baton.ops.dp import DPGroup
 from baton.ops.registry import EngineRecord, Heartbeat, Registry
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
+    ROLES,
     AbortRequest,
+    ChangeRole,
     ControlReply,
     EngineOutputs,
     EngineStats,
@@ -110,11 +119,25 @@ class _Counters:
     started_at: float = field(default_factory=time.time)
 
 
+# Builds the worker of another role over the old worker's engine runner (S41).
+RoleFactory = Callable[[str, RoleWorker], RoleWorker]
+
+
+@dataclass
+class _RoleChange:
+    role: str
+    asked_at: float  # time.monotonic()
+    aborted: bool = False  # the drain timed out and what ran was aborted
+
+
 class EngineService:
     def __init__(self, worker: RoleWorker, config: ServiceConfig,
                  registry: Registry | None = None, ctx: zmq.Context | None = None,
-                 dp: DPGroup | None = None, metrics: EngineMetrics | None = None):
+                 dp: DPGroup | None = None, metrics: EngineMetrics | None = None,
+                 role_factory: RoleFactory | None = None):
         self.worker = worker
+        self.role_factory = role_factory
+        self._change: _RoleChange | None = None
         self.metrics = metrics
         self.dp = dp if dp is not None and dp.size > 1 else None
         self.config = config
@@ -222,6 +245,8 @@ class EngineService:
             self._send_all(self.worker.step())
         if self.kv_events is not None and self.kv_events.subscribers:
             self._publish_kv_events()
+        if self._change is not None:
+            self._continue_role_change()
         now = time.monotonic()
         if now - self._snapshot_at >= self._snapshot_every_s:
             if self.refusals is not None:
@@ -257,6 +282,9 @@ class EngineService:
             ok = self.worker.reset_prefix_cache()
             self._send(identity, ControlReply(msg.nonce, ok, "" if ok else
                                               "KV pulls into cached blocks are in flight; retry"))
+        elif isinstance(msg, ChangeRole):
+            ok, why = self._ask_role_change(msg.role)
+            self._send(identity, ControlReply(msg.nonce, ok, why))
         elif isinstance(msg, SubscribeKvEvents):
             if self.kv_events is None:
                 self._send(identity, ControlReply(msg.nonce, False, "no KV events here"))
@@ -264,9 +292,11 @@ class EngineService:
                 self._send_kv_events(identity, self.kv_events.subscribe(identity, msg.nonce))
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
-        if self._stop.is_set():
+        if self._stop.is_set() or self._change is not None:
+            why = ("engine is shutting down" if self._stop.is_set() else
+                   f"engine is changing its role to {self._change.role}")
             self._send(identity, EngineOutputs([TokenDelta(req.req_id, finish_reason="abort",
-                                                           error="engine is shutting down")]))
+                                                           error=why)]))
             return
         if req.req_id in self.req_to_identity:
             self._send(identity, EngineOutputs([TokenDelta(
@@ -279,6 +309,61 @@ class EngineService:
         if self.metrics is not None:
             self.metrics.on_arrival(req.req_id)
         self._send_all(self.worker.add_request(req))
+
+    # --- role changes (S41) -------------------------------------------------------------------
+    def _ask_role_change(self, role: str) -> tuple[bool, str]:
+        if role not in ROLES:
+            return False, f"unknown role {role!r}: one of {', '.join(ROLES)}"
+        if self._change is not None:
+            return False, f"a change to {self._change.role} is in progress"
+        if self._stop.is_set():
+            return False, "engine is shutting down"
+        if self.role_factory is None:
+            return False, "this engine cannot change its role (data parallel ranks restart)"
+        if role == self.worker.role:
+            return True, f"already {role}"
+        self._change = _RoleChange(role, time.monotonic())
+        self._snapshot = self.record()  # draining, in the registry's next heartbeat
+        logger.info("role change %s -> %s: draining %d requests", self.worker.role, role,
+                    len(self.req_to_identity))
+        return True, f"changing to {role}: draining {len(self.req_to_identity)} requests"
+
+    def _is_empty(self) -> bool:
+        if self._busy() or self.req_to_identity:
+            return False
+        stats = self.stats()
+        return (stats.num_free_blocks == stats.num_total_blocks
+                and not stats.extra.get("kv_leases_active", 0)
+                and not stats.extra.get("kv_pulls_active", 0))
+
+    def _continue_role_change(self) -> None:
+        change = self._change
+        if not change.aborted and time.monotonic() - change.asked_at > self.config.drain_timeout_s:
+            change.aborted = True
+            logger.warning("role change to %s: %d requests still running after %.0f s; aborting "
+                           "them (the router migrates them)", change.role,
+                           len(self.req_to_identity), self.config.drain_timeout_s)
+            for req_id in list(self.req_to_identity):
+                self._send_all(self.worker.abort_request(req_id))
+        if not self._is_empty():
+            return
+        old = self.worker
+        old.close()  # the KV agent deregisters the pool before another role registers it
+        try:
+            self.worker = self.role_factory(change.role, old)
+        except Exception:  # the old role goes on: a failed change must not kill the engine
+            logger.exception("role change to %s failed; staying %s", change.role, old.role)
+            self.worker = self.role_factory(old.role, old)
+        self.side_channel = getattr(self.worker, "side_channel", "")
+        source = getattr(self.worker, "kv_event_source", None)
+        # A new publisher: a new instance id, so routers drop their index of the old cache.
+        self.kv_events = KvEventPublisher(source()) if source is not None else None
+        self._change = None
+        self._snapshot = self.record()  # the heartbeat publishes the new role from now on
+        if self.registry is not None and old.role != self.worker.role:
+            self.registry.remove(old.role, self.config.engine_id)
+        logger.info("role change done: %s engine %s is now %s", old.role, self.config.engine_id,
+                    self.worker.role)
 
     # --- replies ---------------------------------------------------------------------------
     def _send_all(self, deltas: list[TokenDelta], fallback: bytes | None = None) -> None:
@@ -356,7 +441,7 @@ class EngineService:
             engine_id=self.config.engine_id, role=self.worker.role, nonce=nonce,
             num_steps=self.counters.num_steps,
             num_requests_finished=self.counters.num_requests_finished,
-            draining=self._stop.is_set(),
+            draining=self._stop.is_set() or self._change is not None,
         )
         self.worker.fill_stats(stats)
         stats.extra["num_bad_messages"] = float(self.counters.num_bad_messages)
@@ -367,7 +452,8 @@ class EngineService:
 
     def record(self) -> EngineRecord:
         record = EngineRecord(role=self.worker.role, engine_id=self.config.engine_id,
-                              address=self.address, side_channel=self.side_channel)
+                              address=self.address, side_channel=self.side_channel,
+                              draining=self._change is not None)
         self.worker.fill_record(record)
         if self.kv_events is not None:
             record.instance_id = self.kv_events.instance_id

@@ -87,6 +87,8 @@ _SPEC_PER_POSITION = [
 # (endpoint label, stats.extra key) of the CURVE refusal counters (kv_transfer/auth.py).
 _AUTH_ENDPOINTS = [("engine", "auth_refused"), ("kv_side_channel", "kv_auth_refused")]
 _FAILED_PREFIX = "kv_failed_"  # the importer's per-reason failure counters, in stats.extra
+# stats.extra keys of KV integrity failures, one per where (baton_kv_integrity_failures_total).
+INTEGRITY_PREFIX = "kv_integrity_failures_"
 
 
 def _value(stats: EngineStats, key: str | tuple[str, ...]) -> float:
@@ -128,6 +130,9 @@ class _SnapshotCollector(Collector):
             yield self._failures(stats)
         if "spec_drafted_tokens" in stats.extra:
             yield from self._speculation(stats)
+        integrity = self._integrity(stats)
+        if integrity is not None:
+            yield integrity
         refused = self._refused(stats)
         if refused is not None:
             yield refused
@@ -167,6 +172,23 @@ class _SnapshotCollector(Collector):
                                      labels=[*LABELS, "endpoint"])
         for endpoint, value in endpoints:
             family.add_metric([*self.labels, endpoint], value)
+        return family
+
+    def _integrity(self, stats: EngineStats) -> CounterMetricFamily | None:
+        """KV refused for its bytes or its producer, by where it was checked: every
+        `kv_integrity_failures_<where>` a worker reports ("pull": a completion engine's
+        hand-offs; a KV tier adds its own where)."""
+        wheres = [(key.removeprefix(INTEGRITY_PREFIX), value)
+                  for key, value in sorted(stats.extra.items())
+                  if key.startswith(INTEGRITY_PREFIX)]
+        if not wheres:
+            return None
+        family = CounterMetricFamily("baton_kv_integrity_failures", "KV refused, never "
+                                     "decoded, because its bytes differ from their checksum or "
+                                     "its producer's fingerprint from this engine's, by where "
+                                     "it was checked", labels=[*LABELS, "where"])
+        for where, value in wheres:
+            family.add_metric([*self.labels, where], value)
         return family
 
     def _failures(self, stats: EngineStats) -> CounterMetricFamily:

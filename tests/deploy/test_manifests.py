@@ -250,7 +250,50 @@ def test_redis_url_points_at_the_redis_service():
     urls = {parsed(c).redis_url for _, c in baton_containers()}
     assert len(urls) == 1, f"components disagree on Redis: {urls}"
     url = urlparse(urls.pop())
-    assert (url.scheme, url.hostname, url.port) == ("redis", "baton-redis", port)
+    assert (url.scheme, url.username, url.hostname, url.port) == ("redis", "baton",
+                                                                  "baton-redis", port)
+
+
+def _secret_volumes(deployment: dict) -> dict[str, dict]:
+    return {v["name"]: v["secret"] for v in deployment["spec"]["template"]["spec"]["volumes"]
+            if "secret" in v}
+
+
+def test_redis_is_closed_by_the_secrets_password():
+    """The default user off, the ACL user baton with the Secret's password (never on a command
+    line); every Baton container reads the same Secret's file through
+    $BATON_REDIS_PASSWORD_FILE."""
+    (redis,) = [d for d in of_kind("Deployment") if d["metadata"]["name"] == "baton-redis"]
+    (c,) = redis["spec"]["template"]["spec"]["containers"]
+    script = " ".join(c["command"] + c["args"])
+    assert "protected-mode no" not in script and "requirepass" not in script
+    assert "user default off" in script and "user baton on >%s" in script
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert f'$$(cat {mounts["redis-auth"]}/password)' in script
+    assert _secret_volumes(redis)["redis-auth"]["secretName"] == "baton-redis-auth"
+    assert "--user baton" in " ".join(c["readinessProbe"]["exec"]["command"])
+    for deployment, bc in baton_containers():
+        env = {e["name"]: e.get("value") for e in bc.get("env", [])}
+        mounts = {m["name"]: m for m in bc["volumeMounts"]}
+        assert env["BATON_REDIS_PASSWORD_FILE"] == f'{mounts["redis-auth"]["mountPath"]}/password'
+        assert mounts["redis-auth"]["readOnly"] is True
+        assert _secret_volumes(deployment)["redis-auth"]["secretName"] == "baton-redis-auth"
+
+
+def test_non_root_pods_can_read_their_owner_only_secrets():
+    """Secret files are root-owned; a non-root container reads an owner-only (0400) one only
+    through the pod's fsGroup (group read is added), so every such pod sets it."""
+    for d in of_kind("Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        secrets = _secret_volumes(d)
+        if not secrets:
+            continue
+        for c in spec["containers"]:
+            uid = c.get("securityContext", {}).get("runAsUser")
+            assert uid not in (None, 0), (d["metadata"]["name"], "runs as root")
+        for secret in secrets.values():
+            assert secret["defaultMode"] & 0o077 == 0
+        assert spec.get("securityContext", {}).get("fsGroup"), d["metadata"]["name"]
 
 
 def test_engines_carry_the_nixl_ucx_environment():

@@ -64,18 +64,22 @@ def test_colocated_engine_failing_mid_stream_is_migrated(engines, tokens, model_
         assert live.generates[0].output_token_ids == tokens[:2]
 
 
-def test_a_request_with_n_choices_is_not_migrated_and_says_so(engines, tokens, model_info):
+def test_a_request_with_n_choices_migrates_choice_by_choice(engines, tokens, model_info):
+    """n=2: each open choice goes on as a request of its own (n=1, its sample_index, its
+    tokens so far, wire id REQ~cI~mN) and both streams come out whole."""
     failing = engines("normal", tokens, name="n0", fail_after=2)
     live = engines("normal", tokens, name="n1")
     with serve_router(_config(failing, live), model_info) as url:
         events = _stream(url, n=2)
-        # Both choices streamed their first two tokens, then the failure ended the request.
         texts = ["".join(e["choices"][0]["text"] for e in events
                          if e.get("choices") and e["choices"][0]["index"] == i) for i in (0, 1)]
-        assert texts == [model_info.tokenizer.decode(tokens[:2])] * 2
-        assert "a request with n=2 choices is not migrated" in events[-1]["error"]["message"]
-        assert not live.generates
-        _wait_for(lambda: failing.aborts and not failing.running)  # the other choice ended
+        assert texts == [model_info.tokenizer.decode(tokens[:MAX_TOKENS])] * 2
+        assert events[-1]["usage"]["completion_tokens"] == 2 * MAX_TOKENS
+        moved = sorted(live.generates, key=lambda g: g.req_id)
+        assert [g.req_id.rsplit("~", 2)[1:] for g in moved] == [["c0", "m1"], ["c1", "m1"]]
+        assert [(g.sampling.n, g.sampling.sample_index) for g in moved] == [(1, 0), (1, 1)]
+        assert all(g.output_token_ids == tokens[:2] for g in moved)
+        assert _metric(url, "baton_router_migrations_total") == 1
 
 
 @pytest.mark.parametrize("limit", [0, 2])

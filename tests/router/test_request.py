@@ -29,11 +29,30 @@ def test_attempts_take_fresh_wire_ids_and_start_from_the_tokens_sent(model_info)
     assert request.start_attempt().wire_id == "cmpl-1~m2" and request.num_migrations == 2
 
 
-def test_a_request_with_several_choices_is_not_migrated(model_info) -> None:
+def test_a_request_with_several_choices_starts_again_whole_only_before_any_token(
+        model_info) -> None:
+    """Before any token went out it may start again whole (a mixed fleet's other path)."""
     request = _request(model_info, 2)
     request.start_attempt()
-    with pytest.raises(AssertionError, match="not migrated"):
+    again = request.start_attempt()
+    assert (again.wire_id, again.output_token_ids) == (f"{request.req_id}~m1", [])
+    request.choices[1].token_ids.append(7)
+    with pytest.raises(AssertionError, match="choice by choice"):
         request.start_attempt()
+
+
+def test_a_request_with_several_choices_migrates_each_as_its_own(model_info) -> None:
+    request = _request(model_info, 2)
+    request.start_attempt()
+    request.choices[0].token_ids.append(4)
+    with pytest.raises(AssertionError, match="choice by choice"):
+        request.start_attempt()
+    request.choices[1].token_ids.extend([5, 6])
+    sub = request.for_choice(1)
+    assert (sub.sampling.n, sub.sampling.sample_index) == (1, 1)
+    attempt = sub.start_attempt()
+    assert (attempt.wire_id, attempt.output_token_ids) == (f"{request.req_id}~c1~m1", [5, 6])
+    assert sub.num_migrations == 1
 
 
 def test_open_choices_are_the_ones_the_engines_still_generate(model_info) -> None:

@@ -325,6 +325,11 @@ def test_bad_handle_is_refused(cluster):
         out = c.generate(_ids(40, seed=3), GREEDY, req_id="bad0", kv_handle=kvproto.encode(forged),
                          first_token_id=first.token_ids[0])
         assert out.finish_reason == "bad_request" and "block keys disagree" in out.error
+        assert len(handle.checksums) == 3  # --kv-checksum all: one per block
+        forged = msgspec.structs.replace(handle, checksums=handle.checksums[1:])
+        out = c.generate(_ids(40, seed=3), GREEDY, req_id="bad0", kv_handle=kvproto.encode(forged),
+                         first_token_id=first.token_ids[0])
+        assert out.finish_reason == "bad_request" and "2 block checksums for 3" in out.error
     with cluster["prompt"].client() as c:
         c.send(AbortRequest("bad0"))
         c.stats()  # answered after the abort (one socket, in order): it was not lost on close

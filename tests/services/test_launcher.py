@@ -199,10 +199,11 @@ def test_an_engine_flag_no_role_takes_is_refused_before_anything_starts():
     assert "no engine takes the engine flag(s) --no-such-flag" in result.stderr
 
 
-def test_engine_counts_refuse_a_mixed_fleet_instead_of_zeroing_it():
-    """--normal-engines alone is co-located serving (prompt and completion default to 0); an
-    explicit prompt or completion count beside it is refused by name, never silently zeroed."""
-    from baton_cli.launcher import engine_counts
+def test_engine_counts_mixed_fleet_and_normal_alone():
+    """--normal-engines alone is co-located serving (prompt and completion default to 0);
+    explicit prompt and completion counts beside it make a mixed fleet; a prompt engine
+    without a completion engine (or the reverse) beside it is refused by name."""
+    from baton_cli.launcher import LaunchConfig, engine_counts
     from baton_cli.main import build_parser
 
     def counts(*flags: str):
@@ -212,5 +213,11 @@ def test_engine_counts_refuse_a_mixed_fleet_instead_of_zeroing_it():
     assert counts("--prompt-engines", "2") == (2, 1, 0)
     assert counts("--normal-engines", "2") == (0, 0, 2)
     assert counts("--normal-engines", "1", "--prompt-engines", "0") == (0, 0, 1)
-    with pytest.raises(ValueError, match="--prompt-engines 1 and --completion-engines 1"):
-        counts("--normal-engines", "1", "--prompt-engines", "1", "--completion-engines", "1")
+    mixed = counts("--normal-engines", "1", "--prompt-engines", "1", "--completion-engines", "1")
+    assert mixed == (1, 1, 1)
+    LaunchConfig(num_prompt_engines=1, num_completion_engines=1, num_normal_engines=1)
+    prompt, completion, normal = counts("--normal-engines", "1", "--prompt-engines", "1")
+    with pytest.raises(ValueError, match="mixed fleet needs both --prompt-engines and "
+                                         "--completion-engines"):
+        LaunchConfig(num_prompt_engines=prompt, num_completion_engines=completion,
+                     num_normal_engines=normal)

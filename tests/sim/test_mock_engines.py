@@ -126,3 +126,44 @@ def test_baton_up_mock_serves_the_openai_client(fleet):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_baton_up_api_keys_file_reaches_the_router(tmp_path):
+    """`baton up --api-keys-file`: the router demands one of the named keys (401 without),
+    answers with one, and the launcher's banner names the model (it asked with a file's key)."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {name: alice, key: sk-alice-0123456789abcdef}\n"
+                    "  - {name: bob, key: sk-bob-0123456789abcdef0}\n")
+    keys.chmod(0o600)
+    proc, port, out, err = _start(["--normal-engines", "1", "--api-keys-file", str(keys),
+                                   "--cache-salt-per-key"])
+    try:
+        from openai import AuthenticationError, OpenAI
+
+        assert not any('"model": "MODEL"' in line for line in out.lines), out.lines
+        base = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=base, api_key="sk-nobody-0123456789ab", max_retries=0).models.list()
+        client = OpenAI(base_url=base, api_key="sk-bob-0123456789abcdef0", max_retries=0,
+                        timeout=30)
+        resp = client.completions.create(model=client.models.list().data[0].id, prompt="hello",
+                                         max_tokens=4, temperature=0)
+        assert resp.usage.completion_tokens == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_baton_up_refuses_a_bad_api_keys_file_before_starting(tmp_path):
+    from baton_cli.main import main as baton_main
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys: []\n")
+    keys.chmod(0o600)
+    assert baton_main(["up", "--mock", PROFILE, "--api-keys-file", str(keys)]) == 2
+    assert baton_main(["up", "--mock", PROFILE, "--cache-salt-per-key"]) == 2

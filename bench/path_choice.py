@@ -1,0 +1,163 @@
+"""A mixed fleet's path policy against always co-located and always disaggregated, on the same
+fleet and the same mixed-length workload (router/path.py):
+
+    .venv/bin/python bench/path_choice.py --repeats 2 --request-rate 3
+
+1. `baton up --mock PROFILE --normal-engines 1 --prompt-engines 1 --completion-engines 1`
+   (mock engines: the real engine loop, scheduler, registry, router and KV transfer, the model
+   replaced by the profile's step times), with the router's policy one of:
+     colocated      `--pd-threshold-tokens 1000000`: every request on the normal engine
+     disaggregated  `--pd-threshold-tokens 0`: every request prompted and completed
+     predicted      `--profile PROFILE`: each request's path from the predicted cost
+2. bench/serve_bench.py sends the `mix` workload (chat prompts of ~64 tokens, a fraction of
+   ~1500-token documents) through /v1/completions at a Poisson rate, seeded per repeat, the
+   policies interleaved within each repeat so a drift of this host's load hits all three.
+3. Per policy: goodput, TTFT and TPOT (median of the repeats, min-max across them) and the
+   paths the router took (baton_router_path_total).
+
+Writes bench/results/path_choice.json. Figures depend on the profile: with the test profile the
+engines are the profile's idea of this host, not a measurement of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_bench as sb  # noqa: E402 - a sibling script, not a package
+
+from baton.ops.redis_server import free_port  # noqa: E402
+from baton.workload.synthetic import WorkloadConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ("colocated", "disaggregated", "predicted")
+
+
+def policy_flags(policy: str, profile: str) -> list[str]:
+    return {"colocated": ["--pd-threshold-tokens", "1000000"],
+            "disaggregated": ["--pd-threshold-tokens", "0"],
+            "predicted": ["--profile", profile]}[policy]
+
+
+def start_fleet(args: argparse.Namespace, policy: str, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", args.profile,
+         "--no-cpu-pinning", "--no-metrics", "--normal-engines", "1", "--prompt-engines", "1",
+         "--completion-engines", "1", *policy_flags(policy, args.profile),
+         "--", "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    deadline = time.monotonic() + args.ready_timeout
+    for line in proc.stdout:  # the banner's last line says it is up
+        if "Ctrl-C stops" in line:
+            return proc
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise SystemExit(f"baton up --mock ({policy}) did not come up within {args.ready_timeout:g} s")
+
+
+def stop_fleet(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def path_counts(base_url: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("baton_router_path_total{"):
+            labels, value = line[len("baton_router_path_total{"):].split("} ")
+            path = dict(p.split("=") for p in labels.split(","))["path"].strip('"')
+            counts[path] = counts.get(path, 0) + float(value)
+    return counts
+
+
+def one_run(args: argparse.Namespace, policy: str, seed: int) -> dict:
+    port = free_port()
+    proc = start_fleet(args, policy, port)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        cfg = sb.BenchConfig(base_url=base_url, endpoint="completions",
+                             request_rate=args.request_rate, num_requests=args.num_requests,
+                             slos_ms={"ttft": args.ttft_slo, "tpot": args.tpot_slo},
+                             label=f"path_{policy}_{seed}", progress=False)
+        workload = WorkloadConfig(dataset="mix", long_fraction=args.long_fraction, seed=seed)
+        record = asyncio.run(sb.run_async(cfg, workload))
+        paths = path_counts(base_url)
+    finally:
+        stop_fleet(proc)
+    s = record["summary"]
+    return {"policy": policy, "seed": seed, "paths": paths, "num_failed": s["num_failed"],
+            "goodput": s["goodput"], "ttft_median_ms": s["ttft_ms"]["median"],
+            "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_median_ms": s["tpot_ms"]["median"],
+            "tpot_p90_ms": s["tpot_ms"]["p90"]}
+
+
+def spread(runs: list[dict], key: str) -> str:
+    values = [r[key] for r in runs]
+    return f"{np.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]" \
+        if key == "goodput" else f"{np.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
+
+
+def _relative(args: dict) -> dict:
+    """Paths inside the repository as relative ones: the record names no host's folders."""
+    def rel(value):
+        if isinstance(value, str) and Path(value).is_absolute() and \
+                Path(value).resolve().is_relative_to(ROOT):
+            return str(Path(value).resolve().relative_to(ROOT))
+        return value
+    return {k: rel(v) for k, v in args.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default=str(ROOT / "tests/data/profile_test.json"))
+    p.add_argument("--request-rate", type=float, default=3.0)
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--long-fraction", type=float, default=0.2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--ttft-slo", type=float, default=1500.0, help="goodput's TTFT SLO, ms")
+    p.add_argument("--tpot-slo", type=float, default=40.0, help="goodput's TPOT SLO, ms")
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--results-dir", default=str(ROOT / "bench/results"))
+    args = p.parse_args(argv)
+
+    runs = [one_run(args, policy, seed) for seed in range(args.repeats) for policy in POLICIES]
+    print(f"mixed fleet 1 normal + 1 prompt + 1 completion (mock, {Path(args.profile).name}), "
+          f"mix workload ({args.long_fraction:.0%} long), {args.num_requests} requests at "
+          f"{args.request_rate:g} req/s, SLOs ttft<={args.ttft_slo:g} tpot<={args.tpot_slo:g} ms, "
+          f"{args.repeats} repeats: median [min-max]")
+    print("| policy | goodput req/s | TTFT median ms | TTFT p90 ms | TPOT median ms | "
+          "TPOT p90 ms | co-located / disaggregated | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for policy in POLICIES:
+        mine = [r for r in runs if r["policy"] == policy]
+        split = "+".join(f"{sum(r['paths'].get(k, 0) for r in mine):.0f}"
+                         for k in ("colocated", "disaggregated"))
+        print(f"| {policy} | {spread(mine, 'goodput')} | {spread(mine, 'ttft_median_ms')} | "
+              f"{spread(mine, 'ttft_p90_ms')} | {spread(mine, 'tpot_median_ms')} | "
+              f"{spread(mine, 'tpot_p90_ms')} | {split} | {sum(r['num_failed'] for r in mine)} |")
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "path_choice.json").write_text(json.dumps({"args": _relative(vars(args)),
+                                                      "runs": runs}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

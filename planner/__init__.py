@@ -1,0 +1,1 @@
+"""The P:D planner: which split of a fixed engine budget serves the recent load best."""

@@ -1,0 +1,70 @@
+"""`baton up --planner apply` on mock engines: the planner reads the router's finished
+requests, decides on the live split with the simulator, publishes its decision (the router's
+`/planner` and metrics) and moves an engine between roles in place (S41). Every request
+succeeds and every pool is whole afterwards. (The role change itself, on real engines with
+exact text, is tests/router/test_role_change.py.)"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from baton.service.client import probe_engine
+from baton.workload.words import WORDS
+from tests.cluster import KEYS, is_whole
+from tests.sim.test_mock_engines import PROFILE, _start
+
+pytestmark = pytest.mark.slow
+
+
+def _long_request(port: int, i: int) -> int:
+    words = " ".join(WORDS[(i * 13 + j) % len(WORDS)] for j in range(700))
+    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+        "model": "SmolLM2-135M-Instruct", "prompt": words, "max_tokens": 4, "temperature": 0})
+    return resp.status_code
+
+
+def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
+    proc, port, out, err = _start(["--prompt-engines", "1", "--completion-engines", "3",
+                                   "--planner", "apply", "--planner-profile", PROFILE,
+                                   "--goodput", "ttft:1500", "tpot:200",
+                                   "--planner-interval", "2", "--planner-window", "20",
+                                   "--planner-cooldown", "600"])
+    try:
+        engines = {}
+        for line in out.lines:
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].startswith("tcp://"):
+                engines[parts[0]] = parts[1]
+        assert len(engines) == 4, out.lines
+        deadline = time.monotonic() + 120
+        statuses = []
+        with ThreadPoolExecutor(4) as pool:
+            while time.monotonic() < deadline:
+                statuses += list(pool.map(lambda i: _long_request(port, i), range(8)))
+                plan = httpx.get(f"http://127.0.0.1:{port}/planner").json()
+                roles = [probe_engine(a, 5.0, keys=KEYS).role for a in engines.values()]
+                if roles.count("prompt") >= 2:
+                    break
+        assert roles.count("prompt") >= 2, (plan, "".join(err.lines[-30:]))
+        assert set(statuses) == {200}, statuses
+        assert plan["plan"]["recommended"]["prompt"] >= 2
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'baton_router_planner_recommended_engines{role="prompt"}' in metrics
+        assert _long_request(port, 99) == 200  # the new fleet serves
+        deadline = time.monotonic() + 30
+        while not all(is_whole(probe_engine(a, 5.0, keys=KEYS)) for a in engines.values()):
+            assert time.monotonic() < deadline, "pools not whole"
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
