@@ -45,8 +45,11 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         # Standalone, assume one other engine shares the host (the launcher passes the share).
         num_threads=args.num_threads or engine_threads(2),
         decode_threads=getattr(args, "decode_threads", 0),
-        **{name: getattr(args, name) for name in (*CADENCE, *SPECULATION)
-           if hasattr(args, name)},
+        **{name: getattr(args, name) for name in CADENCE if hasattr(args, name)},
+        # A role change (S41) to prompt keeps the process's flags: a prompt engine drafts
+        # nothing, so it leaves them behind.
+        **{name: getattr(args, name) for name in SPECULATION
+           if hasattr(args, name) and role != PROMPT},
         engine_type=role, load_cache_dir=None if getattr(args, "no_load_cache", False)
         else getattr(args, "load_cache_dir", "") or default_cache_dir())
 

@@ -229,6 +229,9 @@ def test_flags_on_the_engines_that_decode(capsys) -> None:
         assert role_engine_args(flags, role) == flags  # baton up forwards them
     assert engine_config(build_parser().parse_args(["engine"]), "normal").num_draft_tokens == 0
     assert role_engine_args(flags, "prompt") == []
+    # A completion engine changing role to prompt (S41) builds a prompt engine's config.
+    args = build_parser().parse_args(["completion-engine", *flags])
+    assert engine_config(args, "prompt").num_draft_tokens == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prompt-engine", "--speculative", "ngram"])
     assert "unrecognized arguments: --speculative ngram" in capsys.readouterr().err
