@@ -148,8 +148,8 @@ def run_both(engines, prompts, params):
 def test_greedy_equals_plain_decoding_token_for_token(engines, copy_prompt) -> None:
     """Greedy with logprobs and top logprobs: the same tokens; logprobs within rounding (the
     verified positions attend as a short chunk, the plain ones over the dense decode rows)."""
-    params = SamplingParams(temperature=0, max_tokens=40, logprobs=True, top_logprobs=2)
-    prompts = [copy_prompt, copy_prompt[:90], baton_model().tokenizer.encode("1, 2, 3, 4,")]
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=True, top_logprobs=2)
+    prompts = [copy_prompt, baton_model().tokenizer.encode("1, 2, 3, 4,")]
     want, got, accepted = run_both(engines, prompts, params)
     assert accepted > 10  # the copy was drafted and kept
     for w, g in zip(want, got, strict=True):
@@ -163,12 +163,11 @@ def test_stops_and_lengths_as_without_drafts(engines, copy_prompt) -> None:
     """max_tokens cuts inside a verified row, a stop token among the kept drafts ends the
     output there, ignore_eos runs on; penalties see the drafts before each position."""
     plain, _ = engines
-    run = plain.generate(copy_prompt, SamplingParams(temperature=0, max_tokens=24))[0].token_ids
+    run = plain.generate(copy_prompt, SamplingParams(temperature=0, max_tokens=12))[0].token_ids
     cases = [SamplingParams(temperature=0, max_tokens=7),
-             SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(run[13],)),
-             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.5,
-                            min_tokens=5)]
+             SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(run[9],)),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            frequency_penalty=0.5, min_tokens=5)]
     for params in cases:
         want, got, _ = run_both(engines, [copy_prompt], params)
         assert got[0].token_ids == want[0].token_ids, params
@@ -177,7 +176,7 @@ def test_stops_and_lengths_as_without_drafts(engines, copy_prompt) -> None:
 
 @pytest.mark.slow
 def test_seeded_sampling_repeats_the_plain_run(engines, copy_prompt) -> None:
-    params = SamplingParams(temperature=0.7, seed=11, max_tokens=32)
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=20)
     want, got, accepted = run_both(engines, [copy_prompt], params)
     assert got[0].token_ids == want[0].token_ids
     assert accepted > 0
@@ -188,8 +187,8 @@ def test_unsupported_features_and_the_opt_out_decode_plainly(engines, copy_promp
     """n > 1 choices and a request that opts out draft nothing; their output is the plain
     one."""
     _, spec = engines
-    cases = [SamplingParams(temperature=0, max_tokens=16, speculative=False),
-             SamplingParams(temperature=0.8, seed=3, max_tokens=16, n=2)]
+    cases = [SamplingParams(temperature=0, max_tokens=8, speculative=False),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2)]
     for params in cases:
         rows_before = spec.speculator.stats.num_verify_rows
         outs = []
