@@ -127,7 +127,12 @@ def main() -> None:
         print(f"{r['workload']:8} {r['p50_off_ms']:9.2f} ({min(off):6.2f}-{max(off):6.2f}) "
               f"{r['p50_on_ms']:12.2f} ({min(on):6.2f}-{max(on):6.2f}) "
               f"{r['ratio_on_off']:7.2f} {r['acceptance']:8.0%}")
-    result = {"config": vars(args), "quantization": engine.quantization,
+    config = dict(vars(args))
+    repo = Path(__file__).resolve().parent.parent
+    out = Path(args.out).resolve()
+    # Recorded relative to the repository: no tracked file points outside it.
+    config["out"] = str(out.relative_to(repo)) if out.is_relative_to(repo) else out.name
+    result = {"config": config, "quantization": engine.quantization,
               "load_avg": os.getloadavg(), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}; load average at the end {os.getloadavg()[0]:.2f}")
