@@ -70,6 +70,9 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
     # Choices of the prompt (OpenAI's n): one prefill, n first tokens (choice i draws with
     # sample_index + i), then n forks of one sequence sharing the prompt's KV blocks.
     n: NumChoices = 1
+    # False: the engine verifies no drafts for this request (speculative decoding off for it;
+    # the tokens are the same, only the speed differs).
+    speculative: bool = True
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True):

@@ -12,7 +12,8 @@ import os
 import socket
 import sys
 
-from baton.engine.config import EngineConfig
+from baton.engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
+from baton.engine.proposers import SPECULATIVE_METHODS
 from baton.model.modes import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_REQUESTS
 from baton.ops.cluster_keys import add_key_args, keys_from_args
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
@@ -121,6 +122,16 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="decode steps after a prompt step before the next prefill attempt "
                             "(S40), so running streams advance during a burst of prompts; "
                             "0 = prompt steps back to back while prompts wait")
+    if role != PROMPT:  # a prompt engine decodes no token after the first
+        sp = p.add_argument_group("speculative decoding (README: Speculative decoding)")
+        sp.add_argument("--speculative", default="off", choices=SPECULATIVE_METHODS,
+                        help="draft tokens for the model to verify, all of a step in one "
+                             "forward: ngram = prompt lookup over each request's own tokens; "
+                             "greedy and seeded outputs are those without it")
+        sp.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="most drafts per sequence and step (0 = "
+                             f"{DEFAULT_SPECULATIVE_TOKENS} with --speculative ngram; refused "
+                             "with --speculative off)")
     if role in (NORMAL, PROMPT):
         m.add_argument("--data-parallel-size", type=int, default=1,
                        help="ranks, one scheduler each, voting on the step type over gloo")

@@ -46,12 +46,18 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         num_threads=args.num_threads or engine_threads(2),
         decode_threads=getattr(args, "decode_threads", 0),
         **{name: getattr(args, name) for name in CADENCE if hasattr(args, name)},
+        # A role change (S41) to prompt keeps the process's flags: a prompt engine drafts
+        # nothing, so it leaves them behind.
+        **{name: getattr(args, name) for name in SPECULATION
+           if hasattr(args, name) and role != PROMPT},
         engine_type=role, load_cache_dir=None if getattr(args, "no_load_cache", False)
         else getattr(args, "load_cache_dir", "") or default_cache_dir())
 
 
 # The prefill cadence flags (NORMAL engines only): EngineConfig fields of the same names.
 CADENCE = ("prefill_attempt_interval", "prefill_any_attempt_interval", "prefill_min_decode_steps")
+# The speculative decoding flags (engines that decode): EngineConfig fields of the same names.
+SPECULATION = ("speculative", "num_speculative_tokens")
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
@@ -133,7 +139,9 @@ def wait_for_go(engine_id: str) -> None:
 # otherwise is refused by name (a mock has no model, no torch threads, no dtype).
 MOCK_UNUSED = {"model": "", "dtype": "float32", "quantization": "auto", "device": "",
                "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0,
-               "kv_cache_dtype": "auto"}
+               "kv_cache_dtype": "auto",
+               # A mock runner samples no logits: it has nothing to verify drafts with.
+               "speculative": "off", "num_speculative_tokens": 0}
 
 
 def mock_runner(args: argparse.Namespace):

@@ -78,6 +78,9 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = None
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
+    # Baton's: false = no speculative decoding for this request (the engine's drafts are
+    # skipped; the output is the same, only the speed may differ)
+    speculative: bool | None = None
     # vLLM's: a tenant's tag; its prompt blocks hit only requests with the same salt
     # (baton/engine/block_keys.py), so no tenant learns from another's cache hits.
     cache_salt: str | None = None

@@ -265,6 +265,7 @@ def _prepared(kind: str, prefix: str, body: CompletionRequest | ChatCompletionRe
         min_tokens=min_tokens,
         min_p=float(body.min_p or 0.0),
         n=body.n or 1,
+        speculative=body.speculative is not False,
     )
     sampling.grammar = request_grammar(body, info)
     if body.cache_salt is not None and not 0 < len(body.cache_salt) <= MAX_CACHE_SALT_CHARS:

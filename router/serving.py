@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -182,9 +183,9 @@ class Server:
             # echo with max_tokens 0: the engines' one token is not shown
             delta = TokenDelta(delta.req_id, finish_reason=delta.finish_reason or "length")
         choice.num_deltas += 1
+        piece, delta = self._add_text(prep, text, delta)
         choice.num_generated += len(delta.token_ids)
         self._add_logprobs(prep, delta, choice)
-        piece = text.add(delta.token_ids)
         if text.is_stopped:
             choice.finish_reason = "stop"
             self.metrics.aborts.labels("stop_string").inc()
@@ -194,6 +195,24 @@ class Server:
         if piece or prep.logprobs or choice.finish_reason:
             return choice, piece, bool(choice.finish_reason)
         return None
+
+    @staticmethod
+    def _add_text(prep: Prepared, text, delta: TokenDelta) -> tuple[str, TokenDelta]:
+        """The delta's text piece, and the delta cut after the token that completed a stop
+        string: a delta of several tokens (an engine's kept speculative drafts) ends where
+        one token at a time would have, in the usage count and the logprobs too."""
+        ids = delta.token_ids
+        if not prep.stop or len(ids) < 2:
+            return text.add(ids), delta
+        piece, used = "", 0
+        while used < len(ids) and not text.is_stopped:
+            piece += text.add(ids[used:used + 1])
+            used += 1
+        if used == len(ids):
+            return piece, delta
+        return piece, msgspec.structs.replace(
+            delta, token_ids=ids[:used], logprobs=delta.logprobs[:used],
+            top_token_ids=delta.top_token_ids[:used], top_logprobs=delta.top_logprobs[:used])
 
     async def _stream(self, prep: Prepared, state: RouterRequest, first: TokenDelta,
                       deltas) -> AsyncIterator[bytes]:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.engine.proposers import SPECULATIVE_METHODS
 from baton.engine.scheduler import EngineType
 from baton.model.modes import check_dtype_name, check_kv_cache_dtype, check_quantization
-from baton.protocol import NORMAL, ROLES
+from baton.protocol import NORMAL, PROMPT, ROLES
 
 # Each role runs the scheduler in the mode of the same name.
+# Drafts per step when speculating and num_speculative_tokens is 0.
+DEFAULT_SPECULATIVE_TOKENS = 4
+
 ROLE_TYPES = {role: EngineType.__members__[role.upper()] for role in ROLES}
 
 
@@ -71,6 +75,12 @@ class EngineConfig:
     # hit, a pulled prompt, a decode row) reads the same numbers. bfloat16 holds twice the
     # tokens of float32 in the same budget (quality gate: README, "KV cache dtype").
     kv_cache_dtype: str = "auto"
+    # Speculative decoding (baton/engine/speculation.py): off, or ngram (prompt lookup over each
+    # request's own tokens); the model verifies every draft of a step in one forward. Greedy
+    # and seeded outputs are those without it.
+    speculative: str = "off"
+    # Most drafts per sequence and step; 0 = DEFAULT_SPECULATIVE_TOKENS when speculating.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -87,5 +97,28 @@ class EngineConfig:
         if self.engine_type not in ROLE_TYPES:
             raise ValueError(f"EngineConfig.engine_type must be one of {sorted(ROLE_TYPES)}, "
                              f"got {self.engine_type!r}")
+        self._check_speculative()
         if self.num_blocks == 1:
             raise ValueError("EngineConfig.num_blocks must be 0 (auto) or >= 2, got 1")
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"EngineConfig.speculative must be one of {list(SPECULATIVE_METHODS)}"
+                             f", got {self.speculative!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("EngineConfig.num_speculative_tokens must be >= 0, got "
+                             f"{self.num_speculative_tokens}")
+        if self.speculative == "off" and self.num_speculative_tokens:
+            raise ValueError(f"EngineConfig.num_speculative_tokens={self.num_speculative_tokens}"
+                             " with speculative='off': drafts need a proposer (speculative=ngram)")
+        if self.speculative != "off" and self.engine_type == PROMPT:
+            raise ValueError(f"EngineConfig.speculative={self.speculative!r} on a prompt engine: "
+                             "it decodes no token after the first (speculate on the completion "
+                             "engines)")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts per sequence and step the scheduler allows (0 = speculation off)."""
+        if self.speculative == "off":
+            return 0
+        return self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS

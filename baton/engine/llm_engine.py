@@ -36,6 +36,7 @@ from baton.engine.kv_events import KvEventSource
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig
+from baton.engine.speculation import Speculator, booked_tokens
 from baton.model.modes import check_dtype_name
 from baton.protocol import COMPLETION, MAX_CACHE_SALT_CHARS, NORMAL
 from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
@@ -84,8 +85,12 @@ class LLMEngine:
             prefill_any_attempt_interval=config.prefill_any_attempt_interval,
             prefill_min_decode_steps=config.prefill_min_decode_steps,
             enable_prefix_caching=config.enable_prefix_caching,
-            prefix_cache_seed=self.prefix_cache_seed),
+            prefix_cache_seed=self.prefix_cache_seed,
+            num_speculative_tokens=config.num_draft_tokens),
             all_reduce_min=all_reduce_min)
+        # Drafts for the next decode step (baton/engine/speculation.py); None = plain decoding.
+        self.speculator = (Speculator(config.speculative, config.num_draft_tokens)
+                           if config.num_draft_tokens else None)
         self.max_model_len = max_len
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
@@ -207,6 +212,7 @@ class LLMEngine:
         self.scheduler.commit_prompted(request_id)
         if choices:
             self._fork_choices(request_id, choices)
+        self._propose([self._requests[request_id]])
 
     def free_prompted(self, request_id: str) -> None:
         """Its KV never landed (failed or aborted pull): blocks back, request forgotten."""
@@ -279,6 +285,8 @@ class LLMEngine:
     def untrack(self, request_id: str) -> None:
         """Forget a request the scheduler no longer holds (freed by its role)."""
         req = self._requests.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         if req is not None:
             self._by_seq.pop(req.seq_id, None)
             family = self._families.get(req.wire_id)
@@ -327,8 +335,11 @@ class LLMEngine:
             self.num_prompt_tokens += int(seqlens_q.sum())
             self.num_recomputed += sum(1 for r, q in zip(reqs, seqlens_q, strict=True)
                                        if len(r.token_ids) > r.num_given and q > 1)
-        # Only a row whose context is complete is sampled: a non-final prompt chunk is not.
-        complete = [int(k) == r.num_tokens for r, k in zip(reqs, seqlens_k, strict=True)]
+        # Only a row whose context is complete is sampled: a non-final prompt chunk is not. A
+        # decode row's context runs past the request's tokens by its drafts (q - 1).
+        drafted = 0 if sched_out.prompt_run else seqlens_q - 1
+        complete = [int(k) == r.num_tokens
+                    for r, k in zip(reqs, seqlens_k - drafted, strict=True)]
         spans = (self._prompt_spans(reqs, seqlens_q, seqlens_k) if sched_out.prompt_run
                  else None)
         samples = self.runner.execute(
@@ -343,18 +354,33 @@ class LLMEngine:
                 req.prompt_logprobs.logprobs.extend(prompt.logprobs)
                 req.prompt_logprobs.top.extend(prompt.top)
         result = self.scheduler.process_outputs(sched_out, samples.token_ids)
-        for i, (req, accepted) in enumerate(zip(reqs, np.asarray(result.num_accepted),
-                                                strict=True)):
+        accepted_counts = np.asarray(result.num_accepted)
+        for i, (req, accepted) in enumerate(zip(reqs, accepted_counts, strict=True)):
             if accepted > 0:
-                outputs.append(self._append(req, int(samples.token_ids[i]),
-                                            float(samples.logprobs[i]), samples.top[i]))
+                tokens, logprobs = booked_tokens(samples, i, int(accepted))
+                outputs.append(self._append(req, tokens, logprobs, samples.top[i]))
                 if req.matcher is not None:
                     self._advance_matcher(req, outputs[-1])
+        if samples.token_ids.ndim == 2:
+            self.speculator.record_step([r.request_id for r in reqs], seqlens_q,
+                                        samples.token_ids)
         self._hand_off(outputs, result.handed_off)
         self._book_finished(outputs, dict(result.finished))
         for req, split, top in splits:
             self._split(req, split, top, outputs)
+        self._propose([r for r, a in zip(reqs, accepted_counts, strict=True) if a > 0])
         return outputs
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose(self, reqs: list[Request]) -> None:
+        """Drafts for the next decode step of the requests still running here."""
+        if self.speculator is None:
+            return
+        for req in reqs:
+            if req.request_id in self._requests:
+                drafts = self.speculator.propose(req)
+                if drafts:
+                    self.scheduler.set_draft_tokens(req.request_id, drafts)
 
     def _allowed_tokens(self, reqs: list[Request], complete: list[bool]) -> list | None:
         """Each sampled structured row's grammar mask (bool [vocab]); None when none."""
@@ -460,15 +486,19 @@ class LLMEngine:
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
 
-    def _append(self, req: Request, token: int, logprob: float,
+    def _append(self, req: Request, tokens: list[int], logprobs: list[float],
                 top: TopLogprobs | None = None) -> RequestOutput:
-        self.num_generated_tokens += 1
-        req.token_ids.append(token)
+        """A step's tokens of one request (several when drafts were kept)."""
+        self.num_generated_tokens += len(tokens)
+        first = len(req.token_ids) == req.num_given
+        req.token_ids.extend(tokens)
         if req.params.logprobs:
-            req.logprobs.append(logprob)
-        out = RequestOutput(req.request_id, [token], [logprob] if req.params.logprobs else None,
+            req.logprobs.extend(logprobs)
+        if top is not None and len(top.token_ids) > len(tokens):  # a stop among kept drafts
+            top = TopLogprobs(top.token_ids[:len(tokens)], top.logprobs[:len(tokens)])
+        out = RequestOutput(req.request_id, tokens, logprobs if req.params.logprobs else None,
                             top=top, index=req.index, base_id=req.base_id)
-        if len(req.token_ids) == req.num_given + 1:
+        if first:
             out.num_cached_tokens = req.num_cached_tokens or 0
             if not req.num_given:  # scored here: the prompt was prefilled on this engine
                 out.prompt = req.prompt_logprobs

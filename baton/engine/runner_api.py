@@ -30,4 +30,7 @@ class Runner(Protocol):
                 prompt_spans: Sequence[PromptSpan | None] | None = None,
                 allowed_tokens: Sequence[np.ndarray | None] | None = None,
                 choice_params: Sequence[list[SamplingParams] | None] | None = None,
-                ) -> StepSamples: ...
+                ) -> StepSamples:
+        """Run a scheduler step and sample it. A decode step whose rows carry drafts (query
+        length 1 + k: the engine runs `--speculative`) is verified in that one forward and
+        answers the `[n, 1 + k]` rows the scheduler books (`StepSamples.token_ids`)."""

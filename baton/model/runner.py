@@ -20,7 +20,7 @@ from baton.model.kv_cache import KVCacheSpec, allocate_kv_cache
 from baton.model.load_cache import load_with_cache
 from baton.model.loader import LoadedModel
 from baton.model.logprobs import token_logprobs, top_logprobs
-from baton.model.sampler import Sampler
+from baton.model.sampler import Sampler, sample_verified
 from baton.sampling.params import SamplingParams
 from baton.sampling.samples import PromptSpan, StepSamples
 
@@ -67,19 +67,21 @@ class ModelRunner:
         return torch.as_tensor(np.asarray(values), device=self.device).long()
 
     def forward(self, input_ids, positions, slot_mapping, seqlens_q, seqlens_k, block_tables,
-                seq_ids=None, logit_rows=None) -> torch.Tensor:
+                seq_ids=None, logit_rows=None, decode_step: bool = False) -> torch.Tensor:
         """Run one flat batch (array-likes as the scheduler gives them); fp32 logits [n, vocab]
         of each sequence's last token (or of the flat token indices `logit_rows`).
         `slot_mapping` is block_id * block_size + offset of each token; `seqlens_k` each
         sequence's context length after the step. `seq_ids` (the scheduler's, unique per live
         sequence) let the backend keep a decoding sequence's state (the CPU backend's dense
-        rows) from step to step; without them nothing is kept."""
+        rows) from step to step; without them nothing is kept. `decode_step`: every token is a
+        decode token, drafts included (a speculative decode step's rows are longer than one)."""
         batch = StepBatch(
             input_ids=self._tensor(input_ids), positions=self._tensor(positions),
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
             seqlens_q=np.asarray(seqlens_q, dtype=np.int64),
             seqlens_k=np.asarray(seqlens_k, dtype=np.int64),
-            seq_ids=None if seq_ids is None else np.asarray(seq_ids, dtype=np.int64))
+            seq_ids=None if seq_ids is None else np.asarray(seq_ids, dtype=np.int64),
+            decode_step=decode_step)
         num_tokens = int(batch.seqlens_q.sum())
         assert num_tokens == batch.input_ids.shape[0] == batch.positions.shape[0] \
             == batch.slot_mapping.shape[0], "ragged batch"
@@ -123,6 +125,9 @@ class ModelRunner:
                  prompt_spans, allowed_tokens, choice_params) -> StepSamples:
         self._clone_blocks(np.asarray(sched_out.clone_blocks))
         seqlens_q = np.asarray(sched_out.seqlens_q, dtype=np.int64)
+        if not sched_out.prompt_run and len(seqlens_q) and int(seqlens_q.max()) > 1:
+            return self._execute_verify(sched_out, seq_ids, seqlens_q, params, prompt_token_ids,
+                                        output_token_ids, allowed_tokens)
         spans = list(prompt_spans) if prompt_spans is not None else [None] * len(params)
         logit_rows, last = self._logit_rows(seqlens_q, spans)
         logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
@@ -152,6 +157,27 @@ class ModelRunner:
                 None if allowed_tokens is None else allowed_tokens[i])
                 for i, extra in enumerate(choice_params)]
         return out
+
+    def _execute_verify(self, sched_out, seq_ids, seqlens_q, params, prompt_token_ids,
+                        output_token_ids, allowed_tokens) -> StepSamples:
+        """A decode step whose rows carry drafts: logits at every position of every row, one
+        forward, then `sample_verified` (the `[n, 1 + k]` rows the scheduler books)."""
+        num_tokens = int(seqlens_q.sum())
+        logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
+                              sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
+                              seq_ids, np.arange(num_tokens), decode_step=True)
+        input_ids = np.asarray(sched_out.input_ids)
+        starts = np.cumsum(seqlens_q) - seqlens_q
+        drafts = [input_ids[s + 1:s + q].tolist() for s, q in zip(starts, seqlens_q, strict=True)]
+        tokens, logprobs, kept = sample_verified(
+            self.sampler, logits, params, prompt_token_ids, output_token_ids, drafts,
+            allowed_tokens)
+        top: list = [None] * len(params)
+        for i, p in enumerate(params):
+            if p.top_logprobs:  # positions 0..kept: the kept drafts', then the sampled token's
+                first = int(starts[i])
+                top[i] = top_logprobs(logits[first:first + kept[i] + 1], p.top_logprobs)
+        return StepSamples(tokens, logprobs, top, [None] * len(params))
 
     def _sample_choices(self, row: torch.Tensor, params: list[SamplingParams],
                         prompt_ids: Sequence[int], output_ids: Sequence[int],

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from baton.sampling.params import SamplingParams
@@ -240,3 +241,55 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     owner = out_idx // vocab
     flat_logits[out_idx] -= (per_row("frequency_penalty")[owner] * out_counts.to(logits.dtype)
                              + per_row("presence_penalty")[owner])
+
+
+def sample_verified(sampler: Sampler, logits: torch.Tensor, params: Sequence[SamplingParams],
+                    prompt_token_ids: Sequence[Sequence[int]],
+                    output_token_ids: Sequence[Sequence[int]],
+                    drafts: Sequence[Sequence[int]],
+                    allowed_tokens: Sequence[torch.Tensor | None] | None = None,
+                    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Speculative decoding's verification of a decode step (baton/engine/speculation.py).
+
+    Row i ran `1 + len(drafts[i])` query tokens: its last committed token, then its drafts;
+    `logits` holds every such position of every row, flat, in row order. Position j of row i is
+    sampled like a plain step whose outputs were `output_token_ids[i] + drafts[i][:j]` (the
+    seed's position, penalties and min_tokens see the drafts before it), and the drafts are
+    kept while each equals the token sampled at the position before it. For a model-free
+    proposal (a point mass on draft d) this is standard rejection sampling: d is kept with
+    probability p(d), and a rejected position's token is a draw from p given it is not d, i.e.
+    p with d removed, renormalised. So greedy output, and a seeded request's, are the tokens
+    plain decoding gives, and sampled output has the plain distribution.
+
+    Returns the `[n, 1 + max drafts]` int32 matrix the scheduler books (S31: column 0 the token
+    sampled after the kept drafts, columns 1.. the kept drafts, -1 from the first rejected
+    one), the fp32 logprobs in the same layout, and the number kept per row.
+    """
+    vparams, vprompt, vout, vallowed = [], [], [], []
+    for i, row_drafts in enumerate(drafts):
+        outputs = list(output_token_ids[i])
+        for j in range(len(row_drafts) + 1):
+            vparams.append(params[i])
+            vprompt.append(prompt_token_ids[i])
+            vout.append(outputs + list(row_drafts[:j]) if j else outputs)
+            # A grammar row never drafts (it has one position): its mask stays its own.
+            vallowed.append(None if allowed_tokens is None else allowed_tokens[i])
+    has_mask = allowed_tokens is not None and any(m is not None for m in allowed_tokens)
+    ids, lps = sampler(logits, vparams, prompt_token_ids=vprompt, output_token_ids=vout,
+                       allowed_tokens=vallowed if has_mask else None)
+    ids, lps = ids.cpu().numpy(), lps.cpu().numpy()
+    width = 1 + max((len(d) for d in drafts), default=0)
+    tokens = np.full((len(drafts), width), -1, dtype=np.int32)
+    logprobs = np.zeros((len(drafts), width), dtype=np.float32)
+    kept_counts = []
+    offset = 0
+    for i, row_drafts in enumerate(drafts):
+        kept = 0
+        while kept < len(row_drafts) and int(ids[offset + kept]) == int(row_drafts[kept]):
+            kept += 1
+        tokens[i, 0], logprobs[i, 0] = ids[offset + kept], lps[offset + kept]
+        tokens[i, 1:1 + kept] = ids[offset:offset + kept]
+        logprobs[i, 1:1 + kept] = lps[offset:offset + kept]
+        kept_counts.append(kept)
+        offset += len(row_drafts) + 1
+    return tokens, logprobs, kept_counts

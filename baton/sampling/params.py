@@ -41,6 +41,9 @@ class SamplingParams:
     grammar: str = ""  # an llguidance grammar the output follows (baton/engine/grammar.py); "" = none
     # Choices of one prompt (OpenAI's n): choice i draws with sample_index + i (baton/engine/choices.py)
     n: int = 1
+    # False: never verify drafts for this request (an engine speculating decodes it plainly);
+    # the output does not depend on it, only the speed (baton/engine/speculation.py).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -60,6 +63,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         self._check_penalties()
         self._check_logprobs()
         if self.top_k == -1:

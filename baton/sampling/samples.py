@@ -24,9 +24,13 @@ class PromptSpan:
 class StepSamples:
     """What `execute` sampled, row by row."""
 
-    token_ids: np.ndarray  # int32 [n]
-    logprobs: np.ndarray  # fp32 [n]
-    top: list[TopLogprobs | None]  # rows asking top_logprobs
+    # int32 [n]; on a decode step whose rows carry drafts, [n, 1 + k] as the scheduler books it
+    # (S31): column 0 the token sampled after the kept drafts, columns 1.. the kept drafts, -1
+    # from the first rejected one.
+    token_ids: np.ndarray
+    logprobs: np.ndarray  # fp32, the layout of token_ids
+    # rows asking top_logprobs; with drafts, one entry per kept draft and then the sampled token
+    top: list[TopLogprobs | None]
     prompt: list[PromptLogprobs | None]  # rows given a PromptSpan
     # Rows given more choices (n > 1, the prompt's end): their (token ids, logprobs), one
     # per extra choice, drawn from the row's logits.

@@ -70,6 +70,20 @@ _COMPLETION_COUNTERS = [
     ("baton_kv_blocks_reused", "Prompt KV blocks found in this engine's prefix cache instead "
      "of pulled", "kv_blocks_reused"),
 ]
+_SPEC_COUNTERS = [
+    ("baton_spec_drafted_tokens", "Draft tokens verified (speculative decoding)",
+     "spec_drafted_tokens"),
+    ("baton_spec_accepted_tokens", "Draft tokens the model agreed with (kept)",
+     "spec_accepted_tokens"),
+    ("baton_spec_verify_rows", "Decode rows that carried drafts", "spec_verify_rows"),
+]
+# (name, help, stats.extra key prefix + position) of the per-position draft counters.
+_SPEC_PER_POSITION = [
+    ("baton_spec_drafted_tokens_per_pos", "Rows with a draft at this position (0 = the first)",
+     "spec_drafted_pos_"),
+    ("baton_spec_accepted_tokens_per_pos", "Rows whose draft at this position was kept",
+     "spec_accepted_pos_"),
+]
 # (endpoint label, stats.extra key) of the CURVE refusal counters (kv_transfer/auth.py).
 _AUTH_ENDPOINTS = [("engine", "auth_refused"), ("kv_side_channel", "kv_auth_refused")]
 _FAILED_PREFIX = "kv_failed_"  # the importer's per-reason failure counters, in stats.extra
@@ -114,6 +128,8 @@ class _SnapshotCollector(Collector):
         if self.role == COMPLETION:
             counters += _COMPLETION_COUNTERS
             yield self._failures(stats)
+        if "spec_drafted_tokens" in stats.extra:
+            yield from self._speculation(stats)
         integrity = self._integrity(stats)
         if integrity is not None:
             yield integrity
@@ -129,6 +145,21 @@ class _SnapshotCollector(Collector):
         family = GaugeMetricFamily(name, text, labels=LABELS)
         family.add_metric(self.labels, float(value))
         return family
+
+    def _speculation(self, stats: EngineStats) -> Iterator[CounterMetricFamily]:
+        """Speculative decoding (an engine started with --speculative): drafts verified and
+        kept, overall and by position (acceptance at position j = accepted / drafted there)."""
+        for name, text, key in _SPEC_COUNTERS:
+            family = CounterMetricFamily(name, text, labels=LABELS)
+            family.add_metric(self.labels, _value(stats, key))
+            yield family
+        for name, text, prefix in _SPEC_PER_POSITION:
+            family = CounterMetricFamily(name, text, labels=[*LABELS, "position"])
+            j = 0
+            while f"{prefix}{j}" in stats.extra:
+                family.add_metric([*self.labels, str(j)], stats.extra[f"{prefix}{j}"])
+                j += 1
+            yield family
 
     def _refused(self, stats: EngineStats) -> CounterMetricFamily | None:
         """Peers refused at the CURVE handshake, per socket (absent with --insecure)."""

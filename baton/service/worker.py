@@ -34,7 +34,8 @@ def to_sampling_params(opts: SamplingOptions) -> SamplingParams:
         repetition_penalty=opts.repetition_penalty, logit_bias=dict(opts.logit_bias),
         min_tokens=opts.min_tokens, min_p=opts.min_p, sample_index=opts.sample_index,
         top_logprobs=int(opts.top_logprobs), prompt_logprobs=int(opts.prompt_logprobs),
-        grammar=str(opts.grammar), n=int(opts.n))
+        grammar=str(opts.grammar), n=int(opts.n),
+        speculative=bool(opts.speculative))
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:
@@ -136,6 +137,8 @@ class EngineWorker:
         for key in ("num_preemptions", "num_handed_off", "prefix_cache_query_tokens",
                     "prefix_cache_hit_tokens", "num_cached_blocks"):
             stats.extra[key] = float(counts[key])
+        if engine.speculator is not None:
+            stats.extra.update(engine.speculator.metrics())
 
     def fill_record(self, record: EngineRecord) -> None:
         counts = self.engine.stats()

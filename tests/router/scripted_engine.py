@@ -11,6 +11,7 @@ with `output_token_ids` (a migration) continues the canned ids after that many; 
 ends each request with an error delta once this engine has sent that many of its tokens;
 `stall_after` goes silent then instead (a hung engine: the router's token timeout). A normal
 engine answers each of a request's n choices with the same ids (deltas carrying their index).
+`tokens_per_delta` > 1 sends that many tokens a delta (an engine keeping speculative drafts).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class _Running:
 class ScriptedEngine:
     def __init__(self, role: str, token_ids: list[int], delay_s: float = 0.0, mode: str = "ok",
                  name: str = "", port: int = 0, fail_after: int = -1,
-                 stall_after: int = -1):
+                 stall_after: int = -1, tokens_per_delta: int = 1):
         self.role = role
         self.token_ids = token_ids
         self.delay_s = delay_s
@@ -55,6 +56,7 @@ class ScriptedEngine:
         self.name = name or role
         self.fail_after = fail_after
         self.stall_after = stall_after
+        self.tokens_per_delta = tokens_per_delta
         self.generates: list[GenerateRequest] = []
         self.aborts: list[str] = []
         self.running: dict[str, _Running] = {}
@@ -141,8 +143,8 @@ class ScriptedEngine:
                 self._send(run.identity, TokenDelta(req_id, finish_reason="error",
                                                     error="scripted failure", index=run.index))
                 continue
-            token = run.tokens[run.position:run.position + 1]
-            run.position += 1
+            token = run.tokens[run.position:run.position + self.tokens_per_delta]
+            run.position += len(token)
             run.next_at = now + self.delay_s
             finish = ""
             if run.position >= len(run.tokens):

@@ -118,6 +118,24 @@ def test_stop_string_cuts_and_aborts(engines, tokens, model_info):
         assert not normal.running
 
 
+def test_a_stop_string_inside_a_multi_token_delta_ends_where_one_token_at_a_time_would(
+        engines, tokens, model_info):
+    """An engine keeping speculative drafts sends several tokens a delta: the text, the usage
+    count and the logprobs end at the token that completed the stop string, as when the
+    tokens come one a delta."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 12, "stop": ["four"], "logprobs": 0}
+    results = []
+    for per_delta in (1, 5):
+        normal = engines("normal", tokens, tokens_per_delta=per_delta, name=f"n{per_delta}")
+        with serve_router(_config(normal), model_info) as url, httpx.Client(base_url=url) as http:
+            results.append(http.post("/v1/completions", json=body).json())
+    one, five = (r["choices"][0] for r in results)
+    assert five["text"] == one["text"] == " one two three "
+    assert five["logprobs"] == one["logprobs"]
+    assert results[0]["usage"] == results[1]["usage"]
+    assert results[1]["usage"]["completion_tokens"] == 4  # " one two three four"
+
+
 def test_prompt_engine_failure_retries_once(engines, tokens, model_info):
     broken = engines("prompt", tokens, mode="error", name="broken")
     silent = engines("prompt", tokens, mode="silent", name="silent")

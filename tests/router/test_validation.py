@@ -95,6 +95,7 @@ def test_malformed_bodies(client, path, raw, words):
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": [49152]}, "stop_token_ids",
      "outside the vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stop_token_ids": 5}, "stop_token_ids", "valid list"),
+    ({"model": MODEL, "prompt": "hi", "speculative": "no"}, "speculative", "valid boolean"),
 ])
 def test_completions_bad_input(client, body, param, words):
     error = _error(client.post("/v1/completions", json=body), 400)
@@ -276,3 +277,7 @@ def test_sampling_fields_reach_the_engines(model_info):
     assert s.stop_token_ids == [*model_info.stop_token_ids, 7, 9]
     assert s.top_k == model_info.tokenizer.vocab_size  # past the vocabulary: all, as off
     assert prep.min_tokens == 3
+    assert s.speculative is True  # speculative decoding, where the engine runs it
+    body = {"model": MODEL, "prompt": "hi", "speculative": False}
+    assert prepare_raw(json.dumps(body).encode(), "completion", model_info).sampling \
+        .speculative is False

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 PREFIX = "svc"
 # A 64-token budget cuts the 300-token prompt into five prefill chunks.
 PROMPT_ARGS = ["--num-blocks", "160", "--max-num-batched-tokens", "64", "--lease-ttl", "8"]
-COMPLETION_ARGS = ["--num-blocks", "48", "--kv-timeout", "10"]
+# The completion engine speculates (n-gram drafts, baton/engine/speculation.py): every
+# exactness test here also checks verified drafts against the plain NORMAL engine.
+COMPLETION_ARGS = ["--num-blocks", "48", "--kv-timeout", "10", "--speculative", "ngram"]
 NORMAL_ARGS = ["--num-blocks", "160"]
 GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -100,6 +102,19 @@ def _disaggregated(cluster, ids, opts=GREEDY) -> list[int]:
 def test_disaggregated_equals_normal(cluster, num_tokens):
     ids = _ids(num_tokens, seed=num_tokens)
     assert _disaggregated(cluster, ids) == _normal(cluster, ids)
+
+
+def test_speculating_completion_engine_equals_normal(cluster):
+    """A copy-heavy prompt (a passage, then its start again): the completion engine drafts
+    from the prompt it received and keeps drafts; greedy and seeded output equal the plain
+    NORMAL engine's."""
+    passage = _ids(40, seed=3)
+    ids = passage + passage + passage[:10]
+    accepted = cluster["completion"].stats().extra["spec_accepted_tokens"]
+    for opts in (SamplingOptions(max_tokens=24, temperature=0.0, logprobs=True),
+                 SamplingOptions(max_tokens=24, temperature=0.8, seed=4, ignore_eos=True)):
+        assert _disaggregated(cluster, ids, opts) == _normal(cluster, ids, opts)
+    assert cluster["completion"].stats().extra["spec_accepted_tokens"] > accepted + 10
 
 
 @pytest.mark.parametrize("num_tokens", [17, 300])

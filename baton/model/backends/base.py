@@ -63,6 +63,9 @@ class StepBatch:
     seqlens_q: np.ndarray  # int64 [n] new tokens of each sequence
     seqlens_k: np.ndarray  # int64 [n] context length of each sequence after this step
     seq_ids: np.ndarray | None  # int64 [n] the scheduler's ids; None = no identity across steps
+    # Every token is a decode token: a speculative decode step's rows run 1 + k tokens (the
+    # last committed one, then drafts), whose GEMMs must be a plain decode token's.
+    decode_step: bool = False
 
 
 class Backend(Protocol):

@@ -331,7 +331,11 @@ class CPUBackend:
 
     def prepare(self, batch: StepBatch, kv_cache: torch.Tensor,
                 dtype: torch.dtype) -> AttentionMetadata:
-        self._decode_token = np.repeat(batch.seqlens_q == 1, batch.seqlens_q)
+        # A verified draft is a decode token for the weights (the block kernels, whose rows
+        # do not depend on each other, give it a plain decode step's numbers); its attention
+        # runs as a short chunk over the pool (the dense rows hold one new token a step).
+        self._decode_token = np.ones(int(batch.seqlens_q.sum()), dtype=bool) \
+            if batch.decode_step else np.repeat(batch.seqlens_q == 1, batch.seqlens_q)
         self._all_decode = bool(self._decode_token.all())
         seq_ids = batch.seq_ids
         if seq_ids is None:

@@ -1,0 +1,149 @@
+"""Speculative decoding's engine side (torch-free): which requests draft, how many drafts, and
+what was accepted.
+
+A speculating request's life, step by step:
+1. After a step booked its tokens, `Speculator.propose` asks the request's proposer
+   (`baton/engine/proposers.py`) for up to its current draft length; the engine hands the drafts
+   to the scheduler's draft ledger (`set_draft_tokens`, docs/scheduler.md S4, S5, S28).
+2. The next decode step schedules the row with `1 + k` query tokens: the last committed token,
+   then the drafts. The model runs every row of the batch in one forward and the runner samples
+   each of the row's `1 + k` positions as if the drafts before it were already outputs (its
+   seed's position, penalties and min_tokens see them), then keeps the drafts up to the first
+   one that differs from the token sampled before it: the `[n, 1 + k]` matrix the scheduler books
+   (S31), -1 for a rejected draft. Greedy output is the plain one; a sampled token comes from
+   the same distribution (that comparison *is* rejection sampling for a point-mass proposal:
+   draft d is kept with probability p(d), and on rejection the token drawn is p with d removed,
+   renormalised), and a seeded request draws the very tokens it draws without drafts.
+3. `record` counts the drafts and the accepted ones (per position, for /metrics) and adapts
+   the request's draft length: all kept -> one more (up to `num_speculative_tokens`), some
+   rejected -> the number kept plus one.
+A request asking for what a verified row cannot give yet (a grammar, n > 1 choices) or opting
+out (`SamplingParams.speculative=False`) never drafts: it decodes as without speculation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from baton.engine.proposers import SPECULATIVE_METHODS, NgramProposer
+from baton.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Drafting:
+    """One request's proposer and its history as the proposer sees it (prompt + outputs)."""
+
+    proposer: NgramProposer
+    history: list[int]
+    num_prompt: int
+    k: int  # draft length for its next step (adaptive)
+
+
+@dataclass
+class SpecStats:
+    """Counters since start-up, exported on /metrics."""
+
+    num_drafted: int = 0  # draft tokens verified
+    num_accepted: int = 0  # of those, the accepted
+    num_verify_rows: int = 0  # rows that carried at least one draft
+    drafted_per_pos: list[int] = field(default_factory=list)  # rows with a draft at position j
+    accepted_per_pos: list[int] = field(default_factory=list)  # rows whose draft j was accepted
+
+
+class Speculator:
+    """Drafts for the requests of one engine."""
+
+    def __init__(self, method: str, num_speculative_tokens: int) -> None:
+        if method not in SPECULATIVE_METHODS or method == "off":
+            raise ValueError(f"speculative={method!r}: a Speculator needs one of "
+                             f"{[m for m in SPECULATIVE_METHODS if m != 'off']}")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        self.method = method
+        self.max_k = num_speculative_tokens
+        self._drafting: dict[str, _Drafting] = {}
+        self.stats = SpecStats(drafted_per_pos=[0] * num_speculative_tokens,
+                               accepted_per_pos=[0] * num_speculative_tokens)
+
+    @staticmethod
+    def can_draft(req: Request) -> bool:
+        """Whether a request's features allow verified drafts (else it decodes plainly)."""
+        p = req.params
+        return p.speculative and not p.grammar and p.n == 1 and req.is_split
+
+    def propose(self, req: Request) -> list[int]:
+        """Drafts for the request's next decode step ([] = a plain step)."""
+        state = self._drafting.get(req.request_id)
+        if state is None:
+            if not self.can_draft(req):
+                return []
+            state = _Drafting(NgramProposer(), list(req.prompt_token_ids),
+                              len(req.prompt_token_ids), self.max_k)
+            self._drafting[req.request_id] = state
+        have = len(state.history) - state.num_prompt
+        state.history.extend(req.token_ids[have:])
+        # The step's sampled token comes on top of the drafts: never draft past max_tokens.
+        k = min(state.k, req.params.max_tokens - len(req.token_ids) - 1)
+        return state.proposer.propose(state.history, k)
+
+    def record_step(self, request_ids: Sequence[str], seqlens_q: np.ndarray,
+                    token_ids: np.ndarray) -> None:
+        """A verified decode step (`token_ids` [n, 1 + k]): each row that carried drafts
+        records how many the model kept, whether or not a stop cut the booking short."""
+        for request_id, q, row in zip(request_ids, seqlens_q, token_ids, strict=True):
+            if q > 1:
+                self.record(request_id, int(q) - 1, _num_kept(row[1:int(q)]))
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verified row: `num_accepted` of its `num_drafts` drafts were kept."""
+        stats = self.stats
+        stats.num_drafted += num_drafts
+        stats.num_accepted += num_accepted
+        stats.num_verify_rows += 1
+        for j in range(num_drafts):
+            stats.drafted_per_pos[j] += 1
+        for j in range(num_accepted):
+            stats.accepted_per_pos[j] += 1
+        state = self._drafting.get(request_id)
+        if state is not None:
+            state.k = min(self.max_k, state.k + 1 if num_accepted == num_drafts
+                          else num_accepted + 1)
+
+    def forget(self, request_id: str) -> None:
+        self._drafting.pop(request_id, None)
+
+    def metrics(self) -> dict[str, float]:
+        """The counters as `EngineStats.extra` entries (baton/service/metrics.py)."""
+        stats = self.stats
+        out = {"spec_drafted_tokens": float(stats.num_drafted),
+               "spec_accepted_tokens": float(stats.num_accepted),
+               "spec_verify_rows": float(stats.num_verify_rows)}
+        for j in range(self.max_k):
+            out[f"spec_drafted_pos_{j}"] = float(stats.drafted_per_pos[j])
+            out[f"spec_accepted_pos_{j}"] = float(stats.accepted_per_pos[j])
+        return out
+
+
+def _num_kept(drafts: np.ndarray) -> int:
+    """Kept drafts of a booked row's columns 1..: up to the first -1."""
+    rejected = drafts < 0
+    return int(np.argmax(rejected)) if rejected.any() else len(drafts)
+
+
+def booked_tokens(samples, i: int, accepted: int) -> tuple[list[int], list[float]]:
+    """Row i's booked tokens and their logprobs, in order: its one sampled token, or (a row of
+    a verified step, `[n, 1 + k]`) the kept drafts, then the sampled token; cut at `accepted`,
+    where booking stopped (a stop among the drafts)."""
+    ids, lps = samples.token_ids[i], samples.logprobs[i]
+    if samples.token_ids.ndim == 1:
+        return [int(ids)], [float(lps)]
+    kept = _num_kept(ids[1:])
+    tokens = [*ids[1:1 + kept].tolist(), int(ids[0])]
+    logprobs = [*lps[1:1 + kept].tolist(), float(lps[0])]
+    return tokens[:accepted], logprobs[:accepted]

@@ -1,0 +1,276 @@
+"""Speculative decoding (baton/engine/speculation.py): n-gram drafts verified in one forward
+give the plain run's tokens (greedy, seeded), logprobs within rounding, the plain stops; the
+verification is rejection sampling (a statistical test); requests it cannot serve yet decode
+plainly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from model.reference import LONG_TEXT, baton_model
+
+from baton.engine import EngineConfig, LLMEngine
+from baton.engine.proposers import NgramProposer
+from baton.model.sampler import Sampler, sample_verified
+from baton.sampling.params import SamplingParams
+
+# ---------------------------------------------------------------- the proposer (no model)
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
+    proposer = NgramProposer(min_n=2, max_n=3)
+    history = [5, 6, 7, 8, 9, 1, 2, 6, 7]
+    assert proposer.propose(history, 3) == [8, 9, 1]
+    history += [8, 3, 3]  # the tail (3, 3) was never seen before
+    assert proposer.propose(history, 3) == []
+    assert proposer.propose([1, 2, 3], 2) == []  # shorter: the index restarts, no match
+
+
+def test_ngram_runs_on_into_its_own_drafts_for_a_loop() -> None:
+    # Period 2: the copy after the earlier (4, 5) runs past the history's end periodically.
+    assert NgramProposer().propose([9, 4, 5, 4, 5], 5) == [4, 5, 4, 5, 4]
+    assert NgramProposer().propose([9, 4, 5, 4, 5], 0) == []
+
+
+def test_ngram_prefers_the_longest_match() -> None:
+    # (2, 3) last occurred before 9; the longer (1, 2, 3) before 7.
+    history = [1, 2, 3, 7, 0, 2, 3, 9, 1, 2, 3]
+    assert NgramProposer(min_n=2, max_n=3).propose(history, 1) == [7]
+    assert NgramProposer(min_n=2, max_n=2).propose(history, 1) == [9]
+
+
+def test_draft_length_follows_acceptance() -> None:
+    """All kept: one more (up to the cap); some rejected: the number kept plus one; a request
+    whose features a verified row cannot serve, or that opts out, drafts nothing."""
+    from baton.engine.request import Request
+    from baton.engine.speculation import Speculator
+
+    spec = Speculator("ngram", 4)
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
+    assert spec.propose(req) == [3, 1, 2, 3]
+    spec.record("r", 4, 1)
+    assert spec.propose(req) == [3, 1]
+    spec.record("r", 2, 2)
+    assert len(spec.propose(req)) == 3
+    req.token_ids.extend([3, 1])
+    assert spec.propose(req) == [2, 3, 1]  # the history grew by the outputs
+    spec.record("r", 3, 0)
+    assert spec.propose(req) == [2]
+    req.params.max_tokens = 3  # the step's own token comes on top: no draft past max_tokens
+    assert spec.propose(req) == []
+    for params in (SamplingParams(speculative=False), SamplingParams(n=2),
+                   SamplingParams(grammar="start: /a+/")):
+        assert spec.propose(Request("x", [1, 2, 1, 2], params)) == []
+    assert spec.stats.num_drafted == 9 and spec.stats.num_accepted == 3
+    assert spec.stats.accepted_per_pos == [2, 1, 0, 0]
+
+
+# ---------------------------------------------------------------- verification (sampler only)
+
+
+def test_verification_is_rejection_sampling() -> None:
+    """Draft d against p: kept with probability p(d); a rejected position's token follows p
+    with d removed, renormalised; the first token's marginal is p (fixed seed)."""
+    torch.manual_seed(1234)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    draft, trials = 2, 20000
+    logits = p.log().repeat(2 * trials, 1)  # two positions a row: draft 1 and the token after
+    params = [SamplingParams(temperature=1.0)] * trials
+    tokens, _, kept = sample_verified(Sampler(), logits, params, [[0]] * trials,
+                                      [[]] * trials, [[draft]] * trials)
+    kept = np.asarray(kept)
+    assert abs(kept.mean() - p[draft].item()) < 0.015
+    rejected = tokens[kept == 0, 0]
+    residual = np.bincount(rejected, minlength=4) / len(rejected)
+    want = p.clone()
+    want[draft] = 0
+    want /= want.sum()
+    assert np.abs(residual - want.numpy()).max() < 0.015
+    first = np.where(kept == 1, draft, tokens[:, 0])
+    assert np.abs(np.bincount(first, minlength=4) / trials - p.numpy()).max() < 0.015
+
+
+def test_a_seeded_row_draws_its_plain_tokens() -> None:
+    """Each position draws with the seed's uniform of its output position: the kept drafts and
+    the token after them are what plain seeded decoding samples there."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = SamplingParams(temperature=0.9, seed=7)
+    sampler, outputs = Sampler(), [3, 4]
+    plain = []
+    for j in range(4):
+        ids, _ = sampler(logits[j:j + 1], [params], prompt_token_ids=[[1]],
+                         output_token_ids=[outputs + plain])
+        plain.append(int(ids[0]))
+    drafts = [plain[0], plain[1], (plain[2] + 1) % 50]  # the third is wrong
+    tokens, _, kept = sample_verified(sampler, logits, [params], [[1]], [outputs], [drafts])
+    assert kept == [2]
+    assert tokens[0].tolist() == [plain[2], plain[0], plain[1], -1]
+
+
+# ---------------------------------------------------------------- the engine, real model
+
+COPY_PROMPT_TEXT = LONG_TEXT[:700] + " " + LONG_TEXT[:160]
+
+
+def make_engine(**overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{"num_blocks": 96, **overrides}), loaded=baton_model())
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[LLMEngine, LLMEngine]:
+    return make_engine(), make_engine(speculative="ngram", num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def copy_prompt() -> list[int]:
+    return baton_model().tokenizer.encode(COPY_PROMPT_TEXT)
+
+
+@pytest.fixture(autouse=True)
+def all_blocks_return(request):
+    yield
+    if "engines" in request.fixturenames:
+        for eng in request.getfixturevalue("engines"):
+            assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+def run_both(engines, prompts, params):
+    plain, spec = engines
+    before = spec.speculator.stats.num_accepted
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    return want, got, spec.speculator.stats.num_accepted - before
+
+
+@pytest.mark.slow
+def test_greedy_equals_plain_decoding_token_for_token(engines, copy_prompt) -> None:
+    """Greedy with logprobs and top logprobs: the same tokens; logprobs within rounding (the
+    verified positions attend as a short chunk, the plain ones over the dense decode rows)."""
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=True, top_logprobs=2)
+    prompts = [copy_prompt, baton_model().tokenizer.encode("1, 2, 3, 4,")]
+    want, got, accepted = run_both(engines, prompts, params)
+    assert accepted > 10  # the copy was drafted and kept
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        assert g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_stops_and_lengths_as_without_drafts(engines, copy_prompt) -> None:
+    """max_tokens cuts inside a verified row, a stop token among the kept drafts ends the
+    output there, ignore_eos runs on; penalties see the drafts before each position."""
+    plain, _ = engines
+    run = plain.generate(copy_prompt, SamplingParams(temperature=0, max_tokens=12))[0].token_ids
+    cases = [SamplingParams(temperature=0, max_tokens=7),
+             SamplingParams(temperature=0, max_tokens=16, stop_token_ids=(run[9],)),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            frequency_penalty=0.5, min_tokens=5)]
+    for params in cases:
+        want, got, _ = run_both(engines, [copy_prompt], params)
+        assert got[0].token_ids == want[0].token_ids, params
+        assert got[0].finish_reason == want[0].finish_reason
+
+
+@pytest.mark.slow
+def test_seeded_sampling_repeats_the_plain_run(engines, copy_prompt) -> None:
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=20)
+    want, got, accepted = run_both(engines, [copy_prompt], params)
+    assert got[0].token_ids == want[0].token_ids
+    assert accepted > 0
+
+
+@pytest.mark.slow
+def test_unsupported_features_and_the_opt_out_decode_plainly(engines, copy_prompt) -> None:
+    """n > 1 choices and a request that opts out draft nothing; their output is the plain
+    one."""
+    _, spec = engines
+    cases = [SamplingParams(temperature=0, max_tokens=8, speculative=False),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2)]
+    for params in cases:
+        rows_before = spec.speculator.stats.num_verify_rows
+        outs = []
+        for eng in engines:
+            rid = eng.add_request(None, copy_prompt, params)
+            done: dict[int, list[int]] = {}
+            while eng.has_unfinished():
+                for out in eng.step():
+                    if out.request_id.startswith(rid) or out.base_id == rid:
+                        done.setdefault(out.index, []).extend(out.new_token_ids)
+            outs.append(done)
+        assert outs[0] == outs[1]
+        assert spec.speculator.stats.num_verify_rows == rows_before
+
+
+def test_config_refuses_what_speculation_cannot_do() -> None:
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        EngineConfig(speculative="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens=3 with speculative='off'"):
+        EngineConfig(num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="on a prompt engine"):
+        EngineConfig(speculative="ngram", engine_type="prompt")
+    assert EngineConfig(speculative="ngram").num_draft_tokens == 4
+    with pytest.raises(ValueError, match="speculative must be a bool"):
+        SamplingParams(speculative=1)
+
+
+def test_flags_on_the_engines_that_decode(capsys) -> None:
+    from baton_cli.engine_main import engine_config
+    from baton_cli.launcher import role_engine_args
+    from baton_cli.main import build_parser
+
+    flags = ["--speculative", "ngram", "--num-speculative-tokens", "2"]
+    for command, role in (("engine", "normal"), ("completion-engine", "completion")):
+        config = engine_config(build_parser().parse_args([command, *flags]), role)
+        assert (config.speculative, config.num_draft_tokens) == ("ngram", 2)
+        assert role_engine_args(flags, role) == flags  # baton up forwards them
+    assert engine_config(build_parser().parse_args(["engine"]), "normal").num_draft_tokens == 0
+    assert role_engine_args(flags, "prompt") == []
+    # A completion engine changing role to prompt (S41) builds a prompt engine's config.
+    args = build_parser().parse_args(["completion-engine", *flags])
+    assert engine_config(args, "prompt").num_draft_tokens == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prompt-engine", "--speculative", "ngram"])
+    assert "unrecognized arguments: --speculative ngram" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_metrics_count_drafts_by_position(engines, copy_prompt) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from baton.protocol import EngineStats
+    from baton.service.metrics import EngineMetrics
+    from baton.service.worker import EngineWorker
+
+    _, spec = engines
+    spec.generate(copy_prompt, SamplingParams(temperature=0, max_tokens=12))
+    stats = EngineStats(engine_id="e1", role="normal")
+    EngineWorker(spec).fill_stats(stats)
+    metrics = EngineMetrics("e1", "normal")
+    metrics.publish(stats)
+    samples = {(s.name, s.labels.get("position")): s.value
+               for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples}
+    counts = spec.speculator.stats
+    assert samples[("baton_spec_drafted_tokens_total", None)] == counts.num_drafted > 0
+    assert samples[("baton_spec_accepted_tokens_total", None)] == counts.num_accepted > 0
+    per_pos = [samples[("baton_spec_accepted_tokens_per_pos_total", str(j))] for j in range(4)]
+    assert sum(per_pos) == counts.num_accepted
+    assert per_pos == sorted(per_pos, reverse=True)  # a draft is kept only after the one before
+    assert samples[("baton_spec_drafted_tokens_per_pos_total", "0")] == counts.num_verify_rows
+
+
+@pytest.mark.slow
+def test_greedy_equals_plain_over_a_bfloat16_pool(copy_prompt) -> None:
+    """--kv-cache-dtype bfloat16: the verified positions read the pool's rounded K/V, the plain
+    ones the decode rows' (rounded the same way), so the tokens still match."""
+    plain = make_engine(kv_cache_dtype="bfloat16")
+    spec = make_engine(kv_cache_dtype="bfloat16", speculative="ngram", num_speculative_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    want, got, accepted = run_both((plain, spec), [copy_prompt], params)
+    assert accepted > 10
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for eng in (plain, spec):
+        assert eng.num_free_blocks() == eng.num_total_blocks()
