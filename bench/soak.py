@@ -11,14 +11,18 @@ request, on memory, fd or thread growth, and on a pool not whole at the end.
    undisturbed run's (in int4 the re-prefill's K/V differ in the last bits from the decode's,
    so a continuation equals the undisturbed text only up to near-ties of greedy). The soak
    writes its own cluster key dir (kv_transfer.auth.generate) so that it can probe the engines.
-2. References: every request of the mix once, undisturbed, at the soak's concurrency.
+2. Pool warm-up, then references: distinct long prompts that write every block of each engine
+   once (a pool is anonymous memory: its pages count in RSS from their first write, so its
+   filling would read as growth), then every request of the mix once, undisturbed.
 3. Load, --duration seconds at --concurrency: greedy and seeded completions, n=2 seeded
    (each choice checked), json_schema chat (exact, and valid JSON), long prompts, aborts (the
    client closes the stream after a few chunks) and disconnects (a non-streamed request whose
    client gives up mid-request). Every request is accounted: exact, wrong, failed (an error),
    aborted on purpose.
 4. Kills, every --kill-every seconds once every engine of the role is back: a SIGKILL of the
-   next completion engine in turn (it waits a moment for the victim to hold a request).
+   next completion engine in turn (it waits a moment for the victim to hold a request). The
+   last --calm-tail seconds of load have no kills and open with another pool warm-up, so that
+   the restarted engines' last lives are long enough to show a trend.
    `baton up` gets --max-restarts/--restart-window explicitly, sized so that the kills stay
    within the limit (its default, 5 restarts per 600 s, would give up on a soaked engine).
 5. Samples every --sample-every seconds, per process (the launcher, the router, each engine;
@@ -27,9 +31,10 @@ request, on memory, fd or thread growth, and on a pool not whole at the end.
 6. Quiescence: the load over, every victim back and every pool whole (no block owned, no lease,
    no pull) within --quiesce-timeout.
 7. Verdict: exit 1 on a wrong or failed request, a pool not whole, an engine that died unkilled,
-   or growth in a process that survived the soak: after --warmup seconds of its life, the
-   least-squares slope of its RSS over --max-rss-slope MiB/min, or its fds or threads more than
-   --fd-tolerance / --thread-tolerance higher in the last third than in the first. Prints a
+   or growth in a process that survived the soak: from --warmup seconds after the last pool
+   warm-up of its life, the least-squares slope of its RSS over --max-rss-slope MiB/min, or its
+   fds or threads more than --fd-tolerance / --thread-tolerance higher in the last third than
+   in the first (a process too young for that window is shown without a trend). Prints a
    table, writes bench/results/soak.json (config, counts, kills, samples, verdict) and draws
    bench/results/soak.png (RSS and fds over time per process).
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import math
 import os
@@ -61,17 +67,21 @@ from kv_transfer.auth import generate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE_FLAGS = ["--num-threads", "1", "--num-blocks", "192", "--max-model-len", "512",
+NUM_BLOCKS = 128  # of 16 tokens, per engine
+ENGINE_FLAGS = ["--num-threads", "1", "--num-blocks", str(NUM_BLOCKS), "--max-model-len", "512",
                 "--quantization", "none"]
-SCHEMA = {"type": "object", "properties": {"keeper": {"type": "string"},
+# Short strings: the object closes well within max_tokens, so it is whole JSON. Every request is
+# short: on the shared 2-core machine an engine steps about once a second under the soak.
+SCHEMA = {"type": "object", "properties": {"keeper": {"type": "string", "maxLength": 12},
                                            "year": {"type": "integer"},
-                                           "story": {"type": "string"}},
+                                           "story": {"type": "string", "maxLength": 24}},
           "required": ["keeper", "year", "story"], "additionalProperties": False}
 WORDS = ("cat", "river", "lamp", "train", "violin", "cloud", "garden", "letter")
 # A few hundred tokens: a long prefill, and a long re-prefill when migrated.
 LONG_TEXT = " ".join(f"Chapter {i}: the {w} crossed the valley at dawn, and the villagers "
                      f"wrote down what the {w} had seen on the far side of the hills."
                      for i, w in enumerate(WORDS * 2))
+LONG_TOKENS = 400  # about, in LONG_TEXT (a long request fits --max-model-len 512)
 
 
 @dataclass
@@ -79,7 +89,11 @@ class SoakConfig:
     duration_s: float = 600.0  # of load (kills included)
     kill_every_s: float = 60.0  # between two kills (a kill waits for every victim to be back)
     sample_every_s: float = 5.0
-    warmup_s: float = 60.0  # of each process's life, left out of its trend
+    warmup_s: float = 30.0  # after a process's pool warm-up, left out of its trend
+    # The last seconds of load run without kills, opened by a pool warm-up: the restarted
+    # engines' last lives are then long enough to show a trend (0: kills to the end).
+    calm_tail_s: float = 0.0
+    min_kills: int = 0  # the load runs past duration_s until this many kills are done
     concurrency: int = 3  # client streams (the machine has 2 cores)
     num_prompt_engines: int = 1  # 2: a spare prompt engine, killed every third kill
     restart_window_s: float = 600.0  # --restart-window for `baton up` (its default)
@@ -94,6 +108,8 @@ class SoakConfig:
         for name in ("duration_s", "kill_every_s", "sample_every_s", "restart_window_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.calm_tail_s < self.duration_s:
+            raise ValueError(f"calm_tail_s must be in [0, duration_s), got {self.calm_tail_s}")
         if self.num_prompt_engines not in (1, 2):
             raise ValueError(f"num_prompt_engines must be 1 or 2, got {self.num_prompt_engines}")
         if self.concurrency < 1:
@@ -122,31 +138,31 @@ def build_mix() -> list[tuple[Spec, int]]:
     """(spec, weight) pairs: each kind of request equally likely, its specs shared alike."""
     ignore_eos = {"extra_body": {"ignore_eos": True}}
     greedy = [_spec(f"greedy-{i}", "completions", prompt=f"Item {i}: a short story about a {w}",
-                    max_tokens=24, temperature=0, **ignore_eos) for i, w in enumerate(WORDS)]
+                    max_tokens=16, temperature=0, **ignore_eos) for i, w in enumerate(WORDS[:4])]
     seeded = [_spec(f"seeded-{i}", "completions", prompt=f"Write a poem about a {w}",
-                    max_tokens=24, temperature=1.0, top_p=0.95, seed=100 + i, **ignore_eos)
-              for i, w in enumerate(WORDS[:4])]
+                    max_tokens=16, temperature=1.0, top_p=0.95, seed=100 + i, **ignore_eos)
+              for i, w in enumerate(WORDS[4:6])]
     n2 = [_spec(f"n2-{i}", "completions", prompt=f"Three facts about the {w}:", n=2,
-                max_tokens=24, temperature=1.0, seed=200 + i, **ignore_eos) for i, w in
+                max_tokens=16, temperature=1.0, seed=200 + i, **ignore_eos) for i, w in
           enumerate(WORDS[4:6])]
     structured = [_spec(f"json-{i}", "chat", messages=[
         {"role": "user", "content": f"Tell the {w} keeper's story as JSON."}],
-        max_tokens=60, temperature=0, response_format={
+        max_tokens=48, temperature=0, response_format={
             "type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}})
         for i, w in enumerate(WORDS[:2])]
     long = [_spec(f"long-{i}", "completions", prompt=f"{LONG_TEXT}\nSummary {i}:",
-                  max_tokens=16, temperature=0, **ignore_eos) for i in range(2)]
+                  max_tokens=8, temperature=0, **ignore_eos) for i in range(2)]
     abort = [_spec("abort", "completions", "abort", prompt="Count slowly to one hundred:",
-                   max_tokens=64, temperature=0, **ignore_eos)]
+                   max_tokens=32, temperature=0, **ignore_eos)]
     disconnect = [_spec("disconnect", "completions", "disconnect",
-                        prompt="List the rivers of Europe:", max_tokens=64, temperature=0,
+                        prompt="List the rivers of Europe:", max_tokens=32, temperature=0,
                         **ignore_eos)]
     kinds = (greedy, seeded, n2, structured, long, abort, disconnect)
     return [(spec, 1.0 / len(kind)) for kind in kinds for spec in kind]
 
 
 ABORT_AFTER_CHUNKS = 3
-DISCONNECT_AFTER_S = 1.5  # a non-streamed request of 64 tokens takes longer under the load
+DISCONNECT_AFTER_S = 1.5  # a non-streamed request of 32 tokens takes longer under the load
 
 
 @dataclass
@@ -211,48 +227,52 @@ class Soak:
         self.references: dict[str, tuple] = {}  # spec name -> what _send returned
         self.outcomes: list[Outcome] = []
         self.kills: list[dict] = []
+        self.warmups: list[float] = []  # when each pool warm-up ended (s since the load began)
         self.t0 = time.monotonic()
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 2)
 
     async def references_run(self) -> None:
-        """Every spec once, undisturbed, at the soak's concurrency."""
+        """Every spec once, undisturbed, all at once (the machine is slow; batches do not change
+        the exact mode's tokens); an abort or a disconnect is read to its end (one that runs to
+        its end under the load is checked against it)."""
         from openai import AsyncOpenAI
 
-        specs = [s for s, _ in self.mix if s.action == "read"]
         async with AsyncOpenAI(base_url=f"{self.baton.base_url}/v1", api_key="none",
                                max_retries=0, timeout=180) as client:
-            sem = asyncio.Semaphore(self.cfg.concurrency)
-
             async def one(spec: Spec) -> None:
-                async with sem:
-                    self.references[spec.name] = await _send(client, spec)
-                    status, detail = _check(spec, self.references[spec.name], None)
-                    assert status == "exact", f"reference {spec.name}: {detail}"
+                got = await _send(client, Spec(spec.name, spec.api, spec.body))
+                status, detail = _check(spec, got, None)
+                assert status == "exact", f"reference {spec.name}: {detail}"
+                self.references[spec.name] = got
 
-            await asyncio.gather(*(one(s) for s in specs))
-        # An abort or a disconnect that ran to the end is checked as its plain twin.
-        for spec, _ in self.mix:
-            if spec.action != "read":
-                self.references[spec.name] = await self._reference_of(spec)
+            await asyncio.gather(*(one(s) for s, _ in self.mix))
 
-    async def _reference_of(self, spec: Spec) -> tuple:
+    async def pool_warmup(self) -> None:
+        """Distinct long prompts, all at once, enough to write every block of each engine once
+        (the plain free list hands out unused blocks first). A pool is anonymous memory whose
+        pages count in RSS from their first write on: unwarmed, its filling reads as growth."""
         from openai import AsyncOpenAI
 
-        plain = Spec(spec.name, spec.api, spec.body)
+        num_prompts = math.ceil(2 * NUM_BLOCKS * 16 / LONG_TOKENS) + 2  # two completion engines
+        round_ = len(self.warmups)
         async with AsyncOpenAI(base_url=f"{self.baton.base_url}/v1", api_key="none",
-                               max_retries=0, timeout=180) as client:
-            return await _send(client, plain)
+                               max_retries=0, timeout=300) as client:
+            await asyncio.gather(*(client.completions.create(
+                model=MODEL, prompt=f"Draft {round_}.{k}. {LONG_TEXT}", max_tokens=2,
+                temperature=0) for k in range(num_prompts)))
+        self.warmups.append(self.now())
 
-    async def load(self, stop_at: float) -> None:
+    async def load(self, stop_at: float, is_killer_done) -> None:
+        """Until stop_at and the killer is done (its last kill, its calm tail's warm-up)."""
         from openai import AsyncOpenAI
 
         specs, weights = zip(*self.mix, strict=True)
         async with AsyncOpenAI(base_url=f"{self.baton.base_url}/v1", api_key="none",
                                max_retries=0, timeout=180) as client:
             async def worker(rng: random.Random) -> None:
-                while time.monotonic() < stop_at:
+                while time.monotonic() < stop_at or not is_killer_done():
                     spec = rng.choices(specs, weights)[0]
                     started = time.monotonic()
                     try:
@@ -280,16 +300,26 @@ class Soak:
                 order.append(completion[len(order) % len(completion)])
         return order
 
+    async def all_back(self) -> None:
+        while not all(self.baton.num_back(e) == sum(k["engine"] == e for k in self.kills)
+                      for e in self.baton.engines):
+            await asyncio.sleep(0.2)  # the last victim is still restarting
+
     async def killer(self, stop_at: float) -> None:
+        """A kill every kill_every_s until the calm tail (or the end; later while fewer than
+        min_kills are done: restarts are slow on a busy machine), which then opens with a pool
+        warm-up once every victim is back."""
         order = self.victims()
         next_at = time.monotonic() + self.cfg.kill_every_s
+        kills_until = stop_at - max(self.cfg.calm_tail_s, 5.0)  # 5 s: a kill to hit requests
         while True:
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            while not all(self.baton.num_back(e) == sum(k["engine"] == e for k in self.kills)
-                          for e in self.baton.engines):
-                await asyncio.sleep(0.2)  # the last victim is still restarting
-            if time.monotonic() >= stop_at - 5.0:
-                return  # a kill now would hit no request
+            await asyncio.sleep(max(0.0, min(next_at, kills_until) - time.monotonic()))
+            await self.all_back()
+            if time.monotonic() >= kills_until and len(self.kills) >= self.cfg.min_kills:
+                if self.cfg.calm_tail_s and self.kills:
+                    await self.pool_warmup()  # the restarted engines' pools
+                    print(f"[{self.now():7.1f} s] calm tail: pools warmed up", flush=True)
+                return
             victim = order[len(self.kills) % len(order)]
             waited_until = time.monotonic() + 10.0
             while (running := held(await asyncio.to_thread(self.baton.probe, victim))) < 1 \
@@ -308,8 +338,8 @@ class Soak:
 
 # --------------------------------------------------------------------------- samples
 class Sampler:
-    """A thread: every `every_s` the launcher's, router's and engines' RSS, fds and threads,
-    and each engine's pool (a stats probe)."""
+    """A thread: every `every_s` the RSS, fds and threads of the launcher, the router (and its
+    worker processes) and each engine, and each engine's pool (a stats probe)."""
 
     def __init__(self, baton: BatonUp, t0: float, every_s: float) -> None:
         self.baton, self.t0, self.every_s = baton, t0, every_s
@@ -326,8 +356,15 @@ class Sampler:
 
     def sample(self) -> None:
         at = round(time.monotonic() - self.t0, 2)
-        procs = {"launcher": psutil.Process(self.baton.proc.pid), **self.baton.children()}
-        for name, proc in procs.items():
+        children = self.baton.children()
+        procs = [("launcher", psutil.Process(self.baton.proc.pid)), *children.items()]
+        if "router" in children:  # its worker processes (multiprocessing) hold state too
+            try:
+                procs += [("router." + ("tracker" if "resource_tracker" in " ".join(
+                    c.cmdline()) else "worker"), c) for c in children["router"].children()]
+            except psutil.NoSuchProcess:
+                pass
+        for name, proc in procs:
             try:
                 with proc.oneshot():
                     self.samples.append({"t": at, "name": name, "pid": proc.pid,
@@ -367,9 +404,10 @@ def _growth(values: list[int]) -> int:
     return last[len(last) // 2] - first[len(first) // 2]
 
 
-def trends(samples: list[dict], cfg: SoakConfig) -> list[dict]:
-    """Per series (name, pid) that lived to the end: its RSS slope and fd/thread growth after
-    its warm-up; None where too little of it is past the warm-up to tell."""
+def trends(samples: list[dict], cfg: SoakConfig, warmups: list[float]) -> list[dict]:
+    """Per series (name, pid) that lived to the end: its RSS slope and fd/thread growth from
+    warmup_s after the last pool warm-up of its life (a warm-up's big batches raise a heap's
+    high-water mark once); None where too little is left to tell."""
     last_t = max(s["t"] for s in samples)
     series: dict[tuple[str, int], list[dict]] = {}
     for s in samples:
@@ -377,7 +415,8 @@ def trends(samples: list[dict], cfg: SoakConfig) -> list[dict]:
     rows = []
     for (name, pid), points in series.items():
         start = points[0]["t"]
-        settled = [p for p in points if p["t"] - start >= cfg.warmup_s]
+        warmed = [w for w in warmups if w >= start]
+        settled = [p for p in points if warmed and p["t"] >= warmed[-1] + cfg.warmup_s]
         row = {"name": name, "pid": pid, "from_s": start, "to_s": points[-1]["t"],
                "survived": points[-1]["t"] == last_t, "samples": len(points),
                "rss_first_mib": points[0]["rss_mib"], "rss_last_mib": points[-1]["rss_mib"],
@@ -415,6 +454,10 @@ def verdict(soak: Soak, rows: list[dict], whole_error: str, exits: list[str]) ->
     return problems
 
 
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
 def print_table(soak: Soak, rows: list[dict], restarts: list[float]) -> None:
     counts = Counter((o.spec.split("-")[0], o.status) for o in soak.outcomes)
     kinds = sorted({k for k, _ in counts})
@@ -427,11 +470,11 @@ def print_table(soak: Soak, rows: list[dict], restarts: list[float]) -> None:
     print(f"\n{'process':<14}{'pid':>8}{'from s':>8}{'samples':>8}{'RSS MiB':>16}"
           f"{'slope MiB/min':>15}{'fds':>10}{'+fds':>6}{'threads':>10}{'+thr':>6}")
     for r in rows:
-        slope = "-" if r["rss_slope_mib_min"] is None else f"{r['rss_slope_mib_min']:.3f}"
+        slope = _dash(r["rss_slope_mib_min"])
         print(f"{r['name']:<14}{r['pid']:>8}{r['from_s']:>8.0f}{r['samples']:>8}"
               f"{r['rss_first_mib']:>8.1f}{r['rss_last_mib']:>8.1f}{slope:>15}"
-              f"{r['fds_first']:>5}{r['fds_last']:>5}{str(r['fd_growth'] or '-'):>6}"
-              f"{r['threads_first']:>5}{r['threads_last']:>5}{str(r['thread_growth'] or '-'):>6}")
+              f"{r['fds_first']:>5}{r['fds_last']:>5}{_dash(r['fd_growth']):>6}"
+              f"{r['threads_first']:>5}{r['threads_last']:>5}{_dash(r['thread_growth']):>6}")
 
 
 def plot(path: Path, samples: list[dict], kills: list[dict]) -> None:
@@ -473,11 +516,12 @@ def run(cfg: SoakConfig) -> dict:
     print(f"baton up ready in {up_s:.1f} s: {', '.join(baton.engines)}", flush=True)
     try:
         soak = Soak(cfg, baton)
+        asyncio.run(soak.pool_warmup())
         asyncio.run(soak.references_run())
         print(f"references: {len(soak.references)} requests in "
               f"{time.monotonic() - started - up_s:.1f} s; the load runs {cfg.duration_s:g} s",
               flush=True)
-        soak.t0 = time.monotonic()
+        soak.t0, soak.warmups = time.monotonic(), [0.0]  # the load's t = 0: after the first
         sampler = Sampler(baton, soak.t0, cfg.sample_every_s)
         load_at_start = os.getloadavg()
 
@@ -485,10 +529,11 @@ def run(cfg: SoakConfig) -> dict:
             stop_at = time.monotonic() + cfg.duration_s
             killer = asyncio.create_task(soak.killer(stop_at))
             try:
-                await soak.load(stop_at)
+                await soak.load(stop_at, killer.done)
             finally:
-                killer.cancel()
-                await asyncio.gather(killer, return_exceptions=True)
+                if not killer.done():
+                    killer.cancel()
+            await killer  # re-raises a failed kill
 
         asyncio.run(load_and_kills())
         load_at_end = os.getloadavg()
@@ -501,7 +546,7 @@ def run(cfg: SoakConfig) -> dict:
         exits = [m.group(0) for m in baton.stderr.matching(r"\S+ exited \([^)]*\)")]
         restarts = [float(m.group(1)) for m in
                     baton.stderr.matching(r"is back \(restart \d+ of \d+, ([\d.]+) s after")]
-        rows = trends(sampler.samples, cfg)
+        rows = trends(sampler.samples, cfg, soak.warmups)
         problems = verdict(soak, rows, whole_error, exits)
         print_table(soak, rows, restarts)
         result = {
@@ -536,7 +581,12 @@ def parse_args(argv: list[str] | None) -> SoakConfig:
     p.add_argument("--kill-every", type=float, default=d.kill_every_s)
     p.add_argument("--sample-every", type=float, default=d.sample_every_s)
     p.add_argument("--warmup", type=float, default=d.warmup_s,
-                   help="seconds of each process's life left out of its trend")
+                   help="seconds after a process's pool warm-up left out of its trend")
+    p.add_argument("--calm-tail", type=float, default=d.calm_tail_s,
+                   help="the last seconds of load without kills (a pool warm-up opens them), "
+                   "so that the restarted engines' trends can be told")
+    p.add_argument("--min-kills", type=int, default=d.min_kills,
+                   help="the load runs past --duration until this many kills are done")
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--prompt-engines", type=int, default=d.num_prompt_engines,
                    help="1, or 2 (a spare: then every third kill hits a prompt engine)")
@@ -552,7 +602,8 @@ def parse_args(argv: list[str] | None) -> SoakConfig:
     try:
         return SoakConfig(
             duration_s=a.duration, kill_every_s=a.kill_every, sample_every_s=a.sample_every,
-            warmup_s=a.warmup, concurrency=a.concurrency, num_prompt_engines=a.prompt_engines,
+            warmup_s=a.warmup, calm_tail_s=a.calm_tail, concurrency=a.concurrency,
+            min_kills=a.min_kills, num_prompt_engines=a.prompt_engines,
             restart_window_s=a.restart_window, max_rss_slope_mib_min=a.max_rss_slope,
             fd_tolerance=a.fd_tolerance, thread_tolerance=a.thread_tolerance,
             quiesce_timeout_s=a.quiesce_timeout, seed=a.seed, results_dir=a.results_dir)
@@ -561,6 +612,7 @@ def parse_args(argv: list[str] | None) -> SoakConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: where a long soak stands
     return 0 if run(parse_args(argv))["passed"] else 1
 
 
