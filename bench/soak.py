@@ -134,7 +134,7 @@ def _spec(name: str, api: str, action: str = "read", **body) -> Spec:
     return Spec(name, api, body, action)
 
 
-def build_mix() -> list[tuple[Spec, int]]:
+def build_mix() -> list[tuple[Spec, float]]:
     """(spec, weight) pairs: each kind of request equally likely, its specs shared alike."""
     ignore_eos = {"extra_body": {"ignore_eos": True}}
     greedy = [_spec(f"greedy-{i}", "completions", prompt=f"Item {i}: a short story about a {w}",
@@ -176,6 +176,8 @@ class Outcome:
 
 async def _send(client, spec: Spec) -> tuple[dict[int, str], dict[int, str | None], str]:
     """The texts and finish reasons by choice index, or (with an action) how it was cut off."""
+    from openai import APITimeoutError
+
     kwargs = spec.body
     create = client.completions.create if spec.api == "completions" else \
         client.chat.completions.create
@@ -183,10 +185,8 @@ async def _send(client, spec: Spec) -> tuple[dict[int, str], dict[int, str | Non
         try:
             reply = await create(model=MODEL, stream=False, timeout=DISCONNECT_AFTER_S,
                                  **kwargs)
-        except Exception as exc:  # the client's timeout: it went away mid-request
-            if type(exc).__name__ == "APITimeoutError":
-                return {}, {}, "disconnected"
-            raise
+        except APITimeoutError:  # the client went away mid-request
+            return {}, {}, "disconnected"
         return ({c.index: c.text for c in reply.choices},
                 {c.index: c.finish_reason for c in reply.choices}, "")
     texts: dict[int, str] = {}
@@ -250,18 +250,25 @@ class Soak:
             await asyncio.gather(*(one(s) for s, _ in self.mix))
 
     async def pool_warmup(self) -> None:
-        """Distinct long prompts, all at once, enough to write every block of each engine once
-        (the plain free list hands out unused blocks first). A pool is anonymous memory whose
-        pages count in RSS from their first write on: unwarmed, its filling reads as growth."""
+        """Distinct long prompts, --concurrency at a time (all at once, the last would wait past
+        the router's prompt timeout on this machine), enough to write every block of each
+        engine once (the plain free list hands out unused blocks first). A pool is anonymous
+        memory whose pages count in RSS from their first write on: unwarmed, its filling reads
+        as growth."""
         from openai import AsyncOpenAI
 
         num_prompts = math.ceil(2 * NUM_BLOCKS * 16 / LONG_TOKENS) + 2  # two completion engines
         round_ = len(self.warmups)
+        sem = asyncio.Semaphore(self.cfg.concurrency)
         async with AsyncOpenAI(base_url=f"{self.baton.base_url}/v1", api_key="none",
                                max_retries=0, timeout=300) as client:
-            await asyncio.gather(*(client.completions.create(
-                model=MODEL, prompt=f"Draft {round_}.{k}. {LONG_TEXT}", max_tokens=2,
-                temperature=0) for k in range(num_prompts)))
+            async def one(k: int) -> None:
+                async with sem:
+                    await client.completions.create(
+                        model=MODEL, prompt=f"Draft {round_}.{k}. {LONG_TEXT}", max_tokens=2,
+                        temperature=0)
+
+            await asyncio.gather(*(one(k) for k in range(num_prompts)))
         self.warmups.append(self.now())
 
     async def load(self, stop_at: float, is_killer_done) -> None:
@@ -379,12 +386,22 @@ class Sampler:
                     "t": at, "engine": engine, "free": stats.num_free_blocks,
                     "total": stats.num_total_blocks, "running": stats.num_running,
                     "leases": int(stats.extra.get("kv_leases_active", 0)),
-                    "pulls": int(stats.extra.get("kv_pulls_active", 0))})
+                    "pulls": int(stats.extra.get("kv_pulls_active", 0)),
+                    "written": _blocks_written(stats)})
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(30)
         self.sample()  # at rest
+
+
+def _blocks_written(stats) -> int:
+    """Blocks this engine process has written at least: KV pulled into fresh blocks (a
+    completion engine), prompt tokens computed (a prompt engine). The plain free list hands out
+    never-used blocks first, so once this reaches the pool's size every page of it is in RSS."""
+    if stats.role == "completion":
+        return int(stats.extra.get("kv_blocks_pulled", 0))
+    return stats.num_prompt_tokens // 16
 
 
 def slope_per_min(points: list[tuple[float, float]]) -> float:
@@ -404,10 +421,12 @@ def _growth(values: list[int]) -> int:
     return last[len(last) // 2] - first[len(first) // 2]
 
 
-def trends(samples: list[dict], cfg: SoakConfig, warmups: list[float]) -> list[dict]:
+def trends(samples: list[dict], cfg: SoakConfig, warmups: list[float],
+           pools: list[dict]) -> list[dict]:
     """Per series (name, pid) that lived to the end: its RSS slope and fd/thread growth from
     warmup_s after the last pool warm-up of its life (a warm-up's big batches raise a heap's
-    high-water mark once); None where too little is left to tell."""
+    high-water mark once) and, an engine, after it has written every block of its pool (its
+    first writes are RSS steps of a request's blocks); None where too little is left."""
     last_t = max(s["t"] for s in samples)
     series: dict[tuple[str, int], list[dict]] = {}
     for s in samples:
@@ -415,10 +434,17 @@ def trends(samples: list[dict], cfg: SoakConfig, warmups: list[float]) -> list[d
     rows = []
     for (name, pid), points in series.items():
         start = points[0]["t"]
+        is_engine = any(p["engine"] == name for p in pools)
         warmed = [w for w in warmups if w >= start]
-        settled = [p for p in points if warmed and p["t"] >= warmed[-1] + cfg.warmup_s]
+        written = [p["t"] for p in pools if p["engine"] == name and p["t"] >= start
+                   and p["written"] >= p["total"]]
+        from_t = math.inf
+        if warmed and (written or not is_engine):
+            from_t = max(warmed[-1], written[0] if written else 0.0) + cfg.warmup_s
+        settled = [p for p in points if p["t"] >= from_t]
         row = {"name": name, "pid": pid, "from_s": start, "to_s": points[-1]["t"],
                "survived": points[-1]["t"] == last_t, "samples": len(points),
+               "judged_from_s": None if from_t == math.inf else round(from_t, 1),
                "rss_first_mib": points[0]["rss_mib"], "rss_last_mib": points[-1]["rss_mib"],
                "fds_first": points[0]["fds"], "fds_last": points[-1]["fds"],
                "threads_first": points[0]["threads"], "threads_last": points[-1]["threads"],
@@ -467,11 +493,12 @@ def print_table(soak: Soak, rows: list[dict], restarts: list[float]) -> None:
         print(f"{kind:<12}" + "".join(f"{counts[(kind, s)]:>9}" for s in statuses))
     print(f"{'all':<12}" + "".join(f"{sum(counts[(k, s)] for k in kinds):>9}" for s in statuses))
     print(f"\nkills: {len(soak.kills)}; restart to ready: {restarts} s")
-    print(f"\n{'process':<14}{'pid':>8}{'from s':>8}{'samples':>8}{'RSS MiB':>16}"
+    print(f"\n{'process':<14}{'pid':>8}{'from s':>8}{'judged':>8}{'samples':>8}{'RSS MiB':>16}"
           f"{'slope MiB/min':>15}{'fds':>10}{'+fds':>6}{'threads':>10}{'+thr':>6}")
     for r in rows:
         slope = _dash(r["rss_slope_mib_min"])
-        print(f"{r['name']:<14}{r['pid']:>8}{r['from_s']:>8.0f}{r['samples']:>8}"
+        judged = "-" if r["rss_slope_mib_min"] is None else f"{r['judged_from_s']:.0f}"
+        print(f"{r['name']:<14}{r['pid']:>8}{r['from_s']:>8.0f}{judged:>8}{r['samples']:>8}"
               f"{r['rss_first_mib']:>8.1f}{r['rss_last_mib']:>8.1f}{slope:>15}"
               f"{r['fds_first']:>5}{r['fds_last']:>5}{_dash(r['fd_growth']):>6}"
               f"{r['threads_first']:>5}{r['threads_last']:>5}{_dash(r['thread_growth']):>6}")
@@ -546,7 +573,7 @@ def run(cfg: SoakConfig) -> dict:
         exits = [m.group(0) for m in baton.stderr.matching(r"\S+ exited \([^)]*\)")]
         restarts = [float(m.group(1)) for m in
                     baton.stderr.matching(r"is back \(restart \d+ of \d+, ([\d.]+) s after")]
-        rows = trends(sampler.samples, cfg, soak.warmups)
+        rows = trends(sampler.samples, cfg, soak.warmups, sampler.pools)
         problems = verdict(soak, rows, whole_error, exits)
         print_table(soak, rows, restarts)
         result = {
