@@ -32,9 +32,11 @@ request, on memory, fd or thread growth, and on a pool not whole at the end.
    no pull) within --quiesce-timeout.
 7. Verdict: exit 1 on a wrong or failed request, a pool not whole, an engine that died unkilled,
    or growth in a process that survived the soak: from --warmup seconds after the last pool
-   warm-up of its life, the least-squares slope of its RSS over --max-rss-slope MiB/min, or its
-   fds or threads more than --fd-tolerance / --thread-tolerance higher in the last third than
-   in the first (a process too young for that window is shown without a trend). Prints a
+   warm-up of its life (an engine: once it has written its whole pool), the Theil-Sen slope of
+   its RSS (robust to a one-time step; the least-squares one is printed beside it) over
+   --max-rss-slope MiB/min, or its fds or threads more than --fd-tolerance /
+   --thread-tolerance higher in the last third than in the first (a process too young for that
+   window is shown without a trend). Prints a
    table, writes bench/results/soak.json (config, counts, kills, samples, verdict) and draws
    bench/results/soak.png (RSS and fds over time per process).
 """
@@ -404,6 +406,16 @@ def _blocks_written(stats) -> int:
     return stats.num_prompt_tokens // 16
 
 
+def robust_slope_per_min(points: list[tuple[float, float]]) -> float:
+    """Theil-Sen: the median of the pairwise slopes, per minute. A leak grows steadily and
+    moves it; a one-time step (a heap's high-water mark raised by a restarted engine's first
+    long requests: 40-80 MiB, flat for minutes after, in a 10-minute soak) does not, while it
+    tilts a least-squares line over a short window."""
+    slopes = sorted((v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(points)
+                    for t2, v2 in points[i + 1:] if t2 > t1)
+    return 60.0 * slopes[len(slopes) // 2] if slopes else 0.0
+
+
 def slope_per_min(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, value) points, per minute."""
     n = len(points)
@@ -448,10 +460,12 @@ def trends(samples: list[dict], cfg: SoakConfig, warmups: list[float],
                "rss_first_mib": points[0]["rss_mib"], "rss_last_mib": points[-1]["rss_mib"],
                "fds_first": points[0]["fds"], "fds_last": points[-1]["fds"],
                "threads_first": points[0]["threads"], "threads_last": points[-1]["threads"],
-               "rss_slope_mib_min": None, "fd_growth": None, "thread_growth": None}
+               "rss_slope_mib_min": None, "rss_lsq_slope_mib_min": None, "fd_growth": None,
+               "thread_growth": None}
         if row["survived"] and len(settled) >= 6 and settled[-1]["t"] - settled[0]["t"] >= 30:
-            row["rss_slope_mib_min"] = round(slope_per_min(
-                [(p["t"], p["rss_mib"]) for p in settled]), 3)
+            rss = [(p["t"], p["rss_mib"]) for p in settled]
+            row["rss_slope_mib_min"] = round(robust_slope_per_min(rss), 3)
+            row["rss_lsq_slope_mib_min"] = round(slope_per_min(rss), 3)
             row["fd_growth"] = _growth([p["fds"] for p in settled])
             row["thread_growth"] = _growth([p["threads"] for p in settled])
         rows.append(row)
@@ -494,12 +508,12 @@ def print_table(soak: Soak, rows: list[dict], restarts: list[float]) -> None:
     print(f"{'all':<12}" + "".join(f"{sum(counts[(k, s)] for k in kinds):>9}" for s in statuses))
     print(f"\nkills: {len(soak.kills)}; restart to ready: {restarts} s")
     print(f"\n{'process':<14}{'pid':>8}{'from s':>8}{'judged':>8}{'samples':>8}{'RSS MiB':>16}"
-          f"{'slope MiB/min':>15}{'fds':>10}{'+fds':>6}{'threads':>10}{'+thr':>6}")
+          f"{'MiB/min TS / LSQ':>18}{'fds':>10}{'+fds':>6}{'threads':>10}{'+thr':>6}")
     for r in rows:
-        slope = _dash(r["rss_slope_mib_min"])
+        slope = f"{_dash(r['rss_slope_mib_min'])} / {_dash(r['rss_lsq_slope_mib_min'])}"
         judged = "-" if r["rss_slope_mib_min"] is None else f"{r['judged_from_s']:.0f}"
         print(f"{r['name']:<14}{r['pid']:>8}{r['from_s']:>8.0f}{judged:>8}{r['samples']:>8}"
-              f"{r['rss_first_mib']:>8.1f}{r['rss_last_mib']:>8.1f}{slope:>15}"
+              f"{r['rss_first_mib']:>8.1f}{r['rss_last_mib']:>8.1f}{slope:>18}"
               f"{r['fds_first']:>5}{r['fds_last']:>5}{_dash(r['fd_growth']):>6}"
               f"{r['threads_first']:>5}{r['threads_last']:>5}{_dash(r['thread_growth']):>6}")
 
@@ -577,12 +591,13 @@ def run(cfg: SoakConfig) -> dict:
         problems = verdict(soak, rows, whole_error, exits)
         print_table(soak, rows, restarts)
         result = {
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+            "config": {k: v for k, v in asdict(cfg).items() if k != "results_dir"},
             "up_s": round(up_s, 1), "load_avg_start": load_at_start, "load_avg_end": load_at_end,
             "requests": dict(Counter(o.status for o in soak.outcomes)),
             "outcomes": [asdict(o) for o in soak.outcomes], "kills": soak.kills,
             "restart_to_ready_s": restarts, "recoveries": recoveries(baton.base_url),
-            "trends": rows, "samples": sampler.samples, "pools": sampler.pools,
+            "trends": rows, "warmups": soak.warmups, "samples": sampler.samples,
+            "pools": sampler.pools,
             "passed": not problems, "problems": problems}
     finally:
         baton.proc.send_signal(signal.SIGTERM)  # the launcher stops its children
