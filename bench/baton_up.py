@@ -7,7 +7,9 @@ package: tests put bench/ on sys.path, as tests/bench do).
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -80,6 +82,15 @@ class BatonUp:
     def tail(self) -> str:
         return "".join(self.stderr.lines[-60:])
 
+    def stop(self) -> None:
+        """SIGTERM: the launcher stops its children; SIGKILL to the group if it hangs."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
 
 def start_baton_up(num_prompt: int, num_completion: int, engine_args: list[str],
                    up_args: list[str] = (), key_dir: str = "") -> BatonUp:
@@ -93,7 +104,11 @@ def start_baton_up(num_prompt: int, num_completion: int, engine_args: list[str],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     keys = ClusterKeys.load(key_dir) if key_dir else keys_from_env()
     baton = BatonUp(proc, port, Lines(proc.stdout), Lines(proc.stderr), keys)
-    baton.wait_up()
+    try:
+        baton.wait_up()
+    except BaseException:
+        baton.stop()  # a launcher that did not come up leaves nothing running
+        raise
     return baton
 
 

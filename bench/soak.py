@@ -52,7 +52,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -552,7 +551,11 @@ def run(cfg: SoakConfig) -> dict:
           f"{cfg.restart_window_s:g} (the supervisor's default, 5 per 600 s, would give up on an "
           f"engine killed every {cfg.kill_every_s:g} s)", flush=True)
     started = time.monotonic()
-    baton = start_baton_up(cfg.num_prompt_engines, 2, ENGINE_FLAGS, up_args, key_dir)
+    try:
+        baton = start_baton_up(cfg.num_prompt_engines, 2, ENGINE_FLAGS, up_args, key_dir)
+    except BaseException:
+        shutil.rmtree(key_dir, ignore_errors=True)
+        raise
     up_s = time.monotonic() - started
     print(f"baton up ready in {up_s:.1f} s: {', '.join(baton.engines)}", flush=True)
     try:
@@ -600,12 +603,7 @@ def run(cfg: SoakConfig) -> dict:
             "pools": sampler.pools,
             "passed": not problems, "problems": problems}
     finally:
-        baton.proc.send_signal(signal.SIGTERM)  # the launcher stops its children
-        try:
-            baton.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(baton.proc.pid, signal.SIGKILL)
-            baton.proc.wait(5)
+        baton.stop()
         shutil.rmtree(key_dir, ignore_errors=True)
     cfg.results_dir.mkdir(parents=True, exist_ok=True)
     (cfg.results_dir / "soak.json").write_text(json.dumps(result, indent=1))

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -179,9 +178,4 @@ def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role, 
         assert not failed, f"{len(failed)} of {len(results)} failed: {failed[:5]}\n{baton.tail()}"
     finally:
         (tmp_path / "baton-up.log").write_text("".join(baton.stderr.lines))  # for a post-mortem
-        baton.proc.send_signal(signal.SIGTERM)  # the launcher stops its children
-        try:
-            baton.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(baton.proc.pid, signal.SIGKILL)
-            baton.proc.wait(5)
+        baton.stop()
