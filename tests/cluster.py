@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from baton.protocol import EngineStats
-from baton.service.client import EngineClient, probe_engine
+from baton.service.client import EngineClient, is_whole, probe_engine
 from kv_transfer.auth import keys_from_env
 
 # The session's cluster keys (tests/conftest.py): the engines get them from the environment.
@@ -98,13 +98,6 @@ def wait_for(predicate, timeout_s: float = 10.0, poll_s: float = 0.01) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(poll_s)
-
-
-def is_whole(stats: EngineStats) -> bool:
-    """Every block free, nothing running or queued, no KV lease or pull left."""
-    return (stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
-            and stats.num_waiting == 0 and stats.extra.get("kv_leases_active", 0) == 0
-            and stats.extra.get("kv_pulls_active", 0) == 0)
 
 
 def wait_whole(engines: list[EngineProcess], timeout_s: float = 15.0) -> None:

@@ -134,3 +134,11 @@ def probe_engine(address: str, timeout_s: float = 1.0,
         except ProtocolError as exc:
             logger.warning("%s answers, but not as an engine: %s", address, exc)
             return None
+
+
+def is_whole(stats: EngineStats) -> bool:
+    """An engine's pool as after a drain: every block free, nothing running or queued, no KV
+    lease or pull left (what tests and the soak check when the load is over)."""
+    return (stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+            and stats.num_waiting == 0 and stats.extra.get("kv_leases_active", 0) == 0
+            and stats.extra.get("kv_pulls_active", 0) == 0)

@@ -20,20 +20,18 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
-import psutil
 import pytest
 
-from baton.ops.redis_server import free_port
-from baton.service.client import probe_engine
-from tests.cluster import KEYS, is_whole
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+# bench/baton_up.py: a sibling module of the soak (bench/soak.py), not a package
+from baton_up import BatonUp, held, recoveries, start_baton_up, wait_back_and_whole  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -56,60 +54,8 @@ MIN_HELD = 2
 LOAD_DEADLINE_S = 480.0 * SCALE  # the load and its kills; restarts are slow on a busy machine
 
 
-class _Lines:
-    """A pipe's lines, collected by a thread (the children share the pipe and must not block)."""
-
-    def __init__(self, pipe) -> None:
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True).start()
-
-    def matching(self, pattern: str) -> list[re.Match]:
-        return [m for m in map(re.compile(pattern).search, list(self.lines)) if m]
-
-
-@dataclass
-class _Baton:
-    proc: subprocess.Popen
-    port: int
-    stdout: _Lines
-    stderr: _Lines
-    engines: dict[str, str] = field(default_factory=dict)  # engine id -> address
-
-    def wait_up(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any("Ctrl-C stops" in line for line in self.stdout.lines):
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.tail()
-            time.sleep(0.2)
-        for m in self.stdout.matching(r"^\s+((?:prompt|completion)-\d+)\s+(tcp://\S+)"):
-            self.engines[m.group(1)] = m.group(2)
-
-    def pid_of(self, engine_id: str) -> int | None:
-        for child in psutil.Process(self.proc.pid).children():
-            try:
-                argv = child.cmdline()
-            except psutil.NoSuchProcess:
-                continue
-            if engine_id in argv and "--engine-id" in argv:
-                return child.pid
-        return None
-
-    def num_back(self, engine_id: str) -> int:
-        return len(self.stderr.matching(rf"{engine_id} is back \(restart"))
-
-    def tail(self) -> str:
-        return "".join(self.stderr.lines[-60:])
-
-
-def _start_baton(num_prompt: int, num_completion: int) -> _Baton:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--prompt-engines",
-         str(num_prompt), "--completion-engines", str(num_completion), "--max-restarts", "100",
-         "--", *ENGINE_FLAGS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    baton = _Baton(proc, port, _Lines(proc.stdout), _Lines(proc.stderr))
-    baton.wait_up()
-    return baton
+def _start_baton(num_prompt: int, num_completion: int) -> BatonUp:
+    return start_baton_up(num_prompt, num_completion, ENGINE_FLAGS, ["--max-restarts", "100"])
 
 
 @dataclass
@@ -158,7 +104,7 @@ async def _load(base_url: str, prompts: list[str], keep_going=lambda: False) -> 
     return results
 
 
-async def _chaos(baton: _Baton, role: str, rng: random.Random, kills: list[dict]) -> None:
+async def _chaos(baton: BatonUp, role: str, rng: random.Random, kills: list[dict]) -> None:
     """NUM_KILLS SIGKILLs of engines of `role`, each while every engine of the role is up and
     has served a while; the victim is the one with the most requests running (ties: random)."""
     victims = sorted(e for e in baton.engines if e.startswith(role))
@@ -168,9 +114,7 @@ async def _chaos(baton: _Baton, role: str, rng: random.Random, kills: list[dict]
             await asyncio.sleep(0.2)  # the last victim is still restarting
         await asyncio.sleep(rng.uniform(2.0, 4.0))  # let it take requests again
         while True:  # until an engine holds requests that its death must disturb
-            stats = {e: await asyncio.to_thread(probe_engine, baton.engines[e], 2.0, KEYS)
-                     for e in victims}
-            running = {e: _held(s) for e, s in stats.items()}
+            running = {e: held(await asyncio.to_thread(baton.probe, e)) for e in victims}
             if max(running.values()) >= MIN_HELD:
                 break
             await asyncio.sleep(0.02)
@@ -179,42 +123,6 @@ async def _chaos(baton: _Baton, role: str, rng: random.Random, kills: list[dict]
         assert pid is not None, f"{victim} not running:\n{baton.tail()}"
         os.kill(pid, signal.SIGKILL)
         kills.append({"engine": victim, "at": time.monotonic(), "running": running[victim]})
-
-
-def _held(stats) -> int:
-    """Requests an engine holds: running or waiting, and (a prompt engine) KV leases not yet
-    released, whose pull fails when the engine dies; -1 when it does not answer."""
-    if stats is None:
-        return -1
-    return stats.num_running + stats.num_waiting + int(stats.extra.get("kv_leases_active", 0))
-
-
-def _recoveries(base_url: str) -> dict[str, float]:
-    """The router's migrations and retries so far, by the failed engine's role."""
-    import httpx
-
-    counts: dict[str, float] = {}
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        match = re.match(r'baton_router_(migrations|engine_retries)_total\{.*role="(\w+)".*\} '
-                         r'(\S+)$', line)
-        if match:
-            key = f"{match.group(1)}_{match.group(2)}"
-            counts[key] = counts.get(key, 0.0) + float(match.group(3))
-    return counts
-
-
-def _wait_back_and_whole(baton: _Baton, kills: list[dict], timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    for engine in baton.engines:
-        while baton.num_back(engine) < sum(k["engine"] == engine for k in kills):
-            assert time.monotonic() < deadline, f"{engine} not back:\n{baton.tail()}"
-            time.sleep(0.2)
-    while True:  # an orphaned lease (its puller was killed) ends within --lease-ttl
-        stats = {e: probe_engine(a, timeout_s=5.0, keys=KEYS) for e, a in baton.engines.items()}
-        if all(s is not None and is_whole(s) for s in stats.values()):
-            return
-        assert time.monotonic() < deadline, f"pools not whole: {stats}"
-        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("num_prompt,num_completion,victim_role", [
@@ -237,7 +145,7 @@ def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role, 
                 await chaos  # re-raises a failed kill
 
         results = asyncio.run(asyncio.wait_for(run(), LOAD_DEADLINE_S))
-        _wait_back_and_whole(baton, kills)
+        wait_back_and_whole(baton, kills)
         restarts = [float(m.group(1)) for m in
                     baton.stderr.matching(r"is back \(restart \d+ of \d+, ([\d.]+) s after")]
         figures = {
@@ -250,18 +158,18 @@ def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role, 
             "longest_gap_undisturbed_s": round(max(r.longest_gap_s for r in reference), 2),
             "longest_gap_under_kills_s": round(max(r.longest_gap_s for r in results), 2),
             "restart_to_ready_s": restarts,
-            "recoveries": _recoveries(base_url)}
+            "recoveries": recoveries(base_url)}
         print("\nchaos:", json.dumps(figures))
         assert len(kills) == NUM_KILLS
         assert all(k["running"] >= MIN_HELD for k in kills), kills
         # Every kill disturbed requests, and the router moved them: a completion engine's to
         # the other one (a migration per kill at least); a prompt engine's by a retry (caught
         # in prefill) or a migration (its lease died before the pull).
-        recoveries = figures["recoveries"]
+        recovered = figures["recoveries"]
         if victim_role == "completion":
-            assert recoveries.get("migrations_completion", 0) >= NUM_KILLS, recoveries
+            assert recovered.get("migrations_completion", 0) >= NUM_KILLS, recovered
         else:
-            assert sum(recoveries.values()) >= 1, recoveries
+            assert sum(recovered.values()) >= 1, recovered
         # Nothing died but the victims (an engine-side crash under chaos would show here).
         exits = [m.group(0) for m in baton.stderr.matching(r"\S+ exited \([^)]*\)")]
         assert exits == [f"{k['engine']} exited (signal 9)" for k in kills], exits
@@ -270,9 +178,4 @@ def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role, 
         assert not failed, f"{len(failed)} of {len(results)} failed: {failed[:5]}\n{baton.tail()}"
     finally:
         (tmp_path / "baton-up.log").write_text("".join(baton.stderr.lines))  # for a post-mortem
-        baton.proc.send_signal(signal.SIGTERM)  # the launcher stops its children
-        try:
-            baton.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(baton.proc.pid, signal.SIGKILL)
-            baton.proc.wait(5)
+        baton.stop()
