@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine import AllocStatus, EngineConfig, LLMEngine
+from baton.protocol import COMPLETION, NORMAL, PROMPT
 from baton.perf.mock_runner import MockRunner
 from baton.perf.profile import Profile
 from baton.sampling.params import SamplingParams
@@ -188,12 +189,12 @@ class Simulation:
         self._queue: list = []
         self._seq = itertools.count()
         self.on_done = on_done
-        roles = ([("normal", config.num_normal)] if config.num_normal else
-                 [("prompt", config.num_prompt), ("completion", config.num_completion)])
+        roles = ([(NORMAL, config.num_normal)] if config.num_normal else
+                 [(PROMPT, config.num_prompt), (COMPLETION, config.num_completion)])
         self.engines = {role: [SimEngine(self, f"{role}-{i}", role) for i in range(n)]
                         for role, n in roles}
         self._by_name = {e.name: e for es in self.engines.values() for e in es}
-        first = self.engines.get("normal") or self.engines["prompt"]
+        first = self.engines.get(NORMAL) or self.engines[PROMPT]
         self.block_size = profile.model.block_size
         self.key_seed = first[0].engine.prefix_cache_seed
         # What the router's KV index would hold: each engine's keys as its events reported.
@@ -216,7 +217,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ the planner
     def _counts(self) -> dict[str, int]:
-        return {role: len(self.engines.get(role, [])) for role in ("prompt", "completion")}
+        return {role: len(self.engines.get(role, [])) for role in (PROMPT, COMPLETION)}
 
     def _note_roles(self) -> None:
         draining = sum(bool(e.draining_to) for es in self.engines.values() for e in es)
@@ -231,7 +232,7 @@ class Simulation:
         if any(e.draining_to for es in self.engines.values() for e in es):
             return  # a change is still draining: decide on the fleet it makes
         counts = self._counts()
-        current = (counts["prompt"], counts["completion"])
+        current = (counts[PROMPT], counts[COMPLETION])
         decision = self.planner.decide(self.now, current, self.observations)
         self.decisions.append({"t": self.now, "action": decision.action,
                                "target": decision.target.name, "reason": decision.reason})
@@ -240,7 +241,7 @@ class Simulation:
         logger.info("planner at %.0f s: %dP:%dD -> %s (%s)", self.now, *current,
                     decision.target.name, decision.reason)
         move = decision.target.num_prompt - current[0]
-        src, dst = ("completion", "prompt") if move > 0 else ("prompt", "completion")
+        src, dst = (COMPLETION, PROMPT) if move > 0 else (PROMPT, COMPLETION)
         for engine in sorted(self.engines[src], key=lambda e: e.num_inflight)[:abs(move)]:
             engine.start_change(dst)
         self._note_roles()
@@ -253,7 +254,7 @@ class Simulation:
         engine.role, engine.draining_to = new, ""
         self.engines.setdefault(new, []).append(engine)
         self._note_roles()
-        for comp in self.engines.get("completion", []):
+        for comp in self.engines.get(COMPLETION, []):
             if comp.admissions:
                 self.retry_admissions(comp)
 
@@ -301,7 +302,7 @@ class Simulation:
         flight = Flight(spec, token_ids, res, self.now, RequestKeys(token_ids))
         rid = f"r{spec.idx}"
         self.flights[rid] = flight
-        role = "prompt" if self.config.is_disaggregated else "normal"
+        role = PROMPT if self.config.is_disaggregated else NORMAL
         engine = self._choose(role, flight)
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
         try:
@@ -335,7 +336,7 @@ class Simulation:
     # ------------------------------------------------------------------ the PD hand-off
     def _hand_off(self, prompt: SimEngine, flight: Flight, out) -> None:
         keys = prompt.engine.block_keys(out.request_id)
-        comp = self._choose("completion", flight)
+        comp = self._choose(COMPLETION, flight)
         comp.admissions.append(Handoff(flight, prompt, out.new_token_ids[0], keys))
         self.retry_admissions(comp)
 
