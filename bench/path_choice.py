@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
+from repo_paths import relative_args  # noqa: E402
 
 from baton.ops.redis_server import free_port  # noqa: E402
 from baton.workload.synthetic import WorkloadConfig  # noqa: E402
@@ -112,16 +113,6 @@ def spread(runs: list[dict], key: str) -> str:
         if key == "goodput" else f"{np.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
-def _relative(args: dict) -> dict:
-    """Paths inside the repository as relative ones: the record names no host's folders."""
-    def rel(value):
-        if isinstance(value, str) and Path(value).is_absolute() and \
-                Path(value).resolve().is_relative_to(ROOT):
-            return str(Path(value).resolve().relative_to(ROOT))
-        return value
-    return {k: rel(v) for k, v in args.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=str(ROOT / "tests/data/profile_test.json"))
@@ -154,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{spread(mine, 'tpot_p90_ms')} | {split} | {sum(r['num_failed'] for r in mine)} |")
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "path_choice.json").write_text(json.dumps({"args": _relative(vars(args)),
+    (out / "path_choice.json").write_text(json.dumps({"args": relative_args(vars(args)),
                                                       "runs": runs}, indent=1) + "\n")
     return 0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from baton.workload.words import WORDS
 from planner.core import Planner, PlannerConfig
 from simulator.fleet import FleetConfig
 from simulator.run import SimConfig, simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from repo_paths import relative_args  # noqa: E402 - a sibling script, not a package
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -75,7 +79,7 @@ def main() -> None:
     slos = {k: float(v) for k, v in (item.split(":") for item in args.goodput.split(","))}
     shapes = {"retrieval": ["retrieval", "retrieval"], "chat": ["chat", "chat"],
               "shifting": ["chat", "retrieval"]}
-    report = {"args": vars(args) | {"out": None}, "workloads": {}}
+    report = {"args": relative_args(vars(args)) | {"out": None}, "workloads": {}}
     print(f"{'workload':<10}{'best fixed':>12}{'goodput':>9}{'middle':>9}{'planner':>9}"
           f"{'ratio':>7}{'changes':>9}{'per 10 min':>11}{'sim s':>7}")
     for name in args.workloads.split(","):
