@@ -164,7 +164,8 @@ class AttentionMetadata:
             return
         assert window is not None, \
             "a full-attention layer over a block table with released blocks (S42)"
-        visible = self.released_tokens > self.first_query + 1 - window
+        visible = (self.released_tokens > 0) & \
+            (self.released_tokens > self.first_query + 1 - window)
         assert not visible.any(), (
             f"released blocks inside the window {window}: released tokens "
             f"{self.released_tokens[visible][:4]}, first queries {self.first_query[visible][:4]}")
