@@ -7,8 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.engine.scheduler import (AllocStatus, EngineType, SequenceStatus, compute_block_keys,
-                                    kv_window)
+from baton.engine.scheduler import (
+    AllocStatus,
+    EngineType,
+    SequenceStatus,
+    compute_block_keys,
+    kv_window,
+)
 
 from .utils import EOS, create_scheduler, drain, sampled, step, trace_samples
 

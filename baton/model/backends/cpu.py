@@ -228,7 +228,11 @@ def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor
 def released_tokens(block_tables: torch.Tensor, block_size: int) -> np.ndarray | None:
     """Tokens per row whose blocks the sliding window released (S42): the leading run of null
     entries (a live table's first entry is 0 only then); None when no row has one."""
-    if block_tables.shape[1] == 0 or not bool((block_tables[:, 0] == 0).any()):
+    if block_tables.shape[1] == 0:
+        return None
+    # numpy on the CPU (a view): ~2 us a step, where the same test in torch ops took ~25
+    tables = block_tables.numpy() if block_tables.device.type == "cpu" else None
+    if (tables[:, 0] if tables is not None else block_tables[:, 0].cpu().numpy()).all():
         return None
     leading = (block_tables == 0).to(torch.int32).cumprod(dim=1).sum(dim=1)
     return leading.cpu().numpy().astype(np.int64) * block_size
