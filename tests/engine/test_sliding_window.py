@@ -52,3 +52,20 @@ def test_s42_long_prompt_decodes_exactly_in_fewer_blocks(tmp_path: Path) -> None
     without = sum(-(-(n + NUM_NEW - 1) // BLOCK) for n in PROMPT_LENS)
     assert 0 < most_held <= 3 * (WINDOW // BLOCK + 2) < without
     assert engine.num_free_blocks() == total
+
+
+def test_s42_verified_drafts_over_released_blocks_stay_exact(tmp_path: Path) -> None:
+    """Speculative decoding (n-gram drafts, verified as short chunks over the pool) with the
+    window releasing blocks under it: still transformers' greedy tokens, and drafts were
+    verified on the way (a repeated prompt makes the proposer find matches)."""
+    ref = _write(tmp_path, "MistralConfig", "MistralForCausalLM", sliding_window=WINDOW,
+                 tie_word_embeddings=False)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", num_blocks=64,
+                                    block_size=BLOCK, speculative="ngram"))
+    gen = torch.Generator().manual_seed(12)
+    prompt = torch.randint(3, VOCAB, (6,), generator=gen).tolist() * 6  # 36 tokens
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    (out,) = engine.generate([prompt], params)
+    assert out.token_ids == _reference(ref, prompt)
+    assert engine.speculator.stats.num_verify_rows > 0
+    assert engine.num_free_blocks() == engine.num_total_blocks()
