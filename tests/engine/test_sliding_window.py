@@ -69,3 +69,22 @@ def test_s42_verified_drafts_over_released_blocks_stay_exact(tmp_path: Path) -> 
     assert out.token_ids == _reference(ref, prompt)
     assert engine.speculator.stats.num_verify_rows > 0
     assert engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_s42_a_window_on_some_layers_only_releases_nothing() -> None:
+    """The families' config readers to the scheduler's window: Gemma 2 alternates local and
+    global layers and Qwen windows only the layers from max_window_layers on, so a global
+    layer reads every block and none may go; Mistral windows every layer."""
+    from baton.engine.scheduler import kv_window
+    from baton.model.families import _mistral_config
+    from baton.model.gemma2 import gemma2_config
+    from baton.model.qwen import qwen_windows
+
+    layers = dict(num_hidden_layers=4, sliding_window=8)
+    assert kv_window(gemma2_config(layers)["layer_windows"]) == 0
+    assert kv_window(qwen_windows({**layers, "use_sliding_window": True,
+                                   "max_window_layers": 2})) == 0
+    assert kv_window(qwen_windows({**layers, "use_sliding_window": True,
+                                   "max_window_layers": 0})) == 8
+    assert kv_window(_mistral_config(layers)["layer_windows"]) == 8
+    assert kv_window(_mistral_config({**layers, "sliding_window": None})["layer_windows"]) == 0
