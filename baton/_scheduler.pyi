@@ -50,6 +50,7 @@ class SchedulerConfig:
     prefill_attempt_interval: int
     prefill_any_attempt_interval: int
     prefill_min_decode_steps: int
+    sliding_window: int
     num_speculative_tokens: int
     image_token_id: int
     image_pad_token_id: int

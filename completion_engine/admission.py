@@ -4,7 +4,9 @@
    earlier outputs are part of its KV (the handle covers prompt + them) and count as outputs.
 2. `admit` (every loop iteration) allocates from the head: the scheduler allocates blocks for
    the whole prompt (`allocate_prompted`: OK, LATER = wait for room, keep the order; NEVER =
-   cannot ever fit, finish with `insufficient_system_resource`), pinning the longest run of the
+   cannot ever fit, finish with `insufficient_system_resource`), or, for a model with a sliding
+   window on every layer, only for the blocks inside the first decode query's window (S42: the
+   ones before it are neither allocated nor pulled), pinning the longest run of the
    handle's prefix-cache keys it holds (an earlier turn of the conversation left them here), the
    engine tracks the request (its first token, sampled by the prompt engine, is output 1) and
    the importer starts pulling the rest (at least the last block, so the lease is always
@@ -193,8 +195,10 @@ class Admission:
                                             cache_salt=req.cache_salt)
         if alloc.status == AllocStatus.OK:
             self.pulling[req.req_id] = adm
+            # The first num_cached_blocks need no pull: those before the sliding window
+            # (never allocated, S42) and local prefix-cache hits (P7, P9).
             hit = alloc.num_cached_blocks
-            self.num_blocks_reused += hit
+            self.num_blocks_reused += hit - alloc.num_out_of_window_blocks
             self.num_blocks_pulled += len(alloc.block_ids) - hit
             self.importer.start_pull(adm.handle, [int(b) for b in alloc.block_ids[hit:]],
                                      first_block=hit)

@@ -35,7 +35,7 @@ from baton.engine.input_processor import InputProcessor
 from baton.engine.kv_events import KvEventSource
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
-from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig
+from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig, kv_window
 from baton.engine.speculation import Speculator, booked_tokens
 from baton.model.modes import check_dtype_name
 from baton.protocol import COMPLETION, MAX_CACHE_SALT_CHARS, NORMAL
@@ -86,7 +86,8 @@ class LLMEngine:
             prefill_min_decode_steps=config.prefill_min_decode_steps,
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_seed=self.prefix_cache_seed,
-            num_speculative_tokens=config.num_draft_tokens),
+            num_speculative_tokens=config.num_draft_tokens,
+            sliding_window=kv_window(getattr(self.model_config, "layer_windows", ()))),
             all_reduce_min=all_reduce_min)
         # Drafts for the next decode step (baton/engine/speculation.py); None = plain decoding.
         self.speculator = (Speculator(config.speculative, config.num_draft_tokens)

@@ -97,9 +97,15 @@ class PromptedAllocation(NamedTuple):
     status: AllocStatus
     block_ids: np.ndarray  # int32, the blocks the prompt's KV lands in (empty unless OK)
     seq_id: int  # the sequence's stable id (-1 unless OK)
-    # block_ids[:num_cached_blocks] already hold the prompt's KV (local prefix-cache hits,
-    # no pull); block_ids[num_cached_blocks:] need the pull. Always < len(block_ids) when OK.
+    # block_ids[:num_cached_blocks] need no pull: the null block 0 where the sliding window
+    # has passed already (S42: never allocated), then local prefix-cache hits (P7, P9);
+    # block_ids[num_cached_blocks:] need the pull. Always < len(block_ids) when OK.
     num_cached_blocks: int = 0
+
+    @property
+    def num_out_of_window_blocks(self) -> int:
+        """Leading entries that are the null block: before the sliding window (S42)."""
+        return int(np.count_nonzero(self.block_ids[:self.num_cached_blocks] == 0))
 
 
 @dataclasses.dataclass
@@ -129,6 +135,9 @@ class SchedulerConfig:
     # S40: decode steps after a prompt step before the next prefill attempt; 0 = none (prompt
     # steps back to back while prompts wait, the seed's rule)
     prefill_min_decode_steps: int = 0
+    # S42: tokens a query sees (itself included) when every attention layer has that window
+    # (`kv_window`); 0 = no window, or some layer reads everything: no block is released early
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -141,7 +150,7 @@ class SchedulerConfig:
             self._check_int(name, minimum=1)
         self._check_int("num_blocks", minimum=2)
         for name in ("num_state_slots", "prefill_max_sum_seqlen_k", "lookahead_tokens",
-                     "num_speculative_tokens", "prefill_min_decode_steps"):
+                     "num_speculative_tokens", "prefill_min_decode_steps", "sliding_window"):
             self._check_int(name, minimum=0)
         for name in ("image_token_id", "image_pad_token_id"):
             self._check_int(name, minimum=-1)
@@ -179,6 +188,19 @@ class SchedulerConfig:
             setattr(native, field.name, value)
         native.validate()
         return native
+
+
+def kv_window(layer_windows: Sequence[int | None]) -> int:
+    """S42: the `SchedulerConfig.sliding_window` of a model whose layers see these windows
+    (`ModelConfig.layer_windows`, None = full attention): the widest one when every layer has
+    a window, else 0, since a full-attention layer (Gemma 2's global layers) reads every
+    block of the sequence."""
+    windows = list(layer_windows)
+    if not windows or any(w is None for w in windows):
+        return 0
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in windows):
+        raise ValueError(f"layer windows {windows[:8]} must be positive ints or None")
+    return max(windows)
 
 
 AllReduceMin = Callable[[int], int]
@@ -236,6 +258,8 @@ class Scheduler:
         ``block_keys`` (the handle's keys of the prompt's full blocks, P7): with prefix caching
         on, the longest run of them held locally with the same tokens is pinned, at most all
         but the last prompt block; those are ``block_ids[:num_cached_blocks]`` and need no pull.
+        With ``sliding_window`` (S42) the blocks before the first decode query's window are
+        not allocated at all: they lead ``block_ids`` as the null block 0 and count as no pull.
         ``key_seed`` as in ``add_sequence``: the handle's keys are chained from it."""
         status, block_ids, seq_id, num_cached = self._impl.allocate_prompted(
             request_id, prompt_token_ids, first_token_id, max_tokens,
@@ -365,5 +389,5 @@ class Scheduler:
 __all__ = [
     "AllocStatus", "BlockManager", "EngineType", "FINISH_REASONS", "ProcessResult",
     "PromptedAllocation", "Scheduler", "SchedulerConfig", "SchedulerOutputs", "SequenceStatus",
-    "compute_block_keys",
+    "compute_block_keys", "kv_window",
 ]

@@ -87,7 +87,9 @@ inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::stri
   child->cache.block_table.assign(parent->cache.block_table.begin(),
                                   parent->cache.block_table.begin() + num_kv_blocks);
   child->cache.table_version += 1;
-  for (int b : child->cache.block_table) block_manager_->pin_block_nolock(b);
+  for (int b : child->cache.block_table) {
+    if (b != 0) block_manager_->pin_block_nolock(b);  // 0: released by the parent's window (S42)
+  }
   if (parent->cache.state_id >= 0 && num_kv_blocks > 0) {
     state_manager_->pin_block_nolock(parent->cache.state_id);
   } else {
@@ -115,7 +117,11 @@ inline int64_t Scheduler::fork_seq(const std::string &parent_id, const std::stri
 
 // P7: the first num_hits blocks are local prefix-cache hits (pinned; no pull),
 // the rest are fresh and take the pull. The last prompt block is always
-// pulled, so every admission pulls something.
+// pulled, so every admission pulls something. S42, P9: with a sliding window
+// the blocks before the window of the first decode query are neither
+// allocated nor pulled (null entries), and hits are looked up from the
+// window's first block; the count returned covers both kinds of entry that
+// need no pull.
 inline std::tuple<AllocStatus, std::vector<int32_t>, int> Scheduler::allocate_prompted(
     const std::string &request_id, std::vector<int32_t> prompt, int32_t first_token_id, int max_tokens,
     const AddOptions &opts, const std::vector<uint64_t> &block_keys) {
@@ -129,13 +135,14 @@ inline std::tuple<AllocStatus, std::vector<int32_t>, int> Scheduler::allocate_pr
   }
   if (prompt_len + 1 > cfg_.max_model_len) return {AllocStatus::NEVER, {}, 0};
   int n = num_blocks_for(prompt_len, bs);  // the blocks the prompt KV lands in
-  AllocStatus st = can_allocate_with_state_(n);
+  const int num_out = num_out_of_window_blocks_(prompt_len);  // S42: < n, the last block stays
+  AllocStatus st = can_allocate_with_state_(n - num_out);
   int num_hits = 0, num_cached_hits = 0;
   if (prefix_ && st != AllocStatus::NEVER) {
     const int max_hits = std::min(static_cast<int>(block_keys.size()), n - 1);
     const int32_t *tokens = seq->data.token_ids.data();
     prefix_hits_.clear();
-    for (int i = 0; i < max_hits; ++i) {
+    for (int i = num_out; i < max_hits; ++i) {
       const int id = prefix_->find(block_keys[i], i ? block_keys[i - 1] : seq->prefix.seed,
                                    tokens + static_cast<size_t>(i) * bs);
       if (id < 0) break;
@@ -143,25 +150,30 @@ inline std::tuple<AllocStatus, std::vector<int32_t>, int> Scheduler::allocate_pr
       if (block_manager_->ref_count(id) == 0) num_cached_hits += 1;
     }
     num_hits = static_cast<int>(prefix_hits_.size());
-    if (num_hits > 0) st = can_allocate_with_state_(n - num_hits + num_cached_hits);  // P4
+    if (num_hits > 0) st = can_allocate_with_state_(n - num_out - num_hits + num_cached_hits);  // P4
   }
   if (st != AllocStatus::OK) return {st, {}, 0};
   seq->arrival_time = now_seconds();
   seq->data.reserve_outputs(max_tokens);
   seq->data.append(first_token_id);
-  seq->cache.block_table.reserve(seq->block_table_capacity());
+  auto &table = seq->cache.block_table;
+  table.reserve(seq->block_table_capacity());
   if (prefix_) {
     admit_hits_(*seq, num_hits, prompt_len);
     seq->prefix.kv_pending = true;  // nothing is keyed before the pull lands (commit_prompted)
   }
+  if (num_out > 0) {
+    table.insert(table.begin(), num_out, 0);
+    seq->cache.swa_valid_start = num_out * bs;
+    seq->prefix.num_registered += num_out;
+  }
   seq->cache.num_tokens = prompt_len;  // KV covers the prompt; the first token is fed next
-  block_manager_->allocate_nolock(n - num_hits, seq->cache.block_table);
+  block_manager_->allocate_nolock(n - num_out - num_hits, table);
   if (state_manager_) seq->cache.state_id = state_manager_->allocate_single_nolock();
   hold_(seq);
   registry_[request_id] = seq;
   allocated_[request_id] = seq;
-  return {AllocStatus::OK, std::vector<int32_t>(seq->cache.block_table.begin(), seq->cache.block_table.end()),
-          num_hits};
+  return {AllocStatus::OK, std::vector<int32_t>(table.begin(), table.end()), num_out + num_hits};
 }
 
 inline void Scheduler::commit_prompted(const std::string &request_id) {

@@ -153,6 +153,7 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_readwrite("prefill_attempt_interval", &SchedulerConfig::prefill_attempt_interval)
       .def_readwrite("prefill_any_attempt_interval", &SchedulerConfig::prefill_any_attempt_interval)
       .def_readwrite("prefill_min_decode_steps", &SchedulerConfig::prefill_min_decode_steps)
+      .def_readwrite("sliding_window", &SchedulerConfig::sliding_window)
       .def_readwrite("num_speculative_tokens", &SchedulerConfig::num_speculative_tokens)
       .def_readwrite("image_token_id", &SchedulerConfig::image_token_id)
       .def_readwrite("image_pad_token_id", &SchedulerConfig::image_pad_token_id)
@@ -377,6 +378,7 @@ PYBIND11_MODULE(_scheduler, m) {
         d["output_len"] = seq->get_output_len();
         d["num_tokens"] = seq->cache.num_tokens;
         d["block_table"] = seq->cache.block_table;
+        d["swa_valid_start"] = seq->cache.swa_valid_start;
         d["block_table_capacity"] = seq->cache.block_table.capacity();
         d["state_id"] = seq->cache.state_id;
         d["num_blocks_needed"] = seq->get_num_blocks();

@@ -86,6 +86,8 @@ inline void Scheduler::book_row_(SchedulerOutputs &out, int i, const int32_t *to
   } else {
     num_accepted = book_decode_(*seq, row, width, out.seqlens_q[i] - 1, res);
   }
+  // S42: the committed KV moved the window on; what fell behind it goes back to the pool.
+  if (releases_window_ && !seq->is_finished()) release_out_of_window_(*seq);
 }
 
 inline void Scheduler::finish_prefill_(const SequencePtr &seq, ProcessResult &res) {

@@ -40,6 +40,9 @@ struct SchedulerConfig {
   // S40: decode steps after a prompt step before the next attempt point (0: the seed's rule,
   // prompt steps back to back while prompts wait).
   int prefill_min_decode_steps{0};
+  // S42: tokens a query sees (itself included) on every attention layer of the model; 0: no
+  // window (or one on some layers only), every block stays until its sequence leaves.
+  int sliding_window{0};
 
   void validate() const {
     auto bad = [](const std::string &name, const std::string &value, const std::string &why) {
@@ -65,6 +68,7 @@ struct SchedulerConfig {
       bad("prefill_any_attempt_interval", std::to_string(prefill_any_attempt_interval), "must be >= 1");
     if (prefill_min_decode_steps < 0)
       bad("prefill_min_decode_steps", std::to_string(prefill_min_decode_steps), "must be >= 0");
+    if (sliding_window < 0) bad("sliding_window", std::to_string(sliding_window), "must be >= 0 (0: no window)");
     if (num_speculative_tokens < 0)
       bad("num_speculative_tokens", std::to_string(num_speculative_tokens), "must be >= 0");
     if (enable_prefix_caching && num_state_slots > 0) {

@@ -99,8 +99,9 @@ inline void Scheduler::register_blocks_(Sequence &seq) {
   const int bs = cfg_.block_size;
   const int32_t *tokens = seq.data.token_ids.data();
   for (int i = ps.num_registered; i < limit; ++i) {
-    // Keyed already: a block shared with a fork that registered it first.
-    if (prefix_->is_keyed(table[i])) continue;
+    // Keyed already: a block shared with a fork that registered it first. Null: outside the
+    // window, never held here (a COMPLETION admission, P9).
+    if (table[i] == 0 || prefix_->is_keyed(table[i])) continue;
     prefix_->insert(ps.keys[i], i ? ps.keys[i - 1] : ps.seed, tokens + static_cast<size_t>(i) * bs, table[i]);
   }
   ps.num_registered = std::max(ps.num_registered, limit);
@@ -109,10 +110,15 @@ inline void Scheduler::register_blocks_(Sequence &seq) {
 // With caching on, a table is freed last block first, so that its deeper
 // blocks leave the LRU before the prefix they extend.
 inline void Scheduler::free_blocks_(const std::vector<int> &blocks) {
+  // A null entry is a block the window released already (S42).
   if (prefix_) {
-    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) block_manager_->free_nolock(*it);
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+      if (*it != 0) block_manager_->free_nolock(*it);
+    }
   } else {
-    for (int b : blocks) block_manager_->free_nolock(b);
+    for (int b : blocks) {
+      if (b != 0) block_manager_->free_nolock(b);
+    }
   }
 }
 

@@ -22,7 +22,7 @@ inline void Scheduler::check_invariants() const {
   std::vector<int> owners(cfg_.num_blocks, 0), state_owners(state_manager_ ? cfg_.num_state_slots + 1 : 0, 0);
   for (auto &kv : holding_) {
     const Sequence &s = *kv.second;
-    for (int b : s.cache.block_table) owners.at(b) += 1;
+    for (int b : s.cache.block_table) owners.at(b) += b != 0;  // 0: released by the window (S42)
     for (int b : s.zombie_blocks) owners.at(b) += 1;
     if (s.cache.state_id >= 0) state_owners.at(s.cache.state_id) += 1;
     for (int st : s.zombie_states) state_owners.at(st) += 1;
@@ -90,7 +90,8 @@ inline void Scheduler::release_(Sequence &seq, bool now) {
     seq.cache.state_id = -1;
   }
   if (!table.empty()) {
-    seq.zombie_blocks.insert(seq.zombie_blocks.end(), table.begin(), table.end());
+    // Null entries (blocks the window released, S42) are nobody's.
+    std::copy_if(table.begin(), table.end(), std::back_inserter(seq.zombie_blocks), [](int b) { return b != 0; });
     table.clear();
     seq.cache.table_version += 1;
   }

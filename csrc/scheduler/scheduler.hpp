@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -56,6 +57,7 @@ class Scheduler {
       : cfg_((cfg.validate(), cfg)),
         cp_align_(cfg.cp_size > 1 ? 2 * cfg.cp_size : 1),
         bs_shift_((cfg.block_size & (cfg.block_size - 1)) == 0 ? __builtin_ctz(cfg.block_size) : -1),
+        releases_window_(cfg.sliding_window > 0 && cfg.engine_type != EngineType::PROMPT),
         block_manager_(std::make_unique<BlockManager>(cfg.num_blocks)),
         all_reduce_min_(std::move(all_reduce_min)) {
     if (cfg.num_state_slots > 0) state_manager_ = std::make_unique<BlockManager>(cfg.num_state_slots + 1);
@@ -266,6 +268,9 @@ class Scheduler {
 
   void release_(Sequence &seq, bool now = false);
   void flush_(Sequence &seq);
+  // S42: the sliding window's release of blocks no query still to come can see.
+  int num_out_of_window_blocks_(int num_tokens) const;
+  void release_out_of_window_(Sequence &seq);
   void defer_block_(int src, SchedulerOutputs &out);
 
   void hold_(const SequencePtr &seq) { holding_.emplace(seq.get(), seq); }
@@ -295,6 +300,9 @@ class Scheduler {
   const SchedulerConfig cfg_;
   const int cp_align_;
   const int bs_shift_;  // log2(block_size) when it is a power of two (the usual case), else -1
+  // S42: a window on every layer and sequences that stay here to decode (a PROMPT engine's
+  // prompts leave whole: the hand-off leases every block of the prompt).
+  const bool releases_window_;
   std::unique_ptr<BlockManager> block_manager_;
   std::unique_ptr<BlockManager> state_manager_;
   AllReduceMin all_reduce_min_;
@@ -337,3 +345,4 @@ class Scheduler {
 #include "booking.hpp"
 #include "resources.hpp"
 #include "prefix.hpp"
+#include "window.hpp"

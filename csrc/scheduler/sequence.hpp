@@ -93,6 +93,8 @@ inline int num_blocks_for(int num_tokens, int block_size) { return (num_tokens +
 struct KvCacheState {
   // Cold head, hot tail: Sequence ends its cold first line with this struct's head.
   int hit_tokens{0};
+  // S42: tokens [0, swa_valid_start) lie outside every window still to come: their blocks
+  // went back to the pool and their table entries are the null block 0 (a multiple of block_size).
   int swa_valid_start{0};
   int state_id{-1};
   int last_copy_state_token_idx{0};

@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from baton.protocol import SamplingOptions
+from kv_transfer import protocol as kvproto
 from tests.cluster import EngineProcess, start_all, wait_whole
 from tests.model.test_families import FAMILIES, NUM_NEW, _prompts, _reference, _write
 
@@ -56,4 +57,26 @@ def test_family_disaggregated_matches_transformers(families, family: str) -> Non
                               kv_handle=first.kv_handle, first_token_id=first.token_ids[0])
         assert rest.finish_reason == "length", rest.error
         assert first.token_ids + rest.token_ids == _reference(ref, ids), (family, len(ids))
+    wait_whole([prompt, completion])
+
+
+def test_s42_mistral_hand_off_pulls_only_in_window_blocks(families) -> None:
+    """Mistral's window (8 tokens, blocks of 16): the completion engine allocates and pulls
+    only the last of the 40-token prompt's 3 blocks (the first decode query, at 40, sees [33,
+    40]); the prompt engine leased all 3. Tokens still equal transformers'."""
+    ref, prompt, completion = families["mistral_swa"]
+    ids = _prompts()[2]
+    assert len(ids) == 40
+    before = completion.stats().extra
+    req_id = uuid.uuid4().hex
+    with prompt.client() as c:
+        first = c.generate(ids, GREEDY, req_id=req_id, timeout_s=120)
+    with completion.client() as c:
+        rest = c.generate(ids, GREEDY, req_id=req_id, timeout_s=120,
+                          kv_handle=first.kv_handle, first_token_id=first.token_ids[0])
+    after = completion.stats().extra
+    assert len(kvproto.decode_handle(first.kv_handle).block_ids) == 3
+    assert after["kv_blocks_pulled"] - before["kv_blocks_pulled"] == 1
+    assert after["kv_blocks_reused"] - before["kv_blocks_reused"] == 0
+    assert first.token_ids + rest.token_ids == _reference(ref, ids)
     wait_whole([prompt, completion])

@@ -149,6 +149,27 @@ class AttentionMetadata:
     # and copies every layer's new K/V into it at once in `finish_step`: one index op a step
     # instead of a stack and an index_put a layer. None: each layer writes its tokens' slots.
     deferred_pool: torch.Tensor | None = None
+    # S42: per sequence, the tokens whose blocks a sliding window released (their table entries
+    # are the null block 0), and its first query position this step; None = no sequence has
+    # any. Every layer that attends must have a window that hides them (`check_released`).
+    released_tokens: np.ndarray | None = None
+    first_query: np.ndarray | None = None
+    _windows_checked: set = field(default_factory=set)
+
+    def check_released(self, window: int | None) -> None:
+        """Assert that no query of this step can see a released block under `window`: the
+        scheduler releases only blocks behind every window still to come (docs/scheduler.md
+        S42), so one that a query could see would be read as the null block's zeros."""
+        if self.released_tokens is None or window in self._windows_checked:
+            return
+        assert window is not None, \
+            "a full-attention layer over a block table with released blocks (S42)"
+        visible = (self.released_tokens > 0) & \
+            (self.released_tokens > self.first_query + 1 - window)
+        assert not visible.any(), (
+            f"released blocks inside the window {window}: released tokens "
+            f"{self.released_tokens[visible][:4]}, first queries {self.first_query[visible][:4]}")
+        self._windows_checked.add(window)
 
 
 def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
@@ -198,8 +219,23 @@ def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor
         last = torch.as_tensor(starts + seqlens_q - 1, device=device)
     slots = batch.slot_mapping
     deferred = kv_cache if decode is not None and decode.tokens is None else None
+    released = released_tokens(block_tables, block_size)
     return AttentionMetadata(slots // block_size, slots % block_size, decode, prefills, last,
-                             deferred)
+                             deferred, released,
+                             None if released is None else seqlens_k - seqlens_q)
+
+
+def released_tokens(block_tables: torch.Tensor, block_size: int) -> np.ndarray | None:
+    """Tokens per row whose blocks the sliding window released (S42): the leading run of null
+    entries (a live table's first entry is 0 only then); None when no row has one."""
+    if block_tables.shape[1] == 0:
+        return None
+    # numpy on the CPU (a view): ~2 us a step, where the same test in torch ops took ~25
+    tables = block_tables.numpy() if block_tables.device.type == "cpu" else None
+    if (tables[:, 0] if tables is not None else block_tables[:, 0].cpu().numpy()).all():
+        return None
+    leading = (block_tables == 0).to(torch.int32).cumprod(dim=1).sum(dim=1)
+    return leading.cpu().numpy().astype(np.int64) * block_size
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
@@ -353,6 +389,7 @@ class CPUBackend:
         d = meta.decode
         if d is None or not d.fused or d.tokens is not None:
             return None  # a step with prefills: the eager path rotates every token
+        meta.check_released(None)  # plain attention reads every block (S42)
         ws = d.groups[0].group.ws
         num_kv_heads, head_dim = ws.shape[3], ws.shape[5]
         num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
@@ -384,6 +421,7 @@ class CPUBackend:
             # anything reads them, so a chunk attends over the same numbers whether they come
             # from this step, the pool (a prefix hit, a pulled prompt) or a decode row.
             k, v = k.to(layer_kv.dtype), v.to(layer_kv.dtype)
+        meta.check_released(options.window)
         if meta.deferred_pool is None:
             # Advanced indices on dims 0 and 2 around a slice: the indexed view is [T, 2, H, D].
             layer_kv[meta.slot_blocks, :, meta.slot_offsets] = torch.stack((k, v), dim=1)

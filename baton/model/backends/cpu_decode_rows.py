@@ -184,9 +184,15 @@ class RowGroup:
     def _gather(self, row: int, table: torch.Tensor, num_tokens: int, kv_cache: torch.Tensor,
                 block_size: int) -> None:
         nb = -(-num_tokens // block_size)
+        # A sliding window's released blocks lead the table as the null block (S42): they are
+        # not read; the row's tokens there stay as they were (finite), hidden by the window.
+        first = int((table[:nb] == 0).sum()) if nb else 0
+        assert first < nb or not nb, "a decode row whose every block is released"
+        assert not bool((table[first:nb] == 0).any()), "a null block inside the window"
         if nb:
-            blocks = kv_cache.index_select(0, table[:nb])  # [nb, L, 2, B, Hkv, D]
-            src = blocks.permute(1, 2, 4, 0, 3, 5).flatten(3, 4)  # [L, 2, Hkv, nb * B, D]
-            self.ws[:, :, row, :, :num_tokens] = src[:, :, :, :num_tokens]
+            blocks = kv_cache.index_select(0, table[first:nb])  # [nb - first, L, 2, B, Hkv, D]
+            src = blocks.permute(1, 2, 4, 0, 3, 5).flatten(3, 4)  # [L, 2, Hkv, (nb - first) B, D]
+            start = first * block_size
+            self.ws[:, :, row, :, start:num_tokens] = src[:, :, :, :num_tokens - start]
         self._held[row] = num_tokens
         self.num_gathered += 1
