@@ -39,10 +39,14 @@
 
 #include "qkernels.hpp"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -143,6 +147,50 @@ bool cpu_has_avx2() {
     return ok;
 }
 
+// The CPU has AVX-512 F, DQ, BW, VL and VNNI (CPUID) and the OS saves the opmask and ZMM state
+// (XGETBV's XCR0 bits 1, 2, 5, 6, 7): a guest may hide the state that the CPU reports.
+bool cpu_has_avx512() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return false;
+        uint32_t xcr0, xcr0_hi;
+        __asm__ volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_hi) : "c"(0));
+        if ((xcr0 & 0xe6u) != 0xe6u) return false;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned need_b = bit_AVX512F | bit_AVX512DQ | bit_AVX512BW | bit_AVX512VL;
+        return (b & need_b) == need_b && (c & bit_AVX512VNNI) && cpu_has_avx2();
+    }();
+    return ok;
+}
+
+// The kernel paths, slowest first; `BATON_QKERNELS` (or qgemm_path's argument) names one.
+enum Path : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr const char* kPathNames[] = {"scalar", "avx2", "avx512"};
+
+bool path_runs(Path p) {
+    return p == kScalar || (p == kAvx2 && cpu_has_avx2()) || (p == kAvx512 && cpu_has_avx512());
+}
+
+Path parse_path(const std::string& name) {
+    for (int p = kScalar; p <= kAvx512; ++p) {
+        if (name != kPathNames[p]) continue;
+        TORCH_CHECK(path_runs(static_cast<Path>(p)), "kernel path ", name,
+                    " does not run on this CPU (or its OS does not enable it)");
+        return static_cast<Path>(p);
+    }
+    TORCH_CHECK(false, "unknown kernel path '", name, "' (scalar, avx2, avx512 or auto)");
+}
+
+// The fastest path that runs here, unless BATON_QKERNELS names another (read once).
+Path default_path() {
+    static const Path path = [] {
+        const char* env = std::getenv("BATON_QKERNELS");
+        if (env != nullptr && *env != 0 && std::string(env) != "auto") return parse_path(env);
+        return cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kScalar;
+    }();
+    return path;
+}
+
 // ------------------------------------------------------------------ ops
 
 void check_activations(const at::Tensor& x) {
@@ -164,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Te
     return {q, d, s};
 }
 
-at::Tensor qgemm_impl(const at::Tensor& x, const at::Tensor& w, int64_t kind, bool use_simd) {
+at::Tensor qgemm_impl(const at::Tensor& x, const at::Tensor& w, int64_t kind, Path path) {
     check_activations(x);
     const int64_t bb = block_bytes(kind);
     const int64_t m = x.size(0), nb = x.size(1) / QK;
@@ -180,16 +228,29 @@ at::Tensor qgemm_impl(const at::Tensor& x, const at::Tensor& w, int64_t kind, bo
     q.resize(static_cast<size_t>(m * nb * QK));
     d.resize(static_cast<size_t>(m * nb));
     s.resize(static_cast<size_t>(m * nb));
-    const bool simd = use_simd && cpu_has_avx2();
-    (simd ? quantize_rows_avx2 : quantize_rows_scalar)(x.data_ptr<float>(), m, nb, q.data(),
-                                                      d.data(), s.data(), 1, m);  // [nb, m]
+    (path != kScalar ? quantize_rows_avx2 : quantize_rows_scalar)(
+        x.data_ptr<float>(), m, nb, q.data(), d.data(), s.data(), 1, m);  // [nb, m]
     at::Tensor y = at::empty({m, n}, x.options());
     float* out = y.data_ptr<float>();
     const QW wq{w.data_ptr<uint8_t>(), nb * bb, n};
-    const bool interleaved = simd && kind != kQ8_0;
+    if (path == kAvx512) {
+        thread_local std::vector<uint8_t> xb;
+        thread_local std::vector<int32_t> corr;
+        xb.resize(static_cast<size_t>(m * nb * 64));
+        corr.resize(static_cast<size_t>(m * nb));
+        split_codes_avx512(q.data(), m, nb, xb.data(), corr.data());
+        const QActBytes a{xb.data(), corr.data(), d.data(), s.data(), m, nb};
+        // Chunks of whole 16-column tiles: only the last tile of all may be partial.
+        constexpr int64_t kTile = 16;
+        at::parallel_for(0, (n + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
+            columns_avx512(wq, kind, a, begin * kTile, std::min(n, end * kTile), out);
+        });
+        return y;
+    }
+    const bool interleaved = path == kAvx2 && kind != kQ8_0;
     if (interleaved) interleave_codes_avx2(q.data(), m * nb);
     const QAct a{q.data(), d.data(), s.data(), m, nb, interleaved};
-    auto columns = simd ? columns_avx2 : columns_scalar;
+    auto columns = path == kAvx2 ? columns_avx2 : columns_scalar;
     // Columns are independent: any split gives the same values. Chunks of whole 8-column
     // groups (at least two), so only the last chunk has columns left over from a tile width.
     const int64_t groups = (n + kLanes - 1) / kLanes;
@@ -200,14 +261,28 @@ at::Tensor qgemm_impl(const at::Tensor& x, const at::Tensor& w, int64_t kind, bo
 }
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
-    return qgemm_impl(x, w, kind, true);
+    return qgemm_impl(x, w, kind, default_path());
 }
 
 at::Tensor qgemm_scalar(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
-    return qgemm_impl(x, w, kind, false);
+    return qgemm_impl(x, w, kind, kScalar);
+}
+
+at::Tensor qgemm_path(const at::Tensor& x, const at::Tensor& w, int64_t kind,
+                      const std::string& path) {
+    return qgemm_impl(x, w, kind, path == "auto" ? default_path() : parse_path(path));
 }
 
 bool has_avx2() { return cpu_has_avx2(); }
+
+std::vector<std::string> kernel_paths() {
+    std::vector<std::string> out;
+    for (int p = kScalar; p <= kAvx512; ++p)
+        if (path_runs(static_cast<Path>(p))) out.emplace_back(kPathNames[p]);
+    return out;
+}
+
+std::string kernel_path() { return kPathNames[default_path()]; }
 
 }  // namespace baton_q
 
@@ -215,7 +290,10 @@ TORCH_LIBRARY(baton_q, m) {
     m.def("qgemm(Tensor x, Tensor w, int kind) -> Tensor", &baton_q::qgemm);
     m.def("qgemm_scalar(Tensor x, Tensor w, int kind) -> Tensor", &baton_q::qgemm_scalar);
     m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)", &baton_q::quantize_activations);
+    m.def("qgemm_path(Tensor x, Tensor w, int kind, str path) -> Tensor", &baton_q::qgemm_path);
     m.def("has_avx2() -> bool", &baton_q::has_avx2);
+    m.def("kernel_paths() -> str[]", &baton_q::kernel_paths);
+    m.def("kernel_path() -> str", &baton_q::kernel_path);
 }
 
 PYBIND11_MODULE(_qkernels, m) {

@@ -1,7 +1,8 @@
-"""The block kernels (`csrc/kernels/qkernels.cpp`): the AVX2 path equals the portable scalar path
-bit for bit, both compute exact integer dot products of the stored codes with the activations'
-int16 codes, and a row's value depends neither on the other rows of the batch (which tile shape,
-8x1, 4x2, 2x4 or 1x8, computed it) nor on the threads."""
+"""The block kernels (`csrc/kernels/qkernels.cpp`): every path that runs on this machine (AVX-512,
+AVX2; `kernel_paths`) equals the portable scalar path bit for bit, all compute exact integer dot
+products of the stored codes with the activations' int16 codes, and a row's value depends
+neither on the other rows of the batch (which tile shape computed it: AVX2's 8x1, 4x2, 2x4 or
+1x8, AVX-512's 1..8 rows x 16 columns) nor on the threads."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from baton.model.quant import BLOCK_KINDS, Blocks, QuantizedWeight, kernels
 
 KINDS = tuple(BLOCK_KINDS)
+PATHS = tuple(kernels().kernel_paths())  # scalar first, then what this CPU and OS run
 
 
 def _case(kind: str, n: int, k: int, m: int, seed: int) -> tuple[Blocks, torch.Tensor]:
@@ -110,3 +112,58 @@ def test_bad_inputs_are_refused_with_their_sizes() -> None:
         kernels().qgemm(x, w, 7)
     with pytest.raises(ValueError, match="Q4_1 blocks must be uint8"):
         Blocks("Q4_1", b.data[:, :30])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_path_equals_the_scalar_path(kind: str, path: str) -> None:
+    """1..9 and 32 rows (every AVX-512 row tile, a full one and a partial one after it, four
+    full ones), column counts that leave 1..15 columns of a 16-column tile and of an 8-lane one."""
+    kind_id = BLOCK_KINDS[kind][0]
+    b, x = _case(kind, 77, 160, 32, seed=17)
+    w_all = torch.from_numpy(b.data)
+    for n in (1, 3, 15, 16, 17, 31, 45, 77):
+        w = w_all[:n]
+        for m in (*range(1, 10), 32):
+            xs = x[32 - m:].contiguous()
+            got = kernels().qgemm_path(xs, w, kind_id, path)
+            assert torch.equal(got, kernels().qgemm_scalar(xs, w, kind_id)), (path, n, m)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_keeps_extreme_codes_exact(path: str) -> None:
+    """Activation codes +-32767 (an int16 code's high byte at its extremes) and 0 next to them,
+    against Q8_0 codes -128 / 127 and Q4 codes 0 / 15: the byte-split sums stay exact."""
+    g = np.random.default_rng(23)
+    x = torch.from_numpy(g.standard_normal((9, 128)).astype(np.float32))
+    x[:, ::3] = 1e3  # the block maximum: code 32767
+    x[:, 1::3] = -1e3
+    x[0] = 0.0  # an all-zero row: zero scales
+    for kind in KINDS:
+        b, _ = _case(kind, 21, 128, 1, seed=29)
+        data = b.data.copy()
+        bb = BLOCK_KINDS[kind][1]
+        blocks = data.reshape(21, -1, bb)
+        if kind == "Q8_0":
+            blocks[::2, :, 2:] = np.uint8(0x80)  # -128
+            blocks[1::2, :, 2:] = np.uint8(0x7F)
+        else:
+            blocks[::2, :, bb - 16:] = np.uint8(0xFF)  # every nibble 15
+            blocks[1::2, :, bb - 16:] = np.uint8(0x0F)
+        w = torch.from_numpy(data)
+        kind_id = BLOCK_KINDS[kind][0]
+        got = kernels().qgemm_path(x, w, kind_id, path)
+        assert torch.equal(got, kernels().qgemm_scalar(x, w, kind_id)), (kind, path)
+        b = Blocks(kind, data)
+        tol = 1e-5 * (x.abs().max() * b.dequantize().abs().max() * 128).item()
+        assert (got.double() - _reference(b, x)).abs().max().item() <= tol
+
+
+def test_paths_are_named_and_refused_by_name() -> None:
+    assert PATHS[0] == "scalar" and set(PATHS) <= {"scalar", "avx2", "avx512"}
+    assert kernels().kernel_path() in PATHS
+    b, x = _case("Q4_1", 8, 64, 2, seed=1)
+    w = torch.from_numpy(b.data)
+    assert torch.equal(kernels().qgemm_path(x, w, 1, "auto"), kernels().qgemm(x, w, 1))
+    with pytest.raises(RuntimeError, match="unknown kernel path 'avx9'"):
+        kernels().qgemm_path(x, w, 1, "avx9")
