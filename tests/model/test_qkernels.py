@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from baton.model.quant import BLOCK_KINDS, Blocks, QuantizedWeight, kernels
+from baton.model.quant import (
+    BLOCK_KINDS,
+    KERNEL_PATH_ENV,
+    Blocks,
+    QuantizedWeight,
+    kernel_path,
+    kernels,
+)
 
 KINDS = tuple(BLOCK_KINDS)
 PATHS = tuple(kernels().kernel_paths())  # scalar first, then what this CPU and OS run
@@ -167,3 +174,45 @@ def test_paths_are_named_and_refused_by_name() -> None:
     assert torch.equal(kernels().qgemm_path(x, w, 1, "auto"), kernels().qgemm(x, w, 1))
     with pytest.raises(RuntimeError, match="unknown kernel path 'avx9'"):
         kernels().qgemm_path(x, w, 1, "avx9")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_quantized_weight_multiplies_through_its_path(path: str) -> None:
+    """The model's weights take their path at load (avx512: tiled then); every path gives the
+    scalar path's bits, for a float32 x and for another dtype's."""
+    for kind in KINDS:
+        b, x = _case(kind, 45, 96, 9, seed=31)
+        q = QuantizedWeight(b.kind, torch.from_numpy(b.data), torch.empty(0), b.shape, path=path)
+        assert (q.tiles is not None) == (path == "avx512")
+        want = kernels().qgemm_scalar(x, q.blocks, BLOCK_KINDS[kind][0])
+        assert torch.equal(q.matmul(x), want)
+        assert torch.equal(q.matmul(x.double()), want.double())
+
+
+def test_the_kernel_path_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    b, _ = _case("Q4_1", 8, 64, 1, seed=2)
+    monkeypatch.setenv(KERNEL_PATH_ENV, "scalar")
+    assert kernel_path() == "scalar"
+    assert QuantizedWeight.of(b, torch.float32).path == "scalar"
+    monkeypatch.setenv(KERNEL_PATH_ENV, "auto")
+    assert kernel_path() == kernels().kernel_path() == PATHS[-1]
+    monkeypatch.setenv(KERNEL_PATH_ENV, "avx9")
+    with pytest.raises(ValueError, match="BATON_QKERNELS='avx9'"):
+        QuantizedWeight.of(b, torch.float32)
+
+
+def test_tiles_of_a_partial_tile_are_zero_padded() -> None:
+    """pack_tiles: 16 rows a tile, rows past n zero; the tiled product still has n columns."""
+    if "avx512" not in PATHS:
+        pytest.skip("this CPU (or its OS) does not run the avx512 path")
+    for kind in KINDS:
+        b, x = _case(kind, 19, 64, 3, seed=37)
+        kind_id = BLOCK_KINDS[kind][0]
+        tiles = kernels().pack_tiles(torch.from_numpy(b.data), kind_id)
+        assert tiles.shape == (2, 2 * 16 * BLOCK_KINDS[kind][1])
+        padded = np.concatenate((b.data, np.zeros((13, b.data.shape[1]), np.uint8)))
+        assert torch.equal(tiles, kernels().pack_tiles(torch.from_numpy(padded), kind_id))
+        got = kernels().qgemm_tiles(x, tiles, kind_id, 19)
+        assert torch.equal(got, kernels().qgemm_scalar(x, torch.from_numpy(b.data), kind_id))
+        with pytest.raises(RuntimeError, match="2 tiles, 40 rows need 3"):
+            kernels().qgemm_tiles(x, tiles, kind_id, 40)
