@@ -74,14 +74,18 @@ BATON_AVX512 void tile_avx512(const uint8_t* t, const QActBytes& a, int64_t r0, 
         for (int r = 0; r < R; ++r) {
             const uint8_t* xl = xb + (r * nb + b) * 64;  // 32 low bytes, then 32 high bytes
             const int64_t at = b * m + r0 + r;
-            __m512i ih = KIND == kQ8_0 ? _mm512_set1_epi32(a.corr[at]) : _mm512_setzero_si512();
-            __m512i il = _mm512_setzero_si512();
+            // Four chains of 4 (integer sums: any order is exact): vpdpbusd's latency is
+            // hidden for a one-row tile too (2-3% faster at 8 rows than two chains).
+            __m512i ih[2], il[2];
+            ih[0] = KIND == kQ8_0 ? _mm512_set1_epi32(a.corr[at]) : _mm512_setzero_si512();
+            ih[1] = il[0] = il[1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int u = 0; u < 8; ++u) {
-                ih = _mm512_dpbusd_epi32(ih, wu[u], bcast4(xl + 32 + 4 * u));
-                il = _mm512_dpbusd_epi32(il, bcast4(xl + 4 * u), wq[u]);
+                ih[u & 1] = _mm512_dpbusd_epi32(ih[u & 1], wu[u], bcast4(xl + 32 + 4 * u));
+                il[u & 1] = _mm512_dpbusd_epi32(il[u & 1], bcast4(xl + 4 * u), wq[u]);
             }
-            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
+            const __m512i isum = _mm512_add_epi32(
+                _mm512_slli_epi32(_mm512_add_epi32(ih[0], ih[1]), 8), _mm512_add_epi32(il[0], il[1]));
             acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a.d[at])),
                                                          _mm512_cvtepi32_ps(isum)));
             if (KIND != kQ8_0)
