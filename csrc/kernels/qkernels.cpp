@@ -23,10 +23,15 @@
 // decodes each column's weights once, takes two madd_epi16 per pair, folds the 8 pairs' int32
 // vectors into one vector of 8 block sums (unpacks and adds, ~1-3 ops a pair), and does the
 // float steps above once for all 8 lanes. Columns left over from a tile width go through the
-// scalar path. The AVX2 path (selected at run time, the module itself is built for plain
-// x86-64) and the portable scalar path do exactly these IEEE operations, with no FMA
-// contraction (both files are compiled with -ffp-contract=off), so they agree bit for bit: the
-// scalar path is the tests' reference as well as the fallback on a CPU without AVX2.
+// scalar path. The AVX-512 path (qkernels_avx512.cpp) reads the weights tiled at load
+// (pack_tiles: 16 weight rows a tile) and gives each output column one lane, for up to 8
+// activation rows a tile, so a block's codes are unpacked once for all of them, and no
+// horizontal sums are needed. The paths are chosen at run time (the module itself is built for
+// plain x86-64): AVX-512 where CPUID and XGETBV say the CPU and the OS allow it, else AVX2,
+// else scalar; BATON_QKERNELS or qgemm_path's argument forces one. All do exactly these IEEE
+// operations, with no FMA contraction (the files are compiled with -ffp-contract=off), so they
+// agree bit for bit: the scalar path is the tests' reference as well as the fallback on a CPU
+// without AVX2.
 //
 // The ops are torch custom ops (TORCH_LIBRARY) threaded with at::parallel_for over output
 // columns, so they use torch's own intra-op pool: a second pool would fight torch's spinning
