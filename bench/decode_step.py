@@ -5,6 +5,7 @@ token), over `steps` steps (64), for `batch` distinct 64-token prompts, greedy, 
 
     .venv/bin/python bench/decode_step.py [--modes none,int4] [--batches 1,8] [--repeats 5]
         [--steps 64]
+        [--modes int4@avx2,int4@avx512]   # MODE@PATH: the block kernels through that path
         [--profile int4:1]   # also print torch.profiler's top ops for that mode and batch
 """
 
@@ -43,6 +44,24 @@ def profile(engine, prompts: list[list[int]]) -> None:
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def make_engine(mode: str, threads: int):
+    """An engine for MODE or MODE@PATH (its quantized weights take kernel path PATH at load)."""
+    from baton.engine import EngineConfig, LLMEngine
+    from baton.model.quant import KERNEL_PATH_ENV
+
+    quantization, _, path = mode.partition("@")
+    before = os.environ.get(KERNEL_PATH_ENV)
+    os.environ[KERNEL_PATH_ENV] = path or before or "auto"
+    try:
+        return LLMEngine(EngineConfig(num_threads=threads, max_num_seqs=64,
+                                      kv_cache_memory_bytes=512 * 2**20, quantization=quantization))
+    finally:
+        if before is None:
+            del os.environ[KERNEL_PATH_ENV]
+        else:
+            os.environ[KERNEL_PATH_ENV] = before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="none,int4")
@@ -53,13 +72,9 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="MODE:BATCH to profile after the runs")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    from baton.engine import EngineConfig, LLMEngine
-
     modes = args.modes.split(",")
     batches = [int(b) for b in args.batches.split(",")]
-    engines = {m: LLMEngine(EngineConfig(num_threads=args.threads, max_num_seqs=64,
-                                         kv_cache_memory_bytes=512 * 2**20, quantization=m))
-               for m in modes}
+    engines = {m: make_engine(m, args.threads) for m in modes}
     base = engines[modes[0]].tokenizer.encode(
         "The history of computing is a story of people and machines. " * 50)
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in modes for b in batches}
@@ -71,7 +86,7 @@ def main() -> None:
             for m in modes:
                 times[m, b].append(step_ms(engines[m], prompts, args.steps))
     rows = []
-    print(f"{'mode':>6} {'batch':>5} {'ms/step':>8} {'min-max':>15} {'vs ' + modes[0]:>8}")
+    print(f"{'mode':>12} {'batch':>5} {'ms/step':>8} {'min-max':>15} {'vs ' + modes[0]:>8}")
     for b in batches:
         ref = statistics.median(times[modes[0], b])
         for m in modes:
@@ -79,7 +94,7 @@ def main() -> None:
             med = statistics.median(t)
             rows.append({"mode": m, "batch": b, "ms_per_step": med, "min": min(t), "max": max(t),
                          "runs": t, "ratio_to_first": med / ref})
-            print(f"{m:>6} {b:>5} {med:8.2f} {min(t):7.2f}-{max(t):7.2f} {med / ref:8.2f}")
+            print(f"{m:>12} {b:>5} {med:8.2f} {min(t):7.2f}-{max(t):7.2f} {med / ref:8.2f}")
     if args.profile:
         m, b = args.profile.split(":")
         profile(engines[m], [base[i:i + 64] for i in range(int(b))])

@@ -4,11 +4,14 @@ load falls on all alike:
   fp32      the exact mode's F.linear over float weights (the head: oneDNN, as the backend runs it)
   int4pack  the previous int4 path: torch's _weight_int4pack_mm_for_cpu with bf16 activations
             (bf16 scales), the head in fp32 (oneDNN)
-  blocks    baton's block kernels (csrc/kernels/qkernels.cpp): Q4_1 layers, Q8_0 head
+  blocks-P  baton's block kernels (csrc/kernels/qkernels.cpp): Q4_1 layers, Q8_0 head, through
+            kernel path P (`--paths`: each path this CPU runs but the scalar one by default;
+            avx2 is the previous machine's path, avx512 the multi-row VNNI tiles)
 Random weights of the real shapes (the kernels' time does not depend on the values). Prints ms
-per step (median, min-max over repeats, ratio to fp32) and writes JSON.
+per step (median, min-max over repeats, ratio to fp32, ms per row) and writes JSON.
 
     .venv/bin/python bench/quant_gemm.py [--batches 1,8,16] [--repeats 5] [--threads 2]
+        [--paths avx2,avx512]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -30,12 +34,12 @@ HEAD = (49152, 576)
 NUM_LAYERS = 30
 
 
-def paths() -> dict:
+def paths(kernel_paths: list[str]) -> dict:
     """name -> [(call(x), k)] for one layer's four GEMMs, and the head's."""
     from baton.model.quant import Blocks, QuantizedWeight
 
     g = np.random.default_rng(0)
-    out: dict = {"fp32": [], "int4pack": [], "blocks": []}
+    out: dict = {"fp32": [], "int4pack": [], **{f"blocks-{p}": [] for p in kernel_paths}}
     for n, k in LAYER_SHAPES + [HEAD]:
         w = torch.from_numpy(g.standard_normal((n, k)).astype(np.float32) * 0.05)
         is_head = (n, k) == HEAD
@@ -50,8 +54,10 @@ def paths() -> dict:
             sz = torch.rand(k // 32, n, 2).bfloat16()
             out["int4pack"].append((lambda x, p=packed, s=sz: torch._weight_int4pack_mm_for_cpu(
                 x.bfloat16(), p, 32, s).float(), k, False))
-        qw = QuantizedWeight.of(Blocks.of_float(w, "Q8_0" if is_head else "Q4_1"), torch.float32)
-        out["blocks"].append((qw.matmul, k, is_head))
+        b = Blocks.of_float(w, "Q8_0" if is_head else "Q4_1")
+        for p in kernel_paths:  # as the model holds them for that path (avx512: tiled at load)
+            qw = QuantizedWeight(b.kind, torch.from_numpy(b.data), w, b.shape, path=p)
+            out[f"blocks-{p}"].append((qw.matmul, k, is_head))
     return out
 
 
@@ -69,12 +75,17 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", default="", help="kernel paths (default: all but scalar)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ways = paths()
+    from baton.model.quant import kernels
+
+    kernel_paths = args.paths.split(",") if args.paths else \
+        [p for p in kernels().kernel_paths() if p != "scalar"]
+    ways = paths(kernel_paths)
     rows = []
-    print(f"{'path':>9} {'batch':>5} {'ms/step':>8} {'min-max':>15} {'vs fp32':>8}")
+    print(f"{'path':>14} {'batch':>5} {'ms/step':>8} {'min-max':>15} {'vs fp32':>8} {'ms/row':>7}")
     for batch in (int(b) for b in args.batches.split(",")):
         xs = {k: torch.randn(batch, k) for _, k, _ in ways["fp32"]}
         times: dict[str, list[float]] = {name: [] for name in ways}
@@ -88,10 +99,12 @@ def main() -> None:
             med = statistics.median(t)
             rows.append({"path": name, "batch": batch, "ms_per_step": med, "min": min(t),
                          "max": max(t), "ratio_to_fp32": med / ref})
-            print(f"{name:>9} {batch:>5} {med:8.2f} {min(t):7.2f}-{max(t):7.2f} {med / ref:8.2f}")
+            print(f"{name:>14} {batch:>5} {med:8.2f} {min(t):7.2f}-{max(t):7.2f} {med / ref:8.2f} "
+                  f"{med / batch:7.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(),
-                                          "rows": rows}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({
+        "machine": platform.processor() or platform.machine(), "threads": args.threads,
+        "kernel_paths": kernel_paths, "load_avg": os.getloadavg(), "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

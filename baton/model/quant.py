@@ -11,8 +11,9 @@ second time (their dequantized values are exactly the exact mode's weights). Any
 values by gguf-py's reference quantizers, the ones that wrote the file. The few-row kernels
 quantize the activations per 32 values to int16 codes and a float scale (ggml's q8_1 with 16-bit
 codes: its 8-bit ones gave 97.2% teacher-forced top-1 agreement with the exact mode, under the
-98% gate) and accumulate exact integer dot products; they run on any x86-64 CPU, AVX2 where it
-is there. Decode rows run through them, prefill rows through `dense`, the same weights
+98% gate) and accumulate exact integer dot products; they run on any x86-64 CPU, through the
+fastest path it and its OS allow (`kernel_path`: AVX-512 VNNI over weights tiled at load, AVX2,
+or the portable scalar one; every path gives the same bits). Decode rows run through them, prefill rows through `dense`, the same weights
 dequantized to the model's dtype, so prefill keeps the float GEMMs' speed; the backend chooses
 by the kind of row, never by the step's size (`CPUBackend.linear`), so that a decode token's
 numbers do not depend on what else its step holds. Activations, norms, attention and KV stay in the model's dtype.
@@ -25,6 +26,7 @@ in Q4_0 next to a Q4_1 part is rewritten as Q4_1 (offset -8 d, exact in fp16).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +55,7 @@ def resolve_auto(layer_kinds: set[str], kernels_run: bool) -> str:
 
 
 _OPS = None
+KERNEL_PATH_ENV = "BATON_QKERNELS"  # scalar | avx2 | avx512 | auto: the path new weights take
 
 
 def kernels():
@@ -66,6 +69,18 @@ def kernels():
                                ) from None
         _OPS = torch.ops.baton_q
     return _OPS
+
+
+def kernel_path() -> str:
+    """The kernel path a `QuantizedWeight` made now multiplies through: $BATON_QKERNELS when it
+    names one (auto or unset: the fastest this CPU and OS run)."""
+    name = os.environ.get(KERNEL_PATH_ENV, "auto") or "auto"
+    if name == "auto":
+        return kernels().kernel_path()
+    if name not in kernels().kernel_paths():
+        raise ValueError(f"{KERNEL_PATH_ENV}={name!r}: this CPU runs the kernel paths "
+                         f"{list(kernels().kernel_paths())} (or auto)")
+    return name
 
 
 @dataclass
@@ -138,6 +153,16 @@ class QuantizedWeight:
     blocks: torch.Tensor  # uint8 [N, K / 32 * block bytes]
     dense: torch.Tensor  # [N, K] in the model's dtype: the blocks' values, for many rows
     shape: tuple[int, int]
+    path: str = ""  # the kernel path (`kernel_path()` when empty)
+    # avx512: the blocks as that path's 16-row tiles (pack_tiles), made at load; `blocks` stays,
+    # as the load cache stores it (the file serves every CPU) and the other paths read it.
+    tiles: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            self.path = kernel_path()
+        if self.path == "avx512" and self.tiles is None:
+            self.tiles = kernels().pack_tiles(self.blocks, BLOCK_KINDS[self.kind][0])
 
     @staticmethod
     def of(b: Blocks, dtype: torch.dtype, dense: torch.Tensor | None = None) -> QuantizedWeight:
@@ -150,12 +175,17 @@ class QuantizedWeight:
         """`x @ W.T` by the block kernel (activations quantized per 32 values), x [M, K]: a row's
         values do not depend on the other rows nor on the threads."""
         if x.dtype == torch.float32 and x.is_contiguous():  # a decode step's usual x: no dispatches
-            return _OPS.qgemm(x, self.blocks, BLOCK_KINDS[self.kind][0])
-        return _OPS.qgemm(x.float().contiguous(), self.blocks, BLOCK_KINDS[self.kind][0]).to(x.dtype)
+            return self._matmul(x)
+        return self._matmul(x.float().contiguous()).to(x.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:
+            return _OPS.qgemm_tiles(x, self.tiles, BLOCK_KINDS[self.kind][0], self.shape[0])
+        return _OPS.qgemm_path(x, self.blocks, BLOCK_KINDS[self.kind][0], self.path)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return self.blocks.numel()  # the tiles (avx512) are a second copy of these bytes
 
 
 _LAYER_WEIGHTS = {  # fused parameter -> the HF tensors it is made of, in row order
@@ -209,5 +239,6 @@ def quantize_model(model: torch.nn.Module, quantization: str,
                            head.data if is_stored else None)
     _replace(model, "lm_head", q)
     logger.info("quantized %s: layer weights %.0f MiB (fp32 %.0f MiB), %d tensors as stored; "
-                "vocabulary projection %s %s", quantization, quant_bytes / 2**20,
-                float_bytes / 2**20, kept, HEAD_KIND, "as stored" if is_stored else "from float")
+                "vocabulary projection %s %s; kernel path %s", quantization, quant_bytes / 2**20,
+                float_bytes / 2**20, kept, HEAD_KIND, "as stored" if is_stored else "from float",
+                q.path)

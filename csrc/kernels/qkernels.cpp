@@ -23,10 +23,15 @@
 // decodes each column's weights once, takes two madd_epi16 per pair, folds the 8 pairs' int32
 // vectors into one vector of 8 block sums (unpacks and adds, ~1-3 ops a pair), and does the
 // float steps above once for all 8 lanes. Columns left over from a tile width go through the
-// scalar path. The AVX2 path (selected at run time, the module itself is built for plain
-// x86-64) and the portable scalar path do exactly these IEEE operations, with no FMA
-// contraction (both files are compiled with -ffp-contract=off), so they agree bit for bit: the
-// scalar path is the tests' reference as well as the fallback on a CPU without AVX2.
+// scalar path. The AVX-512 path (qkernels_avx512.cpp) reads the weights tiled at load
+// (pack_tiles: 16 weight rows a tile) and gives each output column one lane, for up to 8
+// activation rows a tile, so a block's codes are unpacked once for all of them, and no
+// horizontal sums are needed. The paths are chosen at run time (the module itself is built for
+// plain x86-64): AVX-512 where CPUID and XGETBV say the CPU and the OS allow it, else AVX2,
+// else scalar; BATON_QKERNELS or qgemm_path's argument forces one. All do exactly these IEEE
+// operations, with no FMA contraction (the files are compiled with -ffp-contract=off), so they
+// agree bit for bit: the scalar path is the tests' reference as well as the fallback on a CPU
+// without AVX2.
 //
 // The ops are torch custom ops (TORCH_LIBRARY) threaded with at::parallel_for over output
 // columns, so they use torch's own intra-op pool: a second pool would fight torch's spinning
@@ -39,10 +44,14 @@
 
 #include "qkernels.hpp"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -143,6 +152,50 @@ bool cpu_has_avx2() {
     return ok;
 }
 
+// The CPU has AVX-512 F, DQ, BW, VL and VNNI (CPUID) and the OS saves the opmask and ZMM state
+// (XGETBV's XCR0 bits 1, 2, 5, 6, 7): a guest may hide the state that the CPU reports.
+bool cpu_has_avx512() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return false;
+        uint32_t xcr0, xcr0_hi;
+        __asm__ volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_hi) : "c"(0));
+        if ((xcr0 & 0xe6u) != 0xe6u) return false;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned need_b = bit_AVX512F | bit_AVX512DQ | bit_AVX512BW | bit_AVX512VL;
+        return (b & need_b) == need_b && (c & bit_AVX512VNNI) && cpu_has_avx2();
+    }();
+    return ok;
+}
+
+// The kernel paths, slowest first; `BATON_QKERNELS` (or qgemm_path's argument) names one.
+enum Path : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr const char* kPathNames[] = {"scalar", "avx2", "avx512"};
+
+bool path_runs(Path p) {
+    return p == kScalar || (p == kAvx2 && cpu_has_avx2()) || (p == kAvx512 && cpu_has_avx512());
+}
+
+Path parse_path(const std::string& name) {
+    for (int p = kScalar; p <= kAvx512; ++p) {
+        if (name != kPathNames[p]) continue;
+        TORCH_CHECK(path_runs(static_cast<Path>(p)), "kernel path ", name,
+                    " does not run on this CPU (or its OS does not enable it)");
+        return static_cast<Path>(p);
+    }
+    TORCH_CHECK(false, "unknown kernel path '", name, "' (scalar, avx2, avx512 or auto)");
+}
+
+// The fastest path that runs here, unless BATON_QKERNELS names another (read once).
+Path default_path() {
+    static const Path path = [] {
+        const char* env = std::getenv("BATON_QKERNELS");
+        if (env != nullptr && *env != 0 && std::string(env) != "auto") return parse_path(env);
+        return cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kScalar;
+    }();
+    return path;
+}
+
 // ------------------------------------------------------------------ ops
 
 void check_activations(const at::Tensor& x) {
@@ -164,32 +217,103 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Te
     return {q, d, s};
 }
 
-at::Tensor qgemm_impl(const at::Tensor& x, const at::Tensor& w, int64_t kind, bool use_simd) {
+void check_blocks(const at::Tensor& w, const char* what, int64_t row_bytes) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.is_cpu(),
+                what, " must be a contiguous 2-D uint8 CPU tensor, got ", w.sizes(), " ",
+                w.scalar_type());
+    TORCH_CHECK(w.size(1) == row_bytes, what, ": rows hold ", w.size(1),
+                " bytes, the activations' blocks need ", row_bytes);
+}
+
+// The activations quantized into thread-local scratch (a decode step allocates nothing), the
+// scales transposed to [nb, m]; the SIMD quantizer does the scalar one's operations.
+struct Codes {
+    std::vector<int16_t> q;
+    std::vector<float> d, s;
+};
+
+Codes& quantize_scratch(const at::Tensor& x, bool simd) {
+    thread_local Codes c;
+    const int64_t m = x.size(0), nb = x.size(1) / QK;
+    c.q.resize(static_cast<size_t>(m * nb * QK));
+    c.d.resize(static_cast<size_t>(m * nb));
+    c.s.resize(static_cast<size_t>(m * nb));
+    (simd ? quantize_rows_avx2 : quantize_rows_scalar)(x.data_ptr<float>(), m, nb, c.q.data(),
+                                                       c.d.data(), c.s.data(), 1, m);
+    return c;
+}
+
+at::Tensor pack_tiles(const at::Tensor& w, int64_t kind) {
+    const int64_t bb = block_bytes(kind);
+    TORCH_CHECK(w.dim() == 2 && w.size(1) % bb == 0, "weight blocks [n, nb * ", bb,
+                "] expected, got ", w.sizes());
+    check_blocks(w, "weight blocks", w.size(1));
+    const int64_t n = w.size(0), nb = w.size(1) / bb;
+    const int64_t num_tiles = (n + kTileCols - 1) / kTileCols, step = kTileCols * bb;
+    at::Tensor out = at::zeros({num_tiles, nb * step}, w.options());
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    const int64_t qs = kind == kQ4_1 ? 4 : 2, codes = kind == kQ4_1 ? 64 : 32;
+    const int64_t num_vectors = kind == kQ8_0 ? 8 : 4;
+    for (int64_t c = 0; c < n; ++c) {
+        const int64_t j = c % kTileCols;
+        uint8_t* tile = dst + c / kTileCols * nb * step;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = src + c * w.size(1) + b * bb;
+            uint8_t* t = tile + b * step;
+            std::memcpy(t + 2 * j, blk, 2);
+            if (kind == kQ4_1) std::memcpy(t + 32 + 2 * j, blk + 2, 2);
+            for (int64_t u = 0; u < num_vectors; ++u)
+                std::memcpy(t + codes + 64 * u + 4 * j, blk + qs + 4 * u, 4);
+        }
+    }
+    return out;
+}
+
+at::Tensor qgemm_tiles(const at::Tensor& x, const at::Tensor& tiles, int64_t kind, int64_t n) {
+    check_activations(x);
+    TORCH_CHECK(cpu_has_avx512(), "tiled weights need the avx512 kernel path, which does not "
+                "run on this CPU (or its OS does not enable it)");
+    const int64_t bb = block_bytes(kind);
+    const int64_t m = x.size(0), nb = x.size(1) / QK;
+    const int64_t num_tiles = (n + kTileCols - 1) / kTileCols;
+    check_blocks(tiles, "weight tiles", nb * kTileCols * bb);
+    TORCH_CHECK(n > 0 && tiles.size(0) == num_tiles, "weight tiles: ", tiles.size(0), " tiles, ",
+                n, " rows need ", num_tiles);
+    Codes& c = quantize_scratch(x, true);
+    thread_local std::vector<uint8_t> xb;
+    thread_local std::vector<int32_t> corr;
+    xb.resize(static_cast<size_t>(m * nb * 64));
+    corr.resize(static_cast<size_t>(m * nb));
+    split_codes_avx512(c.q.data(), m, nb, xb.data(), corr.data());
+    const QActBytes a{xb.data(), corr.data(), c.d.data(), c.s.data(), m, nb};
+    const QTiles wt{tiles.data_ptr<uint8_t>(), tiles.size(1), n};
+    at::Tensor y = at::empty({m, n}, x.options());
+    float* out = y.data_ptr<float>();
+    // Tiles are independent: any split gives the same values.
+    at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+        tiles_avx512(wt, kind, a, begin, end, out);
+    });
+    return y;
+}
+
+// Row-major blocks through `path`; the avx512 path tiles them first (a copy: the weights of a
+// model are tiled once, at load, QuantizedWeight).
+at::Tensor qgemm_impl(const at::Tensor& x, const at::Tensor& w, int64_t kind, Path path) {
     check_activations(x);
     const int64_t bb = block_bytes(kind);
     const int64_t m = x.size(0), nb = x.size(1) / QK;
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.is_cpu(),
-                "weight blocks must be a contiguous 2-D uint8 CPU tensor, got ", w.sizes(), " ",
-                w.scalar_type());
-    TORCH_CHECK(w.size(1) == nb * bb, "weight rows hold ", w.size(1), " bytes, ", nb,
-                " blocks of kind ", kind, " need ", nb * bb);
+    check_blocks(w, "weight blocks", nb * bb);
     const int64_t n = w.size(0);
-    // Thread-local scratch: a decode step quantizes its activations without allocating.
-    thread_local std::vector<int16_t> q;
-    thread_local std::vector<float> d, s;
-    q.resize(static_cast<size_t>(m * nb * QK));
-    d.resize(static_cast<size_t>(m * nb));
-    s.resize(static_cast<size_t>(m * nb));
-    const bool simd = use_simd && cpu_has_avx2();
-    (simd ? quantize_rows_avx2 : quantize_rows_scalar)(x.data_ptr<float>(), m, nb, q.data(),
-                                                      d.data(), s.data(), 1, m);  // [nb, m]
+    if (path == kAvx512) return qgemm_tiles(x, pack_tiles(w, kind), kind, n);
+    Codes& c = quantize_scratch(x, path != kScalar);
     at::Tensor y = at::empty({m, n}, x.options());
     float* out = y.data_ptr<float>();
     const QW wq{w.data_ptr<uint8_t>(), nb * bb, n};
-    const bool interleaved = simd && kind != kQ8_0;
-    if (interleaved) interleave_codes_avx2(q.data(), m * nb);
-    const QAct a{q.data(), d.data(), s.data(), m, nb, interleaved};
-    auto columns = simd ? columns_avx2 : columns_scalar;
+    const bool interleaved = path == kAvx2 && kind != kQ8_0;
+    if (interleaved) interleave_codes_avx2(c.q.data(), m * nb);
+    const QAct a{c.q.data(), c.d.data(), c.s.data(), m, nb, interleaved};
+    auto columns = path == kAvx2 ? columns_avx2 : columns_scalar;
     // Columns are independent: any split gives the same values. Chunks of whole 8-column
     // groups (at least two), so only the last chunk has columns left over from a tile width.
     const int64_t groups = (n + kLanes - 1) / kLanes;
@@ -200,14 +324,28 @@ at::Tensor qgemm_impl(const at::Tensor& x, const at::Tensor& w, int64_t kind, bo
 }
 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
-    return qgemm_impl(x, w, kind, true);
+    return qgemm_impl(x, w, kind, default_path());
 }
 
 at::Tensor qgemm_scalar(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
-    return qgemm_impl(x, w, kind, false);
+    return qgemm_impl(x, w, kind, kScalar);
+}
+
+at::Tensor qgemm_path(const at::Tensor& x, const at::Tensor& w, int64_t kind,
+                      const std::string& path) {
+    return qgemm_impl(x, w, kind, path == "auto" ? default_path() : parse_path(path));
 }
 
 bool has_avx2() { return cpu_has_avx2(); }
+
+std::vector<std::string> kernel_paths() {
+    std::vector<std::string> out;
+    for (int p = kScalar; p <= kAvx512; ++p)
+        if (path_runs(static_cast<Path>(p))) out.emplace_back(kPathNames[p]);
+    return out;
+}
+
+std::string kernel_path() { return kPathNames[default_path()]; }
 
 }  // namespace baton_q
 
@@ -215,7 +353,12 @@ TORCH_LIBRARY(baton_q, m) {
     m.def("qgemm(Tensor x, Tensor w, int kind) -> Tensor", &baton_q::qgemm);
     m.def("qgemm_scalar(Tensor x, Tensor w, int kind) -> Tensor", &baton_q::qgemm_scalar);
     m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)", &baton_q::quantize_activations);
+    m.def("qgemm_path(Tensor x, Tensor w, int kind, str path) -> Tensor", &baton_q::qgemm_path);
+    m.def("pack_tiles(Tensor w, int kind) -> Tensor", &baton_q::pack_tiles);
+    m.def("qgemm_tiles(Tensor x, Tensor tiles, int kind, int n) -> Tensor", &baton_q::qgemm_tiles);
     m.def("has_avx2() -> bool", &baton_q::has_avx2);
+    m.def("kernel_paths() -> str[]", &baton_q::kernel_paths);
+    m.def("kernel_path() -> str", &baton_q::kernel_path);
 }
 
 PYBIND11_MODULE(_qkernels, m) {

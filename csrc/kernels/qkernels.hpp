@@ -40,10 +40,32 @@ struct QAct {
     bool interleaved;
 };
 
+// The AVX-512 path's activations: each (row, block)'s int16 codes x = 256 xh + xl as 64 bytes
+// at x + (row * nb + block) * 64, the 32 xl (unsigned) then the 32 xh (signed), in value order;
+// corr [nb, m]: -128 * the block's sum of xh (Q8_0's unsigned weight bytes, w + 128, need it);
+// d and s as QAct's.
+struct QActBytes {
+    const uint8_t* x;
+    const int32_t* corr;
+    const float* d;
+    const float* s;
+    int64_t m, nb;
+};
+
 // Weight blocks [n, nb * block bytes].
 struct QW {
     const uint8_t* p;
     int64_t row_bytes, n;
+};
+
+// The same blocks as tiles of 16 rows (pack_tiles): tile t at p + t * tile_bytes, its block b
+// (16 * block bytes) at b * 16 * block bytes: the 16 rows' fp16 d, Q4_1's 16 fp16 m, then the
+// codes as vectors of 64 bytes, vector u's bytes 4 j .. 4 j + 3 = row j's code bytes 4 u .. 4 u + 3
+// (Q4: nibble bytes, low nibbles values 0..15, high 16..31; Q8_0: values). Rows past n: zeros.
+constexpr int64_t kTileCols = 16;
+struct QTiles {
+    const uint8_t* p;
+    int64_t tile_bytes, n;
 };
 
 inline float fp16_to_fp32(uint16_t h) {
@@ -81,5 +103,11 @@ void pairs_scalar(const QW& w, int64_t kind, const QAct& a, int64_t r0, int64_t 
 // The AVX2 path (call only where the CPU has AVX2, FMA and F16C).
 void interleave_codes_avx2(int16_t* q, int64_t blocks);
 void columns_avx2(const QW& w, int64_t kind, const QAct& a, int64_t c0, int64_t c1, float* out);
+
+// The AVX-512 path (call only where the CPU has AVX-512 F, BW, DQ, VL and VNNI and the OS
+// saves the ZMM state). codes [m, nb * 32] int16 -> x [m * nb * 64] bytes, corr [nb, m].
+void split_codes_avx512(const int16_t* q, int64_t m, int64_t nb, uint8_t* x, int32_t* corr);
+void tiles_avx512(const QTiles& w, int64_t kind, const QActBytes& a, int64_t t0, int64_t t1,
+                  float* out);
 
 }  // namespace baton_q

@@ -1,7 +1,8 @@
-"""The block kernels (`csrc/kernels/qkernels.cpp`): the AVX2 path equals the portable scalar path
-bit for bit, both compute exact integer dot products of the stored codes with the activations'
-int16 codes, and a row's value depends neither on the other rows of the batch (which tile shape,
-8x1, 4x2, 2x4 or 1x8, computed it) nor on the threads."""
+"""The block kernels (`csrc/kernels/qkernels.cpp`): every path that runs on this machine (AVX-512,
+AVX2; `kernel_paths`) equals the portable scalar path bit for bit, all compute exact integer dot
+products of the stored codes with the activations' int16 codes, and a row's value depends
+neither on the other rows of the batch (which tile shape computed it: AVX2's 8x1, 4x2, 2x4 or
+1x8, AVX-512's 1..8 rows x 16 columns) nor on the threads."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from baton.model.quant import BLOCK_KINDS, Blocks, QuantizedWeight, kernels
+from baton.model.quant import (
+    BLOCK_KINDS,
+    KERNEL_PATH_ENV,
+    Blocks,
+    QuantizedWeight,
+    kernel_path,
+    kernels,
+)
 
 KINDS = tuple(BLOCK_KINDS)
+PATHS = tuple(kernels().kernel_paths())  # scalar first, then what this CPU and OS run
 
 
 def _case(kind: str, n: int, k: int, m: int, seed: int) -> tuple[Blocks, torch.Tensor]:
@@ -110,3 +119,100 @@ def test_bad_inputs_are_refused_with_their_sizes() -> None:
         kernels().qgemm(x, w, 7)
     with pytest.raises(ValueError, match="Q4_1 blocks must be uint8"):
         Blocks("Q4_1", b.data[:, :30])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_path_equals_the_scalar_path(kind: str, path: str) -> None:
+    """1..9 and 32 rows (every AVX-512 row tile, a full one and a partial one after it, four
+    full ones), column counts that leave 1..15 columns of a 16-column tile and of an 8-lane one."""
+    kind_id = BLOCK_KINDS[kind][0]
+    b, x = _case(kind, 77, 160, 32, seed=17)
+    w_all = torch.from_numpy(b.data)
+    for n in (1, 3, 15, 16, 17, 31, 45, 77):
+        w = w_all[:n]
+        for m in (*range(1, 10), 32):
+            xs = x[32 - m:].contiguous()
+            got = kernels().qgemm_path(xs, w, kind_id, path)
+            assert torch.equal(got, kernels().qgemm_scalar(xs, w, kind_id)), (path, n, m)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_keeps_extreme_codes_exact(path: str) -> None:
+    """Activation codes +-32767 (an int16 code's high byte at its extremes) and 0 next to them,
+    against Q8_0 codes -128 / 127 and Q4 codes 0 / 15: the byte-split sums stay exact."""
+    g = np.random.default_rng(23)
+    x = torch.from_numpy(g.standard_normal((9, 128)).astype(np.float32))
+    x[:, ::3] = 1e3  # the block maximum: code 32767
+    x[:, 1::3] = -1e3
+    x[0] = 0.0  # an all-zero row: zero scales
+    for kind in KINDS:
+        b, _ = _case(kind, 21, 128, 1, seed=29)
+        data = b.data.copy()
+        bb = BLOCK_KINDS[kind][1]
+        blocks = data.reshape(21, -1, bb)
+        if kind == "Q8_0":
+            blocks[::2, :, 2:] = np.uint8(0x80)  # -128
+            blocks[1::2, :, 2:] = np.uint8(0x7F)
+        else:
+            blocks[::2, :, bb - 16:] = np.uint8(0xFF)  # every nibble 15
+            blocks[1::2, :, bb - 16:] = np.uint8(0x0F)
+        w = torch.from_numpy(data)
+        kind_id = BLOCK_KINDS[kind][0]
+        got = kernels().qgemm_path(x, w, kind_id, path)
+        assert torch.equal(got, kernels().qgemm_scalar(x, w, kind_id)), (kind, path)
+        b = Blocks(kind, data)
+        tol = 1e-5 * (x.abs().max() * b.dequantize().abs().max() * 128).item()
+        assert (got.double() - _reference(b, x)).abs().max().item() <= tol
+
+
+def test_paths_are_named_and_refused_by_name() -> None:
+    assert PATHS[0] == "scalar" and set(PATHS) <= {"scalar", "avx2", "avx512"}
+    assert kernels().kernel_path() in PATHS
+    b, x = _case("Q4_1", 8, 64, 2, seed=1)
+    w = torch.from_numpy(b.data)
+    assert torch.equal(kernels().qgemm_path(x, w, 1, "auto"), kernels().qgemm(x, w, 1))
+    with pytest.raises(RuntimeError, match="unknown kernel path 'avx9'"):
+        kernels().qgemm_path(x, w, 1, "avx9")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_quantized_weight_multiplies_through_its_path(path: str) -> None:
+    """The model's weights take their path at load (avx512: tiled then); every path gives the
+    scalar path's bits, for a float32 x and for another dtype's."""
+    for kind in KINDS:
+        b, x = _case(kind, 45, 96, 9, seed=31)
+        q = QuantizedWeight(b.kind, torch.from_numpy(b.data), torch.empty(0), b.shape, path=path)
+        assert (q.tiles is not None) == (path == "avx512")
+        want = kernels().qgemm_scalar(x, q.blocks, BLOCK_KINDS[kind][0])
+        assert torch.equal(q.matmul(x), want)
+        assert torch.equal(q.matmul(x.double()), want.double())
+
+
+def test_the_kernel_path_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    b, _ = _case("Q4_1", 8, 64, 1, seed=2)
+    monkeypatch.setenv(KERNEL_PATH_ENV, "scalar")
+    assert kernel_path() == "scalar"
+    assert QuantizedWeight.of(b, torch.float32).path == "scalar"
+    monkeypatch.setenv(KERNEL_PATH_ENV, "auto")
+    assert kernel_path() == kernels().kernel_path() == PATHS[-1]
+    monkeypatch.setenv(KERNEL_PATH_ENV, "avx9")
+    with pytest.raises(ValueError, match="BATON_QKERNELS='avx9'"):
+        QuantizedWeight.of(b, torch.float32)
+
+
+def test_tiles_of_a_partial_tile_are_zero_padded() -> None:
+    """pack_tiles: 16 rows a tile, rows past n zero; the tiled product still has n columns."""
+    if "avx512" not in PATHS:
+        pytest.skip("this CPU (or its OS) does not run the avx512 path")
+    for kind in KINDS:
+        b, x = _case(kind, 19, 64, 3, seed=37)
+        kind_id = BLOCK_KINDS[kind][0]
+        tiles = kernels().pack_tiles(torch.from_numpy(b.data), kind_id)
+        assert tiles.shape == (2, 2 * 16 * BLOCK_KINDS[kind][1])
+        padded = np.concatenate((b.data, np.zeros((13, b.data.shape[1]), np.uint8)))
+        assert torch.equal(tiles, kernels().pack_tiles(torch.from_numpy(padded), kind_id))
+        got = kernels().qgemm_tiles(x, tiles, kind_id, 19)
+        assert torch.equal(got, kernels().qgemm_scalar(x, torch.from_numpy(b.data), kind_id))
+        with pytest.raises(RuntimeError, match="2 tiles, 40 rows need 3"):
+            kernels().qgemm_tiles(x, tiles, kind_id, 40)
