@@ -30,12 +30,18 @@ $(STAMP): $(SOURCES)
 build: install
 
 # --durations: CI's log (.ci/run runs `make test`) names the slowest tests.
+# TEST_WORKERS pytest-xdist workers, each test file on one worker (--dist loadfile: a module's
+# shared deployment starts once). Most of a deployment test's wall time is process start-up
+# and waiting on engines, so two workers on two cores overlap it; TEST_WORKERS=0 runs in one
+# process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # Everything not marked `slow` (no model reference runs, no multi-process deployments).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 serve: install
 	$(PY) -m baton_cli up $(SERVE_ARGS)
