@@ -31,9 +31,11 @@ from baton.protocol import (
     EngineOutputs,
     GenerateRequest,
     KvEvents,
+    LoadLoraAdapter,
     ResetPrefixCache,
     SubscribeKvEvents,
     TokenDelta,
+    UnloadLoraAdapter,
 )
 from kv_transfer.auth import ClusterKeys
 from router.kv_index import KvIndex
@@ -102,10 +104,21 @@ class EngineClient:
 
     async def reset_prefix_cache(self, timeout_s: float) -> ControlReply:
         """Ask the engine to forget its cached-free KV blocks; TimeoutError past timeout_s."""
+        return await self._control(ResetPrefixCache, timeout_s)
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> ControlReply:
+        """Ask the engine to load a LoRA adapter; TimeoutError past timeout_s."""
+        return await self._control(lambda nonce: LoadLoraAdapter(name, path, nonce), timeout_s)
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> ControlReply:
+        return await self._control(lambda nonce: UnloadLoraAdapter(name, nonce), timeout_s)
+
+    async def _control(self, make, timeout_s: float) -> ControlReply:
+        """Send `make(nonce)` and wait for the `ControlReply` of that nonce."""
         nonce, self._next_nonce = self._next_nonce, self._next_nonce + 1
         reply = self._replies[nonce] = asyncio.get_running_loop().create_future()
         try:
-            await self._sock.send(protocol.encode(ResetPrefixCache(nonce)))
+            await self._sock.send(protocol.encode(make(nonce)))
             async with asyncio.timeout(timeout_s):  # wait_for may drop a cancellation (3.11)
                 return await reply
         finally:
