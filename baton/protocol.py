@@ -235,6 +235,9 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
     healthy: bool = True
     draining: bool = False
     extra: dict[str, float] = {}
+    # The LoRA adapters it serves: name -> id (what a router without a registry learns them
+    # from; with one, the engine's record carries the same).
+    lora_adapters: dict[str, str] = {}
 
 
 RouterToEngine = (GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache

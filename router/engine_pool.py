@@ -134,9 +134,15 @@ class EnginePool:
         """The LoRA adapters the live engines serve (their registry records): name -> id."""
         adapters: dict[str, str] = {}
         for record, _ in self.live_engines():
-            for name, adapter_id in record.lora_adapters.items():
+            for name, adapter_id in self.membership.lora_adapters(record).items():
                 adapters.setdefault(name, adapter_id)
         return adapters
+
+    def serves_lora(self, record: EngineRecord, name: str) -> bool:
+        return name in self.membership.lora_adapters(record)
+
+    async def refresh_lora_adapters(self) -> None:
+        await self.membership.refresh_lora_adapters()
 
     def client(self, address: str) -> EngineClient:
         return self.membership.clients[address]
@@ -264,7 +270,7 @@ class EnginePool:
         live = [r for r in self.membership.live(role)
                 if r.address not in exclude and not r.draining]
         if lora_name and live:
-            live = [r for r in live if lora_name in r.lora_adapters]
+            live = [r for r in live if lora_name in self.membership.lora_adapters(r)]
             if not live:
                 raise NoEngineError(f"no live {role} engine serves LoRA adapter {lora_name!r}")
         if not live:

@@ -58,7 +58,7 @@ async def load_adapter(pool: EnginePool, base_name: str, body: LoadLoraAdapterRe
                            "service_unavailable", code="no_answer")
         raise APIError(400, f"Engine {record.engine_id} refused: {reply.message}",
                        param="lora_path", code="lora_adapter_refused")
-    await pool.refresh()  # the engines published their records before answering
+    await pool.refresh_lora_adapters()  # the engines published their records before answering
     logger.info("LoRA adapter %s loaded from %s on %d engines", name, body.lora_path,
                 len(engines))
     return {"status": "ok", "lora_name": name,
@@ -69,7 +69,7 @@ async def unload_adapter(pool: EnginePool, body: UnloadLoraAdapterRequest) -> di
     """Unload from every live engine serving it; APIError 404 (no engine serves it), 400 (an
     engine refused: requests still run with it), 503 (one did not answer)."""
     name = body.lora_name
-    engines = [(r, c) for r, c in pool.live_engines() if name in r.lora_adapters]
+    engines = [(r, c) for r, c in pool.live_engines() if pool.serves_lora(r, name)]
     if not engines:
         _no_engine(pool)
         raise APIError(404, f"The LoRA adapter '{name}' is not loaded (loaded: "
@@ -77,7 +77,7 @@ async def unload_adapter(pool: EnginePool, body: UnloadLoraAdapterRequest) -> di
                        param="lora_name", code="lora_adapter_not_found")
     replies = await asyncio.gather(*(client.unload_lora_adapter(name, UNLOAD_TIMEOUT_S)
                                      for _, client in engines), return_exceptions=True)
-    await pool.refresh()
+    await pool.refresh_lora_adapters()
     for (record, _), reply in zip(engines, replies, strict=True):
         if isinstance(reply, BaseException):
             raise APIError(503, f"Engine {record.engine_id} did not answer the unload of LoRA "

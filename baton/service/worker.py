@@ -140,6 +140,7 @@ class EngineWorker:
             stats.extra[key] = float(counts[key])
         if engine.speculator is not None:
             stats.extra.update(engine.speculator.metrics())
+        stats.lora_adapters = engine.lora_adapters()
 
     def fill_record(self, record: EngineRecord) -> None:
         counts = self.engine.stats()
