@@ -15,28 +15,10 @@ import torch
 from baton.engine import EngineConfig, LLMEngine
 from baton.model.lora import LoraError, read_adapter
 from baton.sampling.params import SamplingParams
-from tests.model.test_families import VOCAB, _reference, _write
+from tests.model.lora_files import write_adapter
+from tests.model.test_families import VOCAB, _reference
 
 NUM_NEW = 12
-ADAPTERS = {  # name -> LoraConfig keywords: every target, and a subset with rsLoRA
-    "alpha": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                       "gate_proj", "up_proj", "down_proj"]),
-    "beta": dict(r=8, lora_alpha=4, use_rslora=True,
-                 target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
-}
-
-
-def _write_adapter(base: Path, folder: Path, seed: int, **lora) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(**lora))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:  # B starts at zero: the adapter would be the base
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(folder)
 
 
 def _peft(base: Path, adapter: Path, merged: bool):
@@ -48,15 +30,12 @@ def _peft(base: Path, adapter: Path, merged: bool):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(lora_folders):
     """The base folder, its transformers model, and each adapter's folder."""
-    root = tmp_path_factory.mktemp("lora")
-    ref = _write(root / "base", "LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=False)
-    folders = {}
-    for i, (name, lora) in enumerate(ADAPTERS.items()):
-        folders[name] = root / name
-        _write_adapter(root / "base", folders[name], seed=11 + i, **lora)
-    return root / "base", ref, folders
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(lora_folders["base"]).eval()
+    return lora_folders["base"], ref, {n: lora_folders[n] for n in ("alpha", "beta")}
 
 
 def _engine(base: Path, **overrides) -> LLMEngine:
@@ -130,17 +109,14 @@ def test_load_unload_and_bad_names(tiny) -> None:
     assert engine.load_lora("alpha2", str(folders["alpha"])) == adapter_id
 
 
-def test_an_adapter_that_does_not_fit_is_refused_by_name(tiny, tmp_path: Path) -> None:
+def test_an_adapter_that_does_not_fit_is_refused_by_name(tiny, lora_folders,
+                                                         tmp_path: Path) -> None:
     base, _, folders = tiny
     engine = _engine(base)
-    config = engine.model_config
     # Another base's hidden size (32, the model's is 64).
-    other = tmp_path / "other"
-    _write(other, "LlamaConfig", "LlamaForCausalLM", hidden_size=32, tie_word_embeddings=False)
-    _write_adapter(other, tmp_path / "narrow", seed=3, r=4, target_modules=["q_proj"])
     with pytest.raises(LoraError, match=r"'narrow': layers.0.self_attn.q_proj.lora_A has shape "
                        r"\(4, 32\), expected \(4, 64\)"):
-        read_adapter("narrow", tmp_path / "narrow", config)
+        read_adapter("narrow", lora_folders["narrow"], engine.model_config)
     # The config's rank is not the tensors' rank.
     wrong_rank = tmp_path / "wrong_rank"
     wrong_rank.mkdir()
@@ -152,7 +128,7 @@ def test_an_adapter_that_does_not_fit_is_refused_by_name(tiny, tmp_path: Path) -
                        r"\(lora_A \(4, 96\), lora_B \(64, 4\)\); adapter_config.json says r=6"):
         engine.load_lora("wrong_rank", str(wrong_rank))
     # A target adapters are not served on (the LM head), DoRA, a folder without the files.
-    _write_adapter(base, tmp_path / "head", seed=4, r=4, target_modules=["q_proj", "lm_head"])
+    write_adapter(base, tmp_path / "head", seed=4, r=4, target_modules=["q_proj", "lm_head"])
     with pytest.raises(LoraError, match="'head': tensor .*lm_head.* not served on"):
         engine.load_lora("head", str(tmp_path / "head"))
     (wrong_rank / "adapter_config.json").write_text(json.dumps({**raw, "use_dora": True}))
@@ -174,3 +150,23 @@ def test_int4_adds_the_delta_on_the_kernels_output(tiny) -> None:
     outs = engine.generate(prompts, GREEDY, lora_names=["", "alpha", ""])
     assert [outs[0].token_ids, outs[2].token_ids] == [plain[0].token_ids, plain[2].token_ids]
     assert outs[1].token_ids != plain[1].token_ids
+
+
+def test_the_router_keys_an_adapters_prompt_as_the_engine_does(tiny) -> None:
+    """The router's cache-aware index (router/kv_index.py RequestKeys, with the digest the
+    engine publishes) finds an adapter's prompt among the engine's cached keys, and neither
+    the base's nor another adapter's keys of the same prompt."""
+    from router.kv_index import RequestKeys
+
+    base, _, folders = tiny
+    engine = _engine(base)
+    ids = {name: engine.load_lora(name, str(folder)) for name, folder in folders.items()}
+    prompt = _prompts(4)[3]
+    engine.generate(prompt, SamplingParams(temperature=0, max_tokens=1), lora_names=["alpha"])
+    cached = set(engine.scheduler.prefix_cache_keys().tolist())
+    seed, size = engine.prefix_cache_seed, engine.config.block_size
+    alpha = RequestKeys(prompt, "", "alpha", ids["alpha"]).keys_for(size, seed)
+    assert len(alpha) == 2 and set(alpha) <= cached
+    for other in (RequestKeys(prompt), RequestKeys(prompt, "", "beta", ids["beta"]),
+                  RequestKeys(prompt, "tenant", "alpha", ids["alpha"])):
+        assert not set(other.keys_for(size, seed)) & cached

@@ -10,6 +10,7 @@ tests/model/test_lora.py)."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -20,8 +21,6 @@ from baton.protocol import SamplingOptions
 from router.config import RouterConfig
 from router.text import load_model_info
 from tests.cluster import EngineProcess, start_all
-from tests.model.test_families import _write
-from tests.model.test_lora import _write_adapter
 from tests.router.conftest import serve_router
 
 pytestmark = pytest.mark.slow
@@ -33,17 +32,8 @@ PROMPT = " ".join(f"t{i}" for i in (17, 301, 88, 1999, 5, 640, 71, 1203, 44, 9, 
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora_e2e")
-    _write(root / "base", "LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=False)
-    _write_adapter(root / "base", root / "alpha", seed=21, r=4, lora_alpha=8,
-                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                   "up_proj", "down_proj"])
-    _write_adapter(root / "base", root / "beta", seed=22, r=8, lora_alpha=16,
-                   target_modules=["q_proj", "v_proj", "down_proj"])
-    _write(root / "narrow_base", "LlamaConfig", "LlamaForCausalLM", hidden_size=32)
-    _write_adapter(root / "narrow_base", root / "narrow", seed=23, r=4, target_modules=["q_proj"])
-    return {name: root / name for name in ("base", "alpha", "beta", "narrow")}
+def folders(lora_folders) -> dict[str, Path]:
+    return lora_folders
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +75,9 @@ def deployments(folders, redis_server, tmp_path_factory):
             yield {"normal": normal_url, "pd": pd_url, "completion": completion,
                    "engines": engines}
     finally:
+        for engine in engines:  # all at once: each drains and exits on its own
+            if engine.proc.poll() is None:
+                engine.proc.send_signal(signal.SIGTERM)
         for engine in engines:
             engine.stop()
 
