@@ -170,3 +170,22 @@ def test_the_router_keys_an_adapters_prompt_as_the_engine_does(tiny) -> None:
     for other in (RequestKeys(prompt), RequestKeys(prompt, "", "beta", ids["beta"]),
                   RequestKeys(prompt, "tenant", "alpha", ids["alpha"])):
         assert not set(other.keys_for(size, seed)) & cached
+
+
+def test_lora_modules_reach_every_engine_and_bad_ones_are_refused_before_start() -> None:
+    from baton_cli.engine_args import lora_module
+    from baton_cli.launcher import LaunchConfig, Launcher
+
+    launcher = Launcher(LaunchConfig(lora_modules=["a=/x/a", "b=/x/b"]))
+    for command in ("prompt-engine", "completion-engine"):
+        launcher._start_engine(command, command, 1, "")
+    for child in launcher.children:
+        i = child.argv.index("--lora-modules")
+        assert child.argv[i + 1:i + 3] == ["a=/x/a", "b=/x/b"]
+    assert lora_module("a=/x=y") == ("a", "/x=y")
+    with pytest.raises(ValueError, match="--lora-modules: expected NAME=PATH.*'a'"):
+        LaunchConfig(lora_modules=["a"])
+    with pytest.raises(ValueError, match="give --lora-modules to `baton up` itself"):
+        LaunchConfig(engine_args=["--lora-modules", "a=/x"])
+    with pytest.raises(ValueError, match="--mock engines have no model to adapt"):
+        LaunchConfig(mock="profile.json", lora_modules=["a=/x"])

@@ -20,7 +20,7 @@ import pytest
 from baton.protocol import SamplingOptions
 from router.config import RouterConfig
 from router.text import load_model_info
-from tests.cluster import EngineProcess, start_all
+from tests.cluster import EngineProcess, start_all, wait_whole
 from tests.router.conftest import serve_router
 
 pytestmark = pytest.mark.slow
@@ -145,6 +145,7 @@ def test_adapters_through_the_router_with_the_openai_client(deployments, folders
     assert _models(url) == [BASE, "alpha"]
     with pytest.raises(openai.NotFoundError):
         _ask(client, "beta")
+    wait_whole(deployments["engines"])
 
 
 def test_the_disaggregated_path_runs_the_adapter_on_both_engines(deployments, folders, expected):
@@ -168,3 +169,4 @@ def test_the_disaggregated_path_runs_the_adapter_on_both_engines(deployments, fo
     assert "LoRA adapter 'alpha' is not loaded on this engine" in refused.error, refused
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "beta"}).status_code == 200
     assert _models(url) == [BASE]
+    wait_whole(deployments["engines"])
