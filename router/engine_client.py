@@ -187,7 +187,8 @@ class EngineClient:
                              self.address)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # TCP up is not enough under CURVE
                 self.is_connected = True
-                if self.asks_lora:
+                if self.asks_lora:  # (the earlier connections' asks are done: drop them)
+                    self._tasks = [t for t in self._tasks if not t.done()]
                     self._tasks.append(asyncio.create_task(self._learn_lora_adapters()))
                 if self.kv_index is not None:
                     # A new connection is a new engine-side subscriber list: ask again.
