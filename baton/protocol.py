@@ -4,7 +4,7 @@ The router holds a ZMQ DEALER per engine; every engine (NORMAL, PROMPT, COMPLETI
 ROUTER socket and speaks these messages, msgpack-encoded with msgspec. New fields go at the end.
 
     router -> engine   GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
-                       | SubscribeKvEvents
+                       | SubscribeKvEvents | ChangeRole | LoadLoraAdapter | UnloadLoraAdapter
     engine -> router   EngineOutputs   | EngineStats  | ControlReply | KvEvents
 
 An engine sends one `EngineOutputs` per step per router connection, carrying a `TokenDelta` for
@@ -34,12 +34,15 @@ ROLES = (NORMAL, PROMPT, COMPLETION)
 MAX_CHOICES = 128  # the most choices (n) one request may ask of an engine
 MAX_CACHE_SALT_CHARS = 256  # a cache salt is an opaque tenant tag, not a document
 MAX_REQ_ID_CHARS = 512  # the router's ids are < 100 characters (a uuid, a migration suffix)
+MAX_LORA_NAME_CHARS = 128  # a LoRA adapter's name (baton/model/lora.py checks its characters)
+MAX_PATH_CHARS = 4096  # a LoRA adapter's folder (PATH_MAX)
 
 # Bounds checked while decoding (a message that breaks one is a ProtocolError, dropped): the
 # fields an engine uses before its request validation runs (a dict key, a set of choices).
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS)]
 NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
 CacheSalt = Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT_CHARS)]
+LoraName = Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)]
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -96,6 +99,10 @@ class GenerateRequest(msgspec.Struct, tag="gen", array_like=True, omit_defaults=
     # A tenant's tag (vLLM's cache_salt): its prompt blocks are keyed from its own seed
     # (baton/engine/block_keys.py), so they hit only that tenant's cached blocks. "" = shared.
     cache_salt: CacheSalt = ""
+    # The LoRA adapter the request runs with (the OpenAI request's `model` when it names one);
+    # "" = the base model. It keys the prompt's blocks too (baton/engine/block_keys.py), and a
+    # completion engine serves a handed-off prompt only with the same adapter loaded.
+    lora_name: LoraName = ""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):
@@ -122,8 +129,26 @@ class ChangeRole(msgspec.Struct, tag="change_role", array_like=True, omit_defaul
     nonce: int = 0
 
 
+class LoadLoraAdapter(msgspec.Struct, tag="load_lora", array_like=True, omit_defaults=True):
+    """Load the PEFT LoRA adapter in folder `lora_path` under `lora_name` (vLLM's
+    /v1/load_lora_adapter); answered by a `ControlReply` (refused: why, naming the adapter)."""
+
+    lora_name: LoraName
+    lora_path: Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)]
+    nonce: int = 0
+
+
+class UnloadLoraAdapter(msgspec.Struct, tag="unload_lora", array_like=True,
+                        omit_defaults=True):
+    """Unload adapter `lora_name` (vLLM's /v1/unload_lora_adapter); a `ControlReply`."""
+
+    lora_name: LoraName
+    nonce: int = 0
+
+
 class ControlReply(msgspec.Struct, tag="control", array_like=True, omit_defaults=True):
-    """The answer to a control request (`ResetPrefixCache`, `ChangeRole`), matched by nonce."""
+    """The answer to a control request (`ResetPrefixCache`, `ChangeRole`, `LoadLoraAdapter`,
+    `UnloadLoraAdapter`), matched by nonce."""
 
     nonce: int
     ok: bool
@@ -210,10 +235,13 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
     healthy: bool = True
     draining: bool = False
     extra: dict[str, float] = {}
+    # The LoRA adapters it serves: name -> id (what a router without a registry learns them
+    # from; with one, the engine's record carries the same).
+    lora_adapters: dict[str, str] = {}
 
 
 RouterToEngine = (GenerateRequest | AbortRequest | StatsRequest | ResetPrefixCache
-                  | SubscribeKvEvents | ChangeRole)
+                  | SubscribeKvEvents | ChangeRole | LoadLoraAdapter | UnloadLoraAdapter)
 EngineToRouter = EngineOutputs | EngineStats | ControlReply | KvEvents
 
 _encoder = msgspec.msgpack.Encoder()

@@ -103,6 +103,12 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="the KV pool's element type, independent of --dtype (auto = --dtype); "
                    "bfloat16 holds twice the tokens of float32 in the same --kv-cache-gb and "
                    "halves the bytes a completion engine pulls (README: KV cache dtype)")
+    m.add_argument("--lora-modules", nargs="+", default=[], type=lora_module,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders: adapter_config.json + "
+                        "adapter_model.safetensors) to serve beside the base model, each under "
+                        "NAME (a request's `model`); more load at run time through the router's "
+                        "POST /v1/load_lora_adapter (README: LoRA adapters)")
     m.add_argument("--max-num-seqs", type=int, default=64)
     m.add_argument("--max-num-batched-tokens", type=int, default=1024)
     m.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")
@@ -152,6 +158,15 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
         k = p.add_argument_group("kv transfer")
         k.add_argument("--kv-timeout", type=float, default=30.0,
                        help="seconds one KV pull may take before the request fails")
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """NAME=PATH of --lora-modules -> (name, path)."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a LoRA adapter's name and its "
+                                         f"PEFT folder), got {value!r}")
+    return name, path
 
 
 def add_parser_for(command: str):

@@ -100,6 +100,7 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
     runner = mock_runner(args) if args.mock else None  # None: the model's (torch)
     engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min,
                        runner=runner)
+    load_lora_modules(engine, getattr(args, "lora_modules", []))
     if clock is not None:
         startup = getattr(engine.runner, "startup", {})  # a mock runner has none
         timed = [(k, v) for k, v in startup.items() if isinstance(v, float)]
@@ -114,6 +115,16 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
     if clock is not None:
         clock.mark("transfer agent" if role != NORMAL else "worker")
     return worker
+
+
+def load_lora_modules(engine: LLMEngine, modules: list[tuple[str, str]]) -> None:
+    """--lora-modules: each adapter loaded before the engine serves (ValueError naming the
+    adapter that does not load or fit)."""
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}")
+    for name, path in modules:
+        engine.load_lora(name, path)
 
 
 def role_factory(args: argparse.Namespace, engine_id: str, metrics: EngineMetrics | None):
@@ -139,7 +150,7 @@ def wait_for_go(engine_id: str) -> None:
 # otherwise is refused by name (a mock has no model, no torch threads, no dtype).
 MOCK_UNUSED = {"model": "", "dtype": "float32", "quantization": "auto", "device": "",
                "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0,
-               "kv_cache_dtype": "auto",
+               "kv_cache_dtype": "auto", "lora_modules": [],
                # A mock runner samples no logits: it has nothing to verify drafts with.
                "speculative": "off", "num_speculative_tokens": 0}
 

@@ -32,7 +32,7 @@ from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port
 from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 from baton.workload.results import parse_slos
-from baton_cli.engine_args import COMMAND_OF, ROLE_COMMANDS, add_common_args
+from baton_cli.engine_args import COMMAND_OF, ROLE_COMMANDS, add_common_args, lora_module
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,9 @@ class LaunchConfig:
     # Every engine's --kv-cache-dtype: a prompt and a completion engine of different KV dtypes
     # cannot exchange blocks, so the fleet gets one (auto = the engines' --dtype).
     kv_cache_dtype: str = "auto"
+    # Every engine's --lora-modules (NAME=PATH each): the prompt and the completion engine of a
+    # request must both serve its adapter, so the fleet gets one list.
+    lora_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
@@ -131,6 +134,16 @@ class LaunchConfig:
             raise ValueError("give --mock to `baton up` itself, not after --")
         if self.mock and self.kv_cache_dtype != "auto":
             raise ValueError("--mock engines have no KV dtype: drop --kv-cache-dtype")
+        if self.mock and self.lora_modules:
+            raise ValueError("--mock engines have no model to adapt: drop --lora-modules")
+        for module in self.lora_modules:
+            try:
+                lora_module(module)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"--lora-modules: {e}") from None
+        if "--lora-modules" in self.engine_args:
+            raise ValueError("give --lora-modules to `baton up` itself, not after --: every "
+                             "engine must serve the same adapters")
         if any(a.split("=")[0] == "--kv-cache-dtype" for a in self.engine_args):
             raise ValueError("give --kv-cache-dtype to `baton up` itself, not after --: "
                              "prompt and completion engines must share it")
@@ -342,6 +355,7 @@ class Launcher:
                 *(["--cpus", cpus] if cpus else []), *self._model_args(),
                 *(["--kv-cache-dtype", cfg.kv_cache_dtype] if cfg.kv_cache_dtype != "auto"
                   else []),
+                *(["--lora-modules", *cfg.lora_modules] if cfg.lora_modules else []),
                 *self._metrics_args(engine_id), *self.key_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
@@ -528,6 +542,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="every engine's KV pool dtype (baton engine --help); auto = --dtype")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) every engine serves beside the base model, "
+                        "each under NAME (a request's `model`); more load at run time through "
+                        "POST /v1/load_lora_adapter (README: LoRA adapters)")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
                         "model; the router tokenizes with the default model's tokenizer")
@@ -608,6 +626,7 @@ def run(args: argparse.Namespace) -> int:
             profile=args.profile, pd_threshold_tokens=args.pd_threshold_tokens,
             pd_handoff_ms=args.pd_handoff_ms,
             warm_standby=args.warm_standby, kv_cache_dtype=args.kv_cache_dtype,
+            lora_modules=args.lora_modules,
             planner=args.planner,
             planner_profile=args.planner_profile or args.profile,
             slos_ms=parse_slos(args.goodput),

@@ -148,7 +148,8 @@ class Admission:
         engine = self.engine
         ids = engine.inputs.check_prompt(req.req_id, req.prompt_token_ids)
         outputs = engine.inputs.check_outputs(req.req_id, req.output_token_ids, params)
-        seed = engine.request_key_seed(req.req_id, req.cache_salt)
+        # A prompt served by a LoRA adapter needs that adapter here (ValueError: refused).
+        seed = engine.request_key_seed(req.req_id, req.cache_salt, req.lora_name)
         seed = (engine.prefix_cache_seed if seed is None else seed) \
             if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
@@ -177,7 +178,12 @@ class Admission:
         deltas = self._collect_pulls()
         while self.queue:
             adm = self.queue[0]
-            status = self._allocate(adm)
+            try:
+                status = self._allocate(adm)
+            except ValueError as exc:  # its LoRA adapter was unloaded while it waited
+                self.queue.popleft()
+                deltas.append(error_delta(adm.req.req_id, str(exc), "bad_request"))
+                continue
             if status == AllocStatus.LATER:
                 break  # no room now: keep arrival order, retry when blocks free up
             self.queue.popleft()
@@ -192,7 +198,8 @@ class Admission:
         alloc = engine.add_prompted_request(req.req_id, adm.prompt_token_ids, outputs,
                                             adm.params, first_token, first_logprob, index,
                                             block_keys=adm.handle.block_keys,
-                                            cache_salt=req.cache_salt)
+                                            cache_salt=req.cache_salt,
+                                            lora_name=req.lora_name)
         if alloc.status == AllocStatus.OK:
             self.pulling[req.req_id] = adm
             # The first num_cached_blocks need no pull: those before the sliding window

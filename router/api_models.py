@@ -112,6 +112,9 @@ class ModelCard(_Open):
     created: int
     owned_by: str
     max_model_len: int
+    # A LoRA adapter's card (vLLM's): the model it adapts, and the adapter itself.
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(_Open):
@@ -133,6 +136,12 @@ class Observations(_Open):
 class Plan(_Open):
     status: str  # "none": no planner publishes; else its last decision's action
     plan: dict[str, Any] | None = None
+
+
+class LoraResult(_Open):
+    status: str
+    lora_name: str
+    engines: dict[str, bool]
 
 
 class ResetResult(_Open):

@@ -27,14 +27,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.ops.registry import Registry
 from baton.protocol import ROLES
-from router import api_models, openapi_doc
+from router import api_models, lora_admin, openapi_doc
 from router.api_keys import ApiKeys, per_key_salt
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.engine_pool import EnginePool, NoEngineError
 from router.limits import LIMITED_PATHS, RequestLimits
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.openai_protocol import APIError, validation_error
+from router.openai_protocol import (
+    APIError,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    parse_body,
+    validation_error,
+)
 from router.prepare import Prepared
 from router.prepare_pool import PreparePool
 from router.serving import Server
@@ -192,7 +198,8 @@ def _error(exc: APIError) -> JSONResponse:
 async def _off_loop(request: Request, kind: str) -> Prepared:
     """Parse, validate and tokenize the body in a prepare worker (APIError -> 4xx)."""
     raw = await request.body()  # already read, and bounded, by RequestLimits
-    prep = await request.app.state.prepare_pool.prepare(raw, kind)
+    adapters = tuple(request.app.state.pool.lora_adapters())  # a `model` may name one
+    prep = await request.app.state.prepare_pool.prepare(raw, kind, adapters)
     prep.api_key_name = request.scope.get("state", {}).get("api_key_name", "")
     if prep.api_key_name and request.app.state.config.cache_salt_per_key:
         prep.cache_salt = per_key_salt(prep.api_key_name, prep.cache_salt)
@@ -217,10 +224,31 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models", response_model=api_models.ModelList,
              responses=api_models.error_responses(401))
     async def models(request: Request):
-        model = request.app.state.model
-        return {"object": "list", "data": [{
-            "id": model.name, "object": "model", "created": request.app.state.started,
-            "owned_by": "baton", "max_model_len": model.max_model_len}]}
+        """The base model, then each LoRA adapter a live engine serves (its parent: the base)."""
+        model, created = request.app.state.model, request.app.state.started
+        cards = [{"id": model.name, "object": "model", "created": created, "owned_by": "baton",
+                  "max_model_len": model.max_model_len, "root": model.name}]
+        cards += [{"id": name, "object": "model", "created": created, "owned_by": "baton",
+                   "max_model_len": model.max_model_len, "root": name, "parent": model.name}
+                  for name in sorted(request.app.state.pool.lora_adapters())
+                  if name != model.name]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/load_lora_adapter", response_model=api_models.LoraResult,
+              responses=api_models.error_responses(400, 401, 503))
+    async def load_lora_adapter(request: Request):
+        """vLLM's endpoint: every live engine loads the PEFT LoRA adapter at `lora_path`
+        under `lora_name`, or none does (router/lora_admin.py)."""
+        body = parse_body(await request.body(), LoadLoraAdapterRequest)
+        return await lora_admin.load_adapter(request.app.state.pool,
+                                             request.app.state.model.name, body)
+
+    @app.post("/v1/unload_lora_adapter", response_model=api_models.LoraResult,
+              responses=api_models.error_responses(400, 401, 404, 503))
+    async def unload_lora_adapter(request: Request):
+        """vLLM's endpoint: every live engine serving `lora_name` unloads it."""
+        body = parse_body(await request.body(), UnloadLoraAdapterRequest)
+        return await lora_admin.unload_adapter(request.app.state.pool, body)
 
     @app.get("/health", response_model=api_models.Health,
              responses={503: {"model": api_models.Health}})

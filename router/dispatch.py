@@ -88,14 +88,15 @@ def is_error(delta: TokenDelta) -> bool:
 
 def _completion_request(req_id: str, prompt_token_ids: list[int], sampling: SamplingOptions,
                         handle: bytes, going: list[TokenDelta],
-                        outputs: list[int], cache_salt: str = "") -> GenerateRequest:
+                        outputs: list[int], cache_salt: str = "",
+                        lora_name: str = "") -> GenerateRequest:
     """What the completion engine gets: the KV handle and the first token of each choice that
     goes on (n > 1: their indices; it forks them after the one pull)."""
     request = GenerateRequest(
         req_id=req_id, prompt_token_ids=prompt_token_ids, sampling=sampling, kv_handle=handle,
         first_token_id=going[0].token_ids[0],
         first_logprob=going[0].logprobs[0] if going[0].logprobs else 0.0,
-        output_token_ids=list(outputs), cache_salt=cache_salt)
+        output_token_ids=list(outputs), cache_salt=cache_salt, lora_name=lora_name)
     if sampling.n > 1:
         request.choice_indices = [d.index for d in going]
         request.first_token_ids = [d.token_ids[0] for d in going]
@@ -229,10 +230,11 @@ class Dispatcher:
         prompt_token_ids, sampling = request.prompt_token_ids, request.sampling
         wire = GenerateRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
                                sampling=sampling, output_token_ids=list(outputs),
-                               cache_salt=request.cache_salt)
+                               cache_salt=request.cache_salt, lora_name=request.lora_name)
         # The tokens whose KV this pass computes and moves: a migration's outputs too, keyed
-        # as the engines key them (the tenant's salted seed).
-        keys = RequestKeys(prompt_token_ids + outputs, request.cache_salt)
+        # as the engines key them (the adapter's seed, then the tenant's salt).
+        keys = RequestKeys(prompt_token_ids + outputs, request.cache_salt, request.lora_name,
+                           self.pool.lora_adapters().get(request.lora_name, ""))
         # A fallback (nothing sent yet) avoids the paths tried; a migration chooses afresh.
         tried = set() if attempt.is_migration else {a.path.path for a in request.attempts
                                                      if a.path is not None}
@@ -273,7 +275,8 @@ class Dispatcher:
             self.pool.add_blocks(first_leg.record.address, -first_leg.num_blocks)
             first_leg.num_blocks = 0
             leg = await self._send(COMPLETION, _completion_request(
-                req_id, prompt_token_ids, sampling, handle, going, outputs, request.cache_salt),
+                req_id, prompt_token_ids, sampling, handle, going, outputs, request.cache_salt,
+                request.lora_name),
                 keys, legs)
             handed_at = time.monotonic()
             # The prompt engine's tokens, with whatever they carry (top and prompt logprobs),

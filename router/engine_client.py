@@ -29,11 +29,15 @@ from baton.protocol import (
     AbortRequest,
     ControlReply,
     EngineOutputs,
+    EngineStats,
     GenerateRequest,
     KvEvents,
+    LoadLoraAdapter,
     ResetPrefixCache,
+    StatsRequest,
     SubscribeKvEvents,
     TokenDelta,
+    UnloadLoraAdapter,
 )
 from kv_transfer.auth import ClusterKeys
 from router.kv_index import KvIndex
@@ -47,8 +51,12 @@ class EngineClient:
     """The router's side of one engine: send requests, receive their deltas."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, kv_index: KvIndex | None = None,
-                 keys: ClusterKeys | None = None):
+                 keys: ClusterKeys | None = None, asks_lora: bool = False):
+        """`asks_lora`: learn the engine's LoRA adapters from its stats on every connection
+        (a router without a registry, whose records cannot carry them)."""
         self.address = address
+        self.asks_lora = asks_lora
+        self.lora_adapters: dict[str, str] = {}  # what the engine last said it serves
         self.kv_index = kv_index
         self.kv_subscribed_at = -1e9  # monotonic time of the last SubscribeKvEvents sent
         self.is_connected = False  # set by the monitor; False until the first handshake
@@ -68,7 +76,8 @@ class EngineClient:
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._sock.connect(address)
         self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
-        self._replies: dict[int, asyncio.Future[ControlReply]] = {}  # control requests by nonce
+        # Control requests (and stats asked) by nonce.
+        self._replies: dict[int, asyncio.Future[ControlReply | EngineStats]] = {}
         self._next_nonce = 1
         self._tasks = [asyncio.create_task(self._recv_loop(), name=f"recv {address}"),
                        asyncio.create_task(self._monitor_loop(), name=f"monitor {address}")]
@@ -102,10 +111,33 @@ class EngineClient:
 
     async def reset_prefix_cache(self, timeout_s: float) -> ControlReply:
         """Ask the engine to forget its cached-free KV blocks; TimeoutError past timeout_s."""
+        return await self._control(ResetPrefixCache, timeout_s)
+
+    async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> ControlReply:
+        """Ask the engine to load a LoRA adapter; TimeoutError past timeout_s."""
+        return await self._control(lambda nonce: LoadLoraAdapter(name, path, nonce), timeout_s)
+
+    async def unload_lora_adapter(self, name: str, timeout_s: float) -> ControlReply:
+        return await self._control(lambda nonce: UnloadLoraAdapter(name, nonce), timeout_s)
+
+    async def refresh_lora_adapters(self, timeout_s: float = 5.0) -> None:
+        """Ask the engine which LoRA adapters it serves (its stats); TimeoutError past
+        timeout_s, the last answer kept."""
+        stats = await self._control(StatsRequest, timeout_s)
+        self.lora_adapters = dict(stats.lora_adapters)
+
+    async def _learn_lora_adapters(self) -> None:
+        try:
+            await self.refresh_lora_adapters()
+        except TimeoutError:
+            logger.warning("engine %s did not say which LoRA adapters it serves", self.address)
+
+    async def _control(self, make, timeout_s: float):
+        """Send `make(nonce)` and wait for the `ControlReply` of that nonce."""
         nonce, self._next_nonce = self._next_nonce, self._next_nonce + 1
         reply = self._replies[nonce] = asyncio.get_running_loop().create_future()
         try:
-            await self._sock.send(protocol.encode(ResetPrefixCache(nonce)))
+            await self._sock.send(protocol.encode(make(nonce)))
             async with asyncio.timeout(timeout_s):  # wait_for may drop a cancellation (3.11)
                 return await reply
         finally:
@@ -132,7 +164,7 @@ class EngineClient:
             if isinstance(msg, KvEvents):
                 await self._on_kv_events(msg)
                 continue
-            if isinstance(msg, ControlReply):
+            if isinstance(msg, (ControlReply, EngineStats)):
                 reply = self._replies.get(msg.nonce)
                 if reply is not None and not reply.done():
                     reply.set_result(msg)
@@ -155,6 +187,9 @@ class EngineClient:
                              self.address)
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # TCP up is not enough under CURVE
                 self.is_connected = True
+                if self.asks_lora:  # (the earlier connections' asks are done: drop them)
+                    self._tasks = [t for t in self._tasks if not t.done()]
+                    self._tasks.append(asyncio.create_task(self._learn_lora_adapters()))
                 if self.kv_index is not None:
                     # A new connection is a new engine-side subscriber list: ask again.
                     await self.subscribe_kv_events()

@@ -130,6 +130,20 @@ class EnginePool:
         return [(r, self.membership.clients[r.address]) for role in ROLES
                 for r in self.membership.live(role)]
 
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the live engines serve (their registry records): name -> id."""
+        adapters: dict[str, str] = {}
+        for record, _ in self.live_engines():
+            for name, adapter_id in self.membership.lora_adapters(record).items():
+                adapters.setdefault(name, adapter_id)
+        return adapters
+
+    def serves_lora(self, record: EngineRecord, name: str) -> bool:
+        return name in self.membership.lora_adapters(record)
+
+    async def refresh_lora_adapters(self) -> None:
+        await self.membership.refresh_lora_adapters()
+
     def client(self, address: str) -> EngineClient:
         return self.membership.clients[address]
 
@@ -244,16 +258,21 @@ class EnginePool:
                 choice.num_overlap_blocks)
 
     def _select(self, role: str, request: RequestKeys, exclude: set[str] = frozenset()):
-        by_address, candidates = self._candidates(role, exclude)
+        by_address, candidates = self._candidates(role, exclude, request.lora_name)
         return by_address, self.policy.select(role, candidates, request)
 
-    def _candidates(self, role: str, exclude: set[str]
+    def _candidates(self, role: str, exclude: set[str], lora_name: str = ""
                     ) -> tuple[dict[str, EngineRecord], list[Candidate]]:
-        """The live engines of `role` not in `exclude`, the recently failed ones left out
-        while another is healthy, as the policy sees them; NoEngineError if none is live."""
+        """The live engines of `role` not in `exclude` (serving LoRA adapter `lora_name`,
+        when one is named), the recently failed ones left out while another is healthy, as
+        the policy sees them; NoEngineError if none is live."""
         # A draining engine (a role change, S41) finishes what it runs but gets nothing new.
         live = [r for r in self.membership.live(role)
                 if r.address not in exclude and not r.draining]
+        if lora_name and live:
+            live = [r for r in live if lora_name in self.membership.lora_adapters(r)]
+            if not live:
+                raise NoEngineError(f"no live {role} engine serves LoRA adapter {lora_name!r}")
         if not live:
             known = len(self.membership.records.get(role, []))
             if not known:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Set
 from dataclasses import dataclass, field
 
-from baton.engine.block_keys import compute_block_keys, salted_seed
+from baton.engine.block_keys import compute_block_keys, request_seed
 from baton.protocol import KvEvents, ProtocolError, unpack_keys
 
 logger = logging.getLogger(__name__)
@@ -130,11 +130,16 @@ def _from_snapshot(msg: KvEvents) -> EngineKeys:
 class RequestKeys:
     """One prompt's block keys, computed at most once per (block size, seed). An engine's
     seed is its own; a request with a `cache_salt` is keyed from that seed salted, as the
-    engine keys it (baton/engine/block_keys.py), so it overlaps only its tenant's blocks."""
+    engine keys it (baton/engine/block_keys.py), so it overlaps only its tenant's blocks; one
+    with a LoRA adapter (`lora_name`, whose digest the engines publish: `lora_id`) from the
+    adapter's seed, so it overlaps only that adapter's blocks, never the base's."""
 
-    def __init__(self, token_ids: list[int], cache_salt: str = ""):
+    def __init__(self, token_ids: list[int], cache_salt: str = "", lora_name: str = "",
+                 lora_id: str = ""):
         self.token_ids = token_ids
         self.cache_salt = cache_salt
+        self.lora_name = lora_name  # engines without it are no candidates (router/engine_pool.py)
+        self.lora_id = lora_id
         self._keys: dict[tuple[int, int], list[int]] = {}
 
     def num_blocks(self, block_size: int) -> int:
@@ -145,6 +150,7 @@ class RequestKeys:
         cached = self._keys.get((block_size, seed))
         if cached is None:
             cached = compute_block_keys(self.token_ids, block_size,
-                                        salted_seed(seed, self.cache_salt)).tolist()
+                                        request_seed(seed, self.cache_salt,
+                                                     self.lora_id)).tolist()
             self._keys[(block_size, seed)] = cached
         return cached

@@ -20,7 +20,7 @@ import time
 
 import zmq.asyncio
 
-from baton.ops.registry import EngineRecord, Registry
+from baton.ops.registry import EngineRecord, Registry, StaticRegistry
 from baton.protocol import COMPLETION, PROMPT, ROLES
 from kv_transfer.auth import ClusterKeys
 from router.engine_client import EngineClient
@@ -51,6 +51,8 @@ class Membership:
         self._last_seen: dict[str, float] = {}  # address -> when the registry last listed it
         self._old_instances: dict[str, set[str]] = {}  # address -> instance ids replaced
         self._num_rejected_counted = 0  # the registry's ignored records already in metrics
+        # A static engine list's records say nothing of LoRA adapters: ask the engines.
+        self.asks_lora = isinstance(registry, StaticRegistry)
 
     def open(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -81,7 +83,8 @@ class Membership:
             if record.address not in self.clients:
                 logger.info("engine %s (%s) at %s", record.engine_id, record.role, record.address)
                 self.clients[record.address] = EngineClient(self._ctx, record.address,
-                                                            self.kv_index, self.keys)
+                                                            self.kv_index, self.keys,
+                                                            asks_lora=self.asks_lora)
         await self._close_departed(now)
         if self.kv_index is not None:
             await self._sync_kv_index(now)
@@ -125,6 +128,22 @@ class Membership:
             if (entry is None and client is not None and client.is_connected
                     and now - client.kv_subscribed_at >= _RESUBSCRIBE_S):
                 await client.subscribe_kv_events()
+
+    def lora_adapters(self, record: EngineRecord) -> dict[str, str]:
+        """The LoRA adapters engine `record` serves: name -> id (its record's, or with a
+        static engine list what the engine said)."""
+        if not self.asks_lora:
+            return record.lora_adapters
+        client = self.clients.get(record.address)
+        return client.lora_adapters if client is not None else {}
+
+    async def refresh_lora_adapters(self) -> None:
+        """After a load or unload: the registry's records again, or each engine asked."""
+        if not self.asks_lora:
+            await self.refresh()
+            return
+        await asyncio.gather(*(c.refresh_lora_adapters() for c in self.clients.values()
+                               if c.is_connected), return_exceptions=True)
 
     def all_records(self) -> list[EngineRecord]:
         """The latest snapshot's engines, every role."""

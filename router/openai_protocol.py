@@ -21,7 +21,9 @@ import re
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from baton.protocol import MAX_LORA_NAME_CHARS, MAX_PATH_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -270,3 +272,16 @@ def _shown(value: Any) -> str:
         return json.dumps(value)[:80]
     except (TypeError, ValueError, RecursionError):
         return type(value).__name__
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's POST /v1/load_lora_adapter body: a PEFT folder every engine can read."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=MAX_PATH_CHARS)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)

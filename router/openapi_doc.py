@@ -10,11 +10,18 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from router import api_models
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 REQUEST_MODELS = {"/v1/completions": CompletionRequest,
-                  "/v1/chat/completions": ChatCompletionRequest}
+                  "/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+                  "/v1/unload_lora_adapter": UnloadLoraAdapterRequest}
 _GENERATION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 502, 503)
 
 

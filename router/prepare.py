@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from baton.protocol import MAX_CACHE_SALT_CHARS, MAX_TOP_LOGPROBS, SamplingOptions
@@ -56,10 +57,13 @@ class Prepared:
     tool_mode: str = ""  # chat with tools: "required" or "auto" (router/tools.py)
     cache_salt: str = ""  # the tenant's prefix-cache salt ("" = the shared cache)
     api_key_name: str = ""  # the named API key it came with (router/api_keys.py)
+    lora_name: str = ""  # the LoRA adapter its `model` names ("" = the base model)
 
 
-def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
-    _check_common(body, info)
+def prepare_completion(body: CompletionRequest, info: ModelInfo,
+                       adapters: Collection[str] = ()) -> Prepared:
+    """`adapters`: the LoRA adapters the engines serve (a `model` may name one)."""
+    _check_common(body, info, adapters)
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}",
                           "logprobs")
@@ -91,6 +95,8 @@ def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
     max_tokens = _max_tokens(1 if drop_output else body.max_tokens, "max_tokens", "prompt",
                              len(ids), info, default=COMPLETIONS_DEFAULT_MAX_TOKENS)
     prep = _prepared("completion", "cmpl", body, ids, max_tokens, info)
+    prep.model = body.model
+    prep.lora_name = "" if body.model == info.name else body.model
     if body.logprobs is not None:
         prep.logprobs, prep.top_logprobs = True, body.logprobs
         prep.sampling.logprobs, prep.sampling.top_logprobs = True, body.logprobs
@@ -102,8 +108,9 @@ def prepare_completion(body: CompletionRequest, info: ModelInfo) -> Prepared:
     return prep
 
 
-def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
-    _check_common(body, info)
+def prepare_chat(body: ChatCompletionRequest, info: ModelInfo,
+                 adapters: Collection[str] = ()) -> Prepared:
+    _check_common(body, info, adapters)
     top = body.top_logprobs
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad_request(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
@@ -136,6 +143,8 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     else:
         max_tokens = _max_tokens(body.max_tokens, "max_tokens", "messages", len(ids), info)
     prep = _prepared("chat", "chatcmpl", body, ids, max_tokens, info)
+    prep.model = body.model
+    prep.lora_name = "" if body.model == info.name else body.model
     if plan is not None:
         prep.sampling.grammar, prep.tool_mode = plan.grammar, plan.mode
     if body.logprobs:
@@ -144,10 +153,12 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     return prep
 
 
-def _check_common(body: CompletionRequest | ChatCompletionRequest, info: ModelInfo) -> None:
-    if body.model != info.name:
+def _check_common(body: CompletionRequest | ChatCompletionRequest, info: ModelInfo,
+                  adapters: Collection[str] = ()) -> None:
+    if body.model != info.name and body.model not in adapters:
+        served = ", ".join(f"'{m}'" for m in [info.name, *sorted(adapters)])
         raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                       f"'{info.name}'", param="model", code="model_not_found")
+                       f"{served} (GET /v1/models)", param="model", code="model_not_found")
     unsupported = unsupported_fields(body)
     if unsupported:
         why = UNSUPPORTED_WHY.get(unsupported[0])

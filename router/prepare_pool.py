@@ -35,10 +35,12 @@ _worker_info: ModelInfo | None = None  # set once in each worker process
 INLINE_BYTES = 8 * 1024
 
 
-def prepare_raw(raw: bytes, kind: str, info: ModelInfo | None = None) -> Prepared:
-    """A raw body of endpoint `kind` ("completion", "chat") -> Prepared, or APIError."""
+def prepare_raw(raw: bytes, kind: str, info: ModelInfo | None = None,
+                adapters: tuple[str, ...] = ()) -> Prepared:
+    """A raw body of endpoint `kind` ("completion", "chat") -> Prepared, or APIError;
+    `adapters`: the LoRA adapters served now (a body's `model` may name one)."""
     model, prepare = _KINDS[kind]
-    return prepare(parse_body(raw, model), info or _worker_info)
+    return prepare(parse_body(raw, model), info or _worker_info, adapters)
 
 
 class PreparePool:
@@ -59,12 +61,12 @@ class PreparePool:
         await asyncio.gather(*(loop.run_in_executor(self._executor, _ping)
                                for _ in range(max(1, self.num_workers))))
 
-    async def prepare(self, raw: bytes, kind: str) -> Prepared:
+    async def prepare(self, raw: bytes, kind: str, adapters: tuple[str, ...] = ()) -> Prepared:
         if len(raw) <= INLINE_BYTES and self.num_workers:
-            return prepare_raw(raw, kind, self.info)
+            return prepare_raw(raw, kind, self.info, adapters)
         loop = asyncio.get_running_loop()
-        call = (functools.partial(prepare_raw, raw, kind) if self.num_workers
-                else functools.partial(prepare_raw, raw, kind, self.info))
+        call = (functools.partial(prepare_raw, raw, kind, None, adapters) if self.num_workers
+                else functools.partial(prepare_raw, raw, kind, self.info, adapters))
         executor = self._executor
         try:
             return await loop.run_in_executor(executor, call)

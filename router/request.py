@@ -107,6 +107,7 @@ class RouterRequest:
     num_cached_tokens: int = 0  # prompt tokens the engines took from their prefix caches
     cache_salt: str = ""  # the tenant's prefix-cache salt (baton/engine/block_keys.py)
     api_key_name: str = ""  # whose usage it counts as (router/api_keys.py)
+    lora_name: str = ""  # the LoRA adapter it runs with ("" = the base model)
     # n > 1 after a failure: each open choice goes on as a request of its own (for_choice)
     is_split_by_choice: bool = False
 
@@ -142,7 +143,7 @@ class RouterRequest:
                             self.arrival, [RouterChoice(0, choice.text,
                                                         token_ids=list(choice.token_ids))],
                             attempts=list(self.attempts), cache_salt=self.cache_salt,
-                            api_key_name=self.api_key_name)
+                            api_key_name=self.api_key_name, lora_name=self.lora_name)
         return sub
 
     @property

@@ -84,7 +84,8 @@ class Server:
                 choice.completion_logprobs = CompletionLogprobs(self.token_text)
             choices.append(choice)
         return RouterRequest(prep.req_id, prep.prompt_token_ids, prep.sampling, arrival, choices,
-                             cache_salt=prep.cache_salt, api_key_name=prep.api_key_name)
+                             cache_salt=prep.cache_salt, api_key_name=prep.api_key_name,
+                             lora_name=prep.lora_name)
 
     def _start(self, prep: Prepared, state: RouterRequest, first: TokenDelta) -> None:
         """The echoed prompt (and its logprobs) into each choice: the prompt was scored once,

@@ -62,3 +62,11 @@ def redis_url(redis_server) -> str:
 def cluster_keys() -> ClusterKeys:
     """The session's cluster keys (both pairs), the ones $BATON_CLUSTER_KEY_DIR names."""
     return ClusterKeys.load(os.environ[ENV_KEY_DIR])
+
+
+@pytest.fixture(scope="session")
+def lora_folders(tmp_path_factory):
+    """A tiny random Llama and PEFT adapters of it (tests/model/lora_files.py), written once."""
+    from tests.model.lora_files import write_lora_folders
+
+    return write_lora_folders(tmp_path_factory.mktemp("lora"))

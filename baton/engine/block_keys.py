@@ -9,7 +9,9 @@ adapter, a tenant's cache salt) enters here, in `key_seed`, and nowhere else.
 The KV dtype enters through the model fingerprint (`LLMEngine.model_fingerprint`: the pool's
 layout, `KVCacheSpec.fingerprint`, names its dtype, and the compute dtype follows when it
 differs): the compiled scheduler is handed the engine's seed, and the router keys a prompt
-with the seed each engine announces in its KV events, so neither spells the dtype again.
+with the seed each engine announces in its KV events, so neither spells the dtype again. A
+LoRA adapter enters by its digest (`lora_seed`), which each engine publishes in its registry
+record beside the adapter's name, so the router keys an adapter's prompt as that engine does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import hashlib
 
 from baton.engine.scheduler import compute_block_keys
 
-__all__ = ["compute_block_keys", "key_seed", "salted_seed"]
+__all__ = ["compute_block_keys", "key_seed", "lora_seed", "request_seed", "salted_seed"]
 
 
 def key_seed(model_fingerprint: str, cache_salt: str = "") -> int:
@@ -37,3 +39,20 @@ def salted_seed(engine_seed: int, cache_salt: str) -> int:
         return engine_seed
     material = engine_seed.to_bytes(8, "little") + b"|cache_salt|" + cache_salt.encode()
     return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little")
+
+
+def lora_seed(engine_seed: int, lora_id: str) -> int:
+    """The seed of the requests an engine whose own seed is `engine_seed` serves with the LoRA
+    adapter `lora_id` (its digest, `baton.model.lora.LoraAdapter.adapter_id`; "" = the base
+    model). An adapter computes other K/V from the first layer on: its chain is unrelated to
+    the base's and to every other adapter's, so its blocks never serve, nor route, another."""
+    if not lora_id:
+        return engine_seed
+    material = engine_seed.to_bytes(8, "little") + b"|lora|" + lora_id.encode()
+    return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little")
+
+
+def request_seed(engine_seed: int, cache_salt: str = "", lora_id: str = "") -> int:
+    """A request's seed: the engine's, then its adapter's, then its tenant's salt (what the
+    engine hands the scheduler and the router keys a prompt with)."""
+    return salted_seed(lora_seed(engine_seed, lora_id), cache_salt)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from baton.engine.block_keys import key_seed, salted_seed
+from baton.engine.block_keys import key_seed, request_seed
 from baton.engine.choices import choice_id, choice_params, for_choice, plan_splits
 from baton.engine.config import ROLE_TYPES, EngineConfig
 from baton.engine.input_processor import InputProcessor
@@ -126,15 +126,55 @@ class LLMEngine:
     def prefix_cache_seed(self) -> int:
         return key_seed(self.model_fingerprint)
 
-    def request_key_seed(self, request_id: str, cache_salt: str) -> int | None:
-        """The key seed of a request with `cache_salt` (None: the engine's own, no salt);
-        ValueError for a salt longer than MAX_CACHE_SALT_CHARS."""
-        if not cache_salt:
+    def request_key_seed(self, request_id: str, cache_salt: str,
+                         lora_name: str = "") -> int | None:
+        """The key seed of a request with `cache_salt` and LoRA adapter `lora_name` (None: the
+        engine's own: no salt, the base model); ValueError for a salt longer than
+        MAX_CACHE_SALT_CHARS or an adapter not loaded here."""
+        lora_id = self.lora_id(request_id, lora_name)
+        if not cache_salt and not lora_id:
             return None
         if len(cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ValueError(f"request {request_id!r}: cache_salt of {len(cache_salt)} "
                              f"characters; at most {MAX_CACHE_SALT_CHARS}")
-        return salted_seed(self.prefix_cache_seed, cache_salt)
+        return request_seed(self.prefix_cache_seed, cache_salt, lora_id)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded LoRA adapters: name -> id (the digest that keys their KV blocks)."""
+        lora = getattr(self.runner, "lora", None)
+        return lora.ids() if lora is not None else {}
+
+    def lora_id(self, request_id: str, lora_name: str) -> str:
+        """The id of adapter `lora_name` ("" for the base); ValueError naming the loaded ones
+        when it is not loaded here."""
+        if not lora_name:
+            return ""
+        ids = self.lora_adapters()
+        if lora_name not in ids:
+            raise ValueError(f"request {request_id!r}: LoRA adapter {lora_name!r} is not loaded "
+                             f"on this engine (loaded: {sorted(ids) or 'none'})")
+        return ids[lora_name]
+
+    def load_lora(self, name: str, path: str) -> str:
+        """Load a PEFT LoRA adapter under `name`; its id. ValueError (baton.model.lora.LoraError)
+        when the name is taken or the adapter does not fit the model."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("this engine's runner serves no LoRA adapters (a mock runner)")
+        return lora.load(name, path).adapter_id
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`; ValueError when it is not loaded or a request runs with it."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None or name not in lora.adapters:
+            loaded = sorted(lora.adapters) if lora is not None else []
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded or 'none'})")
+        users = sum(r.lora_name == name for r in self._requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} serves {users} running requests; unload "
+                             "it when they are done")
+        lora.unload(name)
 
     @property
     def kv_cache(self):
@@ -190,7 +230,8 @@ class LLMEngine:
     def add_prompted_request(self, request_id: str, prompt_token_ids: list[int],
                              output_token_ids: list[int], params: SamplingParams,
                              first_token: int, first_logprob: float, index: int = 0,
-                             block_keys: Sequence[int] = (), cache_salt: str = ""):
+                             block_keys: Sequence[int] = (), cache_salt: str = "",
+                             lora_name: str = ""):
         """A prompt whose KV lives on a prompt engine: allocate its blocks (the run this
         engine's prefix cache holds, by `block_keys`, is pinned instead) and track it as
         waiting for its remote KV; it joins `running` at `commit_prompted`. Returns the
@@ -199,11 +240,12 @@ class LLMEngine:
             request_id, prompt_token_ids + output_token_ids, first_token,
             params.max_tokens - len(output_token_ids), **self.inputs.stop_options(params),
             block_keys=block_keys if self.config.enable_prefix_caching else (),
-            key_seed=self.request_key_seed(request_id, cache_salt))
+            key_seed=self.request_key_seed(request_id, cache_salt, lora_name))
         if alloc.status == AllocStatus.OK:
             self.track(request_id, prompt_token_ids, for_choice(params, params.sample_index, index),
                        alloc.seq_id, token_ids=[*output_token_ids, first_token],
                        logprobs=[first_logprob], index=index)
+            self._requests[request_id].lora_name = lora_name
         return alloc
 
     def commit_prompted(self, request_id: str,
@@ -231,11 +273,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
-                    output_token_ids: Sequence[int] = (), cache_salt: str = "") -> str:
+                    output_token_ids: Sequence[int] = (), cache_salt: str = "",
+                    lora_name: str = "") -> str:
         """Queue a prompt (text is tokenized as is: apply a chat template first if wanted).
         `output_token_ids` were generated before, elsewhere (a migrated request): prefilled
         after the prompt, they count as this request's first outputs. `cache_salt`: its
-        blocks hit and are keyed only among requests with the same salt (P1).
+        blocks hit and are keyed only among requests with the same salt (P1); `lora_name`:
+        the LoRA adapter it runs with ("" = the base model), which keys its blocks too.
         Returns the request id (generated when None); ValueError on a duplicate or empty one."""
         params = params or SamplingParams()
         if request_id is None:
@@ -253,8 +297,9 @@ class LLMEngine:
             request_id, np.asarray(ids + outputs, dtype=np.int32),
             params.max_tokens - len(outputs), **self.inputs.stop_options(params),
             skip_prefix_cache=params.prompt_logprobs >= 0,
-            key_seed=self.request_key_seed(request_id, cache_salt))
+            key_seed=self.request_key_seed(request_id, cache_salt, lora_name))
         self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
+        self._requests[request_id].lora_name = lora_name
         return request_id
 
     def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -348,7 +393,9 @@ class LLMEngine:
             [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
             [r.prompt_token_ids for r in reqs],
             [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
-            choice_params(reqs, complete))
+            choice_params(reqs, complete),
+            **({"lora_names": [r.lora_name for r in reqs]}
+               if any(r.lora_name for r in reqs) else {}))
         splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:
@@ -435,6 +482,7 @@ class LLMEngine:
                    base_id=req.wire_id)
         child = self._requests[cid]
         child.num_cached_tokens = req.num_cached_tokens
+        child.lora_name = req.lora_name
         child.prompt_logprobs = None  # the prompt was scored once, for the carrier
         return child
 
@@ -508,8 +556,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[CompletionOutput]:
-        """Run prompts (str or token-id lists) to completion; outputs in prompt order."""
+                 lora_names: Sequence[str] | None = None) -> list[CompletionOutput]:
+        """Run prompts (str or token-id lists) to completion; outputs in prompt order.
+        `lora_names[i]`: the LoRA adapter of prompt i ("" = the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
@@ -518,7 +567,11 @@ class LLMEngine:
         if any(sp is not None and sp.n > 1 for sp in params_list):
             raise ValueError("generate() returns one output per prompt: for n > 1 choices use "
                              "add_request() and step(), whose outputs carry each choice's index")
-        ids = [self.add_request(None, p, sp) for p, sp in zip(prompts, params_list, strict=False)]
+        loras = list(lora_names) if lora_names is not None else [""] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora_names for {len(prompts)} prompts")
+        ids = [self.add_request(None, p, sp, lora_name=lora)
+               for p, sp, lora in zip(prompts, params_list, loras, strict=False)]
         reqs = {rid: self._requests[rid] for rid in ids}
         while any(r.finish_reason is None for r in reqs.values()):
             self.step()

@@ -64,6 +64,7 @@ class Request:
     base_id: str = ""  # the request's id, when this sequence is one of its forked choices
     base_sample_index: int = 0  # choice i draws with this + i
     is_split: bool = True  # False: n > 1 and its first tokens are not drawn yet
+    lora_name: str = ""  # the LoRA adapter it runs with ("" = the base model)
 
     @property
     def wire_id(self) -> str:

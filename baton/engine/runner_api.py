@@ -33,4 +33,6 @@ class Runner(Protocol):
                 ) -> StepSamples:
         """Run a scheduler step and sample it. A decode step whose rows carry drafts (query
         length 1 + k: the engine runs `--speculative`) is verified in that one forward and
-        answers the `[n, 1 + k]` rows the scheduler books (`StepSamples.token_ids`)."""
+        answers the `[n, 1 + k]` rows the scheduler books (`StepSamples.token_ids`). A runner
+        with LoRA adapters (a `lora` attribute: `baton.model.lora.LoraSet`) also takes
+        `lora_names=`, each row's adapter ("" = the base), passed only when a row has one."""

@@ -8,7 +8,9 @@ there. A family module (`llama.py`, `qwen.py`, `phi3.py`, `gemma2.py`) picks its
 and extras and maps its checkpoint's tensor names onto these parameters.
 
 A layer's projections are flat attributes of the layer (`qkv_proj`, `o_proj`, `gate_up_proj`,
-`down_proj`): the quantized modes replace them by name (`quant.quantize_model`).
+`down_proj`): the quantized modes replace them by name (`quant.quantize_model`). While a step
+serves LoRA adapters, `layer.lora` adds each adapter row's delta after each projection
+(`baton/model/lora.py`); it is None otherwise.
 """
 
 from __future__ import annotations
@@ -97,12 +99,15 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = weight(c, 2 * c.intermediate_size, c.hidden_size)
             self.down_proj = weight(c, c.hidden_size, c.intermediate_size)
         self.act = _ACTIVATIONS[c.hidden_act]
+        self.lora = None  # a step's LoRA hook (lora.LayerLora), set only for that step
 
     def attention(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                   layer_kv: torch.Tensor, meta: Any, backend: Backend) -> torch.Tensor:
         """o_proj(attention(qkv_proj(h))): [T, hidden]."""
         c = self.config
         qkv = backend.linear(h, self.qkv_proj)
+        if self.lora is not None:
+            qkv = self.lora(qkv, h, "qkv_proj")
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         attn = None
@@ -120,16 +125,21 @@ class DecoderLayer(nn.Module):
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, num_qk_heads * c.head_dim:].view(-1, c.num_kv_heads, c.head_dim)
             attn = backend.attention(q, k, v, layer_kv, meta, self.index, self.attention_options)
-        return backend.linear(attn.reshape(h.shape[0], -1), self.o_proj)
+        attn = attn.reshape(h.shape[0], -1)
+        out = backend.linear(attn, self.o_proj)
+        return out if self.lora is None else self.lora(out, attn, "o_proj")
 
     def mlp(self, h: torch.Tensor, backend: Backend) -> torch.Tensor:
         """down_proj(act(gate) * up): [T, hidden]."""
         gate_up = backend.linear(h, self.gate_up_proj)
+        if self.lora is not None:
+            gate_up = self.lora(gate_up, h, "gate_up_proj")
         act = backend.fused_silu_mul(gate_up) if self.act is F.silu else None
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = self.act(gate) * up
-        return backend.linear(act, self.down_proj)
+        out = backend.linear(act, self.down_proj)
+        return out if self.lora is None else self.lora(out, act, "down_proj")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                 layer_kv: torch.Tensor, meta: Any, backend: Backend) -> torch.Tensor:

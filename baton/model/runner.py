@@ -20,6 +20,7 @@ from baton.model.kv_cache import KVCacheSpec, allocate_kv_cache
 from baton.model.load_cache import load_with_cache
 from baton.model.loader import LoadedModel
 from baton.model.logprobs import token_logprobs, top_logprobs
+from baton.model.lora import LoraSet
 from baton.model.sampler import Sampler, sample_verified
 from baton.sampling.params import SamplingParams
 from baton.sampling.samples import PromptSpan, StepSamples
@@ -53,6 +54,7 @@ class ModelRunner:
             num_blocks = self.kv_spec.num_blocks_for_budget(pool_bytes)
         self.kv_cache = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
+        self.lora = LoraSet(self.model)  # LoRA adapters served beside the base (baton/model/lora.py)
         self.startup: dict[str, float | str] = {}  # build_runner's phases (engine start-up log)
         logger.info("model runner: %s backend, %d KV blocks of %s, %d bytes each (+%.0f%% for "
                     "the backend's rows)", self.backend.name, num_blocks,
@@ -67,14 +69,16 @@ class ModelRunner:
         return torch.as_tensor(np.asarray(values), device=self.device).long()
 
     def forward(self, input_ids, positions, slot_mapping, seqlens_q, seqlens_k, block_tables,
-                seq_ids=None, logit_rows=None, decode_step: bool = False) -> torch.Tensor:
+                seq_ids=None, logit_rows=None, decode_step: bool = False,
+                lora_names: Sequence[str] | None = None) -> torch.Tensor:
         """Run one flat batch (array-likes as the scheduler gives them); fp32 logits [n, vocab]
         of each sequence's last token (or of the flat token indices `logit_rows`).
         `slot_mapping` is block_id * block_size + offset of each token; `seqlens_k` each
         sequence's context length after the step. `seq_ids` (the scheduler's, unique per live
         sequence) let the backend keep a decoding sequence's state (the CPU backend's dense
         rows) from step to step; without them nothing is kept. `decode_step`: every token is a
-        decode token, drafts included (a speculative decode step's rows are longer than one)."""
+        decode token, drafts included (a speculative decode step's rows are longer than one).
+        `lora_names[i]`: the LoRA adapter row i runs with ("" = the base model)."""
         batch = StepBatch(
             input_ids=self._tensor(input_ids), positions=self._tensor(positions),
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
@@ -87,8 +91,13 @@ class ModelRunner:
             == batch.slot_mapping.shape[0], "ragged batch"
         meta = self.backend.prepare(batch, self.kv_cache, self.config.dtype)
         rows = None if logit_rows is None else self._tensor(logit_rows)
-        logits = self.model(batch.input_ids, batch.positions, self.kv_cache, meta, self.backend,
-                            logit_rows=rows)
+        hooked = lora_names is not None and self.lora.begin_step(lora_names, batch.seqlens_q)
+        try:
+            logits = self.model(batch.input_ids, batch.positions, self.kv_cache, meta,
+                                self.backend, logit_rows=rows)
+        finally:
+            if hooked:
+                self.lora.end_step()
         self.backend.finish_step(meta)
         return logits
 
@@ -99,13 +108,14 @@ class ModelRunner:
                 prompt_spans: Sequence[PromptSpan | None] | None = None,
                 allowed_tokens: Sequence[np.ndarray | None] | None = None,
                 choice_params: Sequence[list[SamplingParams] | None] | None = None,
-                ) -> StepSamples:
+                lora_names: Sequence[str] | None = None) -> StepSamples:
         """Run a scheduler step and sample row i with `params[i]` (None: a prompt chunk that
         does not end its prompt; it gets a dummy 0, which the scheduler ignores, and draws
         nothing); penalties, min_tokens and seeds read each row's prompt and output ids so far.
         `prompt_spans[i]` asks for prompt logprobs of row i's chunk positions [first, end);
         `allowed_tokens[i]` is row i's grammar mask (bool [vocab]); `choice_params[i]` draws
-        more tokens from row i's logits, one per params (the other choices of an n > 1 prompt).
+        more tokens from row i's logits, one per params (the other choices of an n > 1 prompt);
+        `lora_names[i]` the LoRA adapter of row i ("" or None: the base model).
         Returns the token ids int32 [n], their log-probs fp32 [n] and what else was asked."""
         # The step's thread count for this step only (nothing else in the process, another
         # engine or a test's reference model, may inherit it); ~10 us each.
@@ -116,23 +126,23 @@ class ModelRunner:
             masks = None if allowed_tokens is None else \
                 [None if m is None else torch.from_numpy(m) for m in allowed_tokens]
             return self._execute(sched_out, seq_ids, params, prompt_token_ids, output_token_ids,
-                                 prompt_spans, masks, choice_params)
+                                 prompt_spans, masks, choice_params, lora_names)
         finally:
             if threads != before:
                 torch.set_num_threads(before)
 
     def _execute(self, sched_out, seq_ids, params, prompt_token_ids, output_token_ids,
-                 prompt_spans, allowed_tokens, choice_params) -> StepSamples:
+                 prompt_spans, allowed_tokens, choice_params, lora_names) -> StepSamples:
         self._clone_blocks(np.asarray(sched_out.clone_blocks))
         seqlens_q = np.asarray(sched_out.seqlens_q, dtype=np.int64)
         if not sched_out.prompt_run and len(seqlens_q) and int(seqlens_q.max()) > 1:
             return self._execute_verify(sched_out, seq_ids, seqlens_q, params, prompt_token_ids,
-                                        output_token_ids, allowed_tokens)
+                                        output_token_ids, allowed_tokens, lora_names)
         spans = list(prompt_spans) if prompt_spans is not None else [None] * len(params)
         logit_rows, last = self._logit_rows(seqlens_q, spans)
         logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
                               sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
-                              seq_ids, logit_rows)
+                              seq_ids, logit_rows, lora_names=lora_names)
         n = len(params)
         out = StepSamples(np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.float32),
                           [None] * n, [None] * n)
@@ -159,13 +169,14 @@ class ModelRunner:
         return out
 
     def _execute_verify(self, sched_out, seq_ids, seqlens_q, params, prompt_token_ids,
-                        output_token_ids, allowed_tokens) -> StepSamples:
+                        output_token_ids, allowed_tokens, lora_names=None) -> StepSamples:
         """A decode step whose rows carry drafts: logits at every position of every row, one
         forward, then `sample_verified` (the `[n, 1 + k]` rows the scheduler books)."""
         num_tokens = int(seqlens_q.sum())
         logits = self.forward(sched_out.input_ids, sched_out.positions, sched_out.slot_mapping,
                               sched_out.seqlens_q, sched_out.seqlens_k, sched_out.block_tables,
-                              seq_ids, np.arange(num_tokens), decode_step=True)
+                              seq_ids, np.arange(num_tokens), decode_step=True,
+                              lora_names=lora_names)
         input_ids = np.asarray(sched_out.input_ids)
         starts = np.cumsum(seqlens_q) - seqlens_q
         drafts = [input_ids[s + 1:s + q].tolist() for s, q in zip(starts, seqlens_q, strict=True)]

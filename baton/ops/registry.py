@@ -59,6 +59,9 @@ class EngineRecord(msgspec.Struct, omit_defaults=True):
     draining: bool = False
     # Hex HMAC-SHA256 of the record (see the module docstring); "" = unsigned.
     signature: str = ""
+    # The LoRA adapters it serves: name -> id (the digest that keys their KV blocks,
+    # baton/engine/block_keys.py), so routers list them and key an adapter's prompt as it does.
+    lora_adapters: dict[str, str] = {}
 
     @property
     def load(self) -> float:

@@ -3,8 +3,8 @@
 One process, one thread of control:
 
 1. Messages arrive on a ZMQ ROUTER socket bound to the configured host (127.0.0.1 by default):
-   `GenerateRequest`, `AbortRequest`, `StatsRequest`, `ResetPrefixCache`, `SubscribeKvEvents`
-   (baton/protocol.py). Each is decoded with
+   `GenerateRequest`, `AbortRequest`, `StatsRequest`, `ResetPrefixCache`, `SubscribeKvEvents`,
+   `LoadLoraAdapter`, `UnloadLoraAdapter` (baton/protocol.py). Each is decoded with
    size and type checks; an undecodable message is dropped and counted, never trusted.
 2. A `GenerateRequest` goes to the role's worker (`add_request`); the router's identity is kept
    per request so every later `TokenDelta` goes back to the socket that asked: whatever one
@@ -53,11 +53,13 @@ from baton.protocol import (
     EngineStats,
     GenerateRequest,
     KvEvents,
+    LoadLoraAdapter,
     ProtocolError,
     ResetPrefixCache,
     StatsRequest,
     SubscribeKvEvents,
     TokenDelta,
+    UnloadLoraAdapter,
     decode_to_engine,
     encode,
 )
@@ -81,6 +83,8 @@ class RoleWorker(Protocol):
     def fill_stats(self, stats: EngineStats) -> None: ...
     def fill_record(self, record: EngineRecord) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
+    def load_lora(self, name: str, path: str) -> str: ...  # ValueError: refused, why
+    def unload_lora(self, name: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -282,6 +286,8 @@ class EngineService:
             ok = self.worker.reset_prefix_cache()
             self._send(identity, ControlReply(msg.nonce, ok, "" if ok else
                                               "KV pulls into cached blocks are in flight; retry"))
+        elif isinstance(msg, (LoadLoraAdapter, UnloadLoraAdapter)):
+            self._send(identity, self._lora_control(msg))
         elif isinstance(msg, ChangeRole):
             ok, why = self._ask_role_change(msg.role)
             self._send(identity, ControlReply(msg.nonce, ok, why))
@@ -290,6 +296,28 @@ class EngineService:
                 self._send(identity, ControlReply(msg.nonce, False, "no KV events here"))
             else:
                 self._send_kv_events(identity, self.kv_events.subscribe(identity, msg.nonce))
+
+    def _lora_control(self, msg: LoadLoraAdapter | UnloadLoraAdapter) -> ControlReply:
+        """Load or unload an adapter (on the loop: the steps wait for the read), then publish
+        the record at once, so routers list (or stop listing) it without waiting a beat."""
+        try:
+            if isinstance(msg, LoadLoraAdapter):
+                adapter_id = self.worker.load_lora(msg.lora_name, msg.lora_path)
+                why = f"loaded LoRA adapter {msg.lora_name!r} ({adapter_id})"
+            else:
+                self.worker.unload_lora(msg.lora_name)
+                why = f"unloaded LoRA adapter {msg.lora_name!r}"
+        except ValueError as exc:
+            logger.warning("%s", exc)
+            return ControlReply(msg.nonce, False, str(exc))
+        logger.info("%s", why)
+        self._snapshot, self._snapshot_at = self.record(), time.monotonic()
+        if self.registry is not None:
+            try:
+                self.registry.publish(self._snapshot)
+            except Exception as exc:  # the heartbeat publishes it again within a beat
+                logger.warning("registry publish after %s failed: %s", why, exc)
+        return ControlReply(msg.nonce, True, why)
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         if self._stop.is_set() or self._change is not None:

@@ -101,7 +101,8 @@ class EngineWorker:
         try:
             params = to_sampling_params(req.sampling)
             self.engine.add_request(req.req_id, req.prompt_token_ids, params,
-                                    req.output_token_ids, cache_salt=req.cache_salt)
+                                    req.output_token_ids, cache_salt=req.cache_salt,
+                                    lora_name=req.lora_name)
         except ValueError as exc:
             return [error_delta(req.req_id, str(exc))]
         return []
@@ -139,6 +140,7 @@ class EngineWorker:
             stats.extra[key] = float(counts[key])
         if engine.speculator is not None:
             stats.extra.update(engine.speculator.metrics())
+        stats.lora_adapters = engine.lora_adapters()
 
     def fill_record(self, record: EngineRecord) -> None:
         counts = self.engine.stats()
@@ -146,9 +148,17 @@ class EngineWorker:
         record.block_size = self.engine.config.block_size
         for key in ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting"):
             setattr(record, key, int(counts[key]))
+        record.lora_adapters = self.engine.lora_adapters()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def load_lora(self, name: str, path: str) -> str:
+        """ValueError naming the adapter when it does not load."""
+        return self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def kv_event_source(self) -> KvEventSource:
         """The prefix cache's keys for cache-aware routing (baton/engine/kv_events.py)."""
