@@ -75,9 +75,10 @@ class EngineConfig:
     # hit, a pulled prompt, a decode row) reads the same numbers. bfloat16 holds twice the
     # tokens of float32 in the same budget (quality gate: README, "KV cache dtype").
     kv_cache_dtype: str = "auto"
-    # Speculative decoding (baton/engine/speculation.py): off, or ngram (prompt lookup over each
-    # request's own tokens); the model verifies every draft of a step in one forward. Greedy
-    # and seeded outputs are those without it.
+    # Speculative decoding (baton/engine/speculation.py): off, ngram (prompt lookup over each
+    # request's own tokens) or suffix (the continuation of the longest repeated suffix of
+    # them); the model verifies every draft of a step in one forward, and a batch drafts only
+    # where the measured step times say it pays. Greedy and seeded outputs are those without.
     speculative: str = "off"
     # Most drafts per sequence and step; 0 = DEFAULT_SPECULATIVE_TOKENS when speculating.
     num_speculative_tokens: int = 0
