@@ -133,6 +133,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                         help="most drafts per sequence and step (0 = "
                              f"{DEFAULT_SPECULATIVE_TOKENS} with --speculative ngram|suffix; refused "
                              "with --speculative off)")
+        sp.add_argument("--speculative-disable-by-batch-size", type=int, default=0,
+                        help="0 = a batch drafts only where the engine's measured step times "
+                             "say verifying pays (the default); N = a batch of N or more rows "
+                             "never drafts, a smaller one always does (vLLM's name)")
     if role in (NORMAL, PROMPT):
         m.add_argument("--data-parallel-size", type=int, default=1,
                        help="ranks, one scheduler each, voting on the step type over gloo")

@@ -90,7 +90,8 @@ class LLMEngine:
             num_speculative_tokens=config.num_draft_tokens),
             all_reduce_min=all_reduce_min)
         # Drafts for the next decode step (baton/engine/speculation.py); None = plain decoding.
-        self.speculator = (Speculator(config.speculative, config.num_draft_tokens)
+        self.speculator = (Speculator(config.speculative, config.num_draft_tokens,
+                                      disable_by_batch_size=config.speculative_disable_by_batch_size)
                            if config.num_draft_tokens else None)
         self.max_model_len = max_len
         self._requests: dict[str, Request] = {}

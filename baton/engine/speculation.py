@@ -67,7 +67,9 @@ class Speculator:
     """Drafts for the requests of one engine."""
 
     def __init__(self, method: str, num_speculative_tokens: int,
-                 costs: StepCosts | None = None) -> None:
+                 costs: StepCosts | None = None, disable_by_batch_size: int = 0) -> None:
+        """`disable_by_batch_size` N > 0: a batch of N rows or more drafts nothing, a smaller
+        one always drafts (no cost model); 0: `costs` decides."""
         if method not in SPECULATIVE_METHODS or method == "off":
             raise ValueError(f"speculative={method!r}: a Speculator needs one of "
                              f"{[m for m in SPECULATIVE_METHODS if m != 'off']}")
@@ -77,6 +79,7 @@ class Speculator:
         self.max_k = num_speculative_tokens
         self._drafting: dict[str, _Drafting] = {}
         self.costs = costs or StepCosts()
+        self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecStats(drafted_per_pos=[0] * num_speculative_tokens,
                                accepted_per_pos=[0] * num_speculative_tokens)
 
@@ -114,9 +117,13 @@ class Speculator:
                 drafts[req.request_id] = row
         if not drafts:
             return drafts
-        num_drafts = sum(len(row) for row in drafts.values())
-        expected = sum(self.expected_kept(len(row)) for row in drafts.values())
-        if self.costs.pays(max(num_rows, len(drafts)), num_drafts, expected):
+        num_rows = max(num_rows, len(drafts))
+        if self.disable_by_batch_size:
+            pays = num_rows < self.disable_by_batch_size
+        else:
+            pays = self.costs.pays(num_rows, sum(len(row) for row in drafts.values()),
+                                   sum(self.expected_kept(len(row)) for row in drafts.values()))
+        if pays:
             return drafts
         self.stats.num_skipped_batches += 1
         return {}
