@@ -99,7 +99,7 @@ def run_batch(engine, prompts: list[list[int]], params) -> tuple[float, list[lis
 def c1_part(args, engines, prompts, SamplingParams) -> list[dict]:
     """c1 TPOT per (workload, method), off on the first engine; outputs checked equal."""
     tpot: dict[tuple[str, str], list[float]] = {}
-    accept = {(name, m): [0, 0] for name in prompts for m in engines}
+    accept = {(name, m): [0, 0, 0] for name in prompts for m in engines}
     outputs: dict[str, list[int]] = {}
     paths = [("off", next(iter(engines.values()))), *engines.items()]
     for name, prompt in prompts.items():  # warm-up: each path once
@@ -111,7 +111,7 @@ def c1_part(args, engines, prompts, SamplingParams) -> list[dict]:
         for name, prompt in prompts.items():
             for method, engine in paths:
                 stats = engine.speculator.stats
-                before = (stats.num_drafted, stats.num_accepted)
+                before = (stats.num_drafted, stats.num_accepted, stats.num_skipped_batches)
                 params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
                                         speculative=method != "off", **WORKLOAD_SAMPLING[name])
                 seconds, tokens = run_request(engine, prompt, params)
@@ -121,12 +121,13 @@ def c1_part(args, engines, prompts, SamplingParams) -> list[dict]:
                 if method != "off":
                     accept[(name, method)][0] += stats.num_drafted - before[0]
                     accept[(name, method)][1] += stats.num_accepted - before[1]
+                    accept[(name, method)][2] += stats.num_skipped_batches - before[2]
     rows = []
     for name in prompts:
         off = tpot[(name, "off")]
         for method in engines:
             on = tpot[(name, method)]
-            drafted, accepted = accept[(name, method)]
+            drafted, accepted, skipped = accept[(name, method)]
             rows.append({"workload": name, "method": method,
                          "tpot_off_ms": [1e3 * t for t in off],
                          "tpot_on_ms": [1e3 * t for t in on],
@@ -134,15 +135,16 @@ def c1_part(args, engines, prompts, SamplingParams) -> list[dict]:
                          "p50_on_ms": 1e3 * statistics.median(on),
                          "ratio_on_off": statistics.median(on) / statistics.median(off),
                          "drafted": drafted, "accepted": accepted,
-                         "acceptance": accepted / drafted if drafted else 0.0})
+                         "acceptance": accepted / drafted if drafted else 0.0,
+                         "skipped_batches": skipped})
     print(f"{'workload':8} {'method':7} {'TPOT off p50 (min-max) ms':>27} "
-          f"{'TPOT on p50 (min-max) ms':>26} {'on/off':>7} {'accepted':>9}")
+          f"{'TPOT on p50 (min-max) ms':>26} {'on/off':>7} {'kept/drafted':>13} {'skipped':>8}")
     for r in rows:
         off, on = r["tpot_off_ms"], r["tpot_on_ms"]
         print(f"{r['workload']:8} {r['method']:7} {r['p50_off_ms']:9.2f} "
               f"({min(off):6.2f}-{max(off):6.2f}) {r['p50_on_ms']:12.2f} "
               f"({min(on):6.2f}-{max(on):6.2f}) {r['ratio_on_off']:7.2f} "
-              f"{r['acceptance']:8.0%}")
+              f"{r['accepted']:6d}/{r['drafted']:<6d} {r['skipped_batches']:8d}")
     return rows
 
 

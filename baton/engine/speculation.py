@@ -30,6 +30,8 @@ that draws their first tokens does not. A request that opts out
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -200,45 +202,47 @@ def _bucket(num: int) -> int:
 
 
 class StepCosts:
-    """Running averages of a decode step's time (seconds): plain steps by their rows, verified
-    steps by their query tokens (rows + drafts), each in size buckets.
+    """Recent decode step times (seconds): plain steps by their rows, verified steps by their
+    query tokens (rows + drafts), each in size buckets; a bucket's cost is the median of its
+    last `window` steps (a shared host's stalls move a mean, not a median).
 
     Verifying B rows with D drafts pays when `verify(B + D) / (B + kept) < plain(B) / B`, the
     expected tokens per second of each. A plain step right after a verified or a prompt step is
-    not averaged (the CPU backend rebuilds a decode row a verified step left behind: a cost of
-    switching, not of the steady state). Unmeasured sizes are measured first: no plain average
-    at B yet, no drafts (the plain step measures it); no verified one at B + D yet, drafts. A
-    size judged not to pay is tried again every `probe_interval` refusals, so an average taken
-    on a noisy step does not switch speculation off for good."""
+    not counted (the CPU backend rebuilds a decode row a verified step left behind: a cost of
+    switching, not of the steady state). Unmeasured sizes are measured first: no plain step at
+    B yet, no drafts (the plain step measures it); fewer than `min_samples` verified ones at
+    B + D, drafts. A size judged not to pay is tried again every `probe_interval` refusals, so
+    its cost is kept current."""
 
-    def __init__(self, alpha: float = 0.2, probe_interval: int = 64) -> None:
-        self.alpha, self.probe_interval = alpha, probe_interval
-        self.plain: dict[int, float] = {}
-        self.verify: dict[int, float] = {}
+    def __init__(self, window: int = 9, min_samples: int = 3, probe_interval: int = 32) -> None:
+        self.window, self.min_samples, self.probe_interval = window, min_samples, probe_interval
+        self.plain: dict[int, deque[float]] = {}
+        self.verify: dict[int, deque[float]] = {}
         self._refusals: dict[int, int] = {}
         self._last_kind = "prompt"
 
     def observe(self, kind: str, num_rows: int, num_tokens: int, seconds: float) -> None:
         """A step ran: kind prompt | plain | verify (decode with drafts)."""
         if kind == "verify":
-            self._average(self.verify, _bucket(num_tokens), seconds)
+            self._add(self.verify, _bucket(num_tokens), seconds)
         elif kind == "plain" and self._last_kind == "plain":
-            self._average(self.plain, _bucket(num_rows), seconds)
+            self._add(self.plain, _bucket(num_rows), seconds)
         self._last_kind = kind
 
-    def _average(self, table: dict[int, float], key: int, seconds: float) -> None:
-        old = table.get(key)
-        table[key] = seconds if old is None else old + self.alpha * (seconds - old)
+    def _add(self, table: dict[int, deque[float]], key: int, seconds: float) -> None:
+        table.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     def pays(self, num_rows: int, num_drafts: int, expected_kept: float) -> bool:
         """Whether a verified step of `num_rows` rows and `num_drafts` drafts, keeping
         `expected_kept` of them, beats a plain step of `num_rows` rows in tokens per second."""
         plain = self.plain.get(_bucket(num_rows))
-        if plain is None:
+        if not plain:
             return False
         key = _bucket(num_rows + num_drafts)
         verify = self.verify.get(key)
-        if verify is None or verify * num_rows < plain * (num_rows + expected_kept):
+        if (not verify or len(verify) < self.min_samples
+                or statistics.median(verify) * num_rows
+                < statistics.median(plain) * (num_rows + expected_kept)):
             return True
         self._refusals[key] = refusals = self._refusals.get(key, 0) + 1
         if refusals >= self.probe_interval:

@@ -80,8 +80,9 @@ def test_suffix_automaton_matches_a_brute_force_search() -> None:
 def test_a_batch_over_the_break_even_point_drafts_nothing() -> None:
     """Measured: a plain step of 8 rows 20 ms, verifying 8 rows + 32 drafts 120 ms (6x for at
     most 5x the tokens): the batch drafts nothing. One row: 10 ms plain, 12 ms with 4 drafts:
-    it drafts. Unmeasured sizes are measured: plain first, then verified."""
-    costs = StepCosts()
+    it drafts. Unmeasured sizes are measured: plain first, then verified; a stall among the
+    measurements moves nothing (medians)."""
+    costs = StepCosts(min_samples=1)
     spec = Speculator("suffix", 4, costs)
     loop = [1, 2, 3, 1, 2, 3, 1, 2]
     reqs = [Request(f"r{i}", loop, SamplingParams(max_tokens=50)) for i in range(8)]
@@ -90,15 +91,18 @@ def test_a_batch_over_the_break_even_point_drafts_nothing() -> None:
         costs.observe(kind, 8, 8, 0.020)
     assert len(spec.propose_batch(reqs, 8)) == 8  # no verified average at 40 tokens: measure
     costs.observe("verify", 8, 40, 0.120)
+    costs.observe("verify", 8, 40, 0.020)  # a verified step is never faster than a plain one:
+    costs.observe("verify", 8, 40, 0.125)  # but the median of three ignores one outlier
     skipped = spec.stats.num_skipped_batches
     assert spec.propose_batch(reqs, 8) == {}
     assert spec.stats.num_skipped_batches == skipped + 1
     costs.observe("plain", 1, 1, 0.010)
     costs.observe("plain", 1, 1, 0.010)
     costs.observe("verify", 1, 5, 0.012)
+    costs.observe("plain", 1, 1, 0.500)  # a stall: the median of 10, 10, 500 ms is 10
     assert spec.propose_batch(reqs[:1], 1) == {"r0": [3, 1, 2, 3]}
     # A verified step that pays in the plain case's place: 8 rows, 40 tokens, 30 ms.
-    for _ in range(30):
+    for _ in range(9):
         costs.observe("verify", 8, 40, 0.030)
     assert len(spec.propose_batch(reqs, 8)) == 8
     fixed = Speculator("suffix", 4, disable_by_batch_size=8)  # the fixed rule: no timings
@@ -107,9 +111,13 @@ def test_a_batch_over_the_break_even_point_drafts_nothing() -> None:
 
 
 def test_a_refused_size_is_probed_again() -> None:
-    costs = StepCosts(probe_interval=3)
+    """Verified steps are measured `min_samples` times before they can be refused; a refused
+    size is tried again every `probe_interval` refusals."""
+    costs = StepCosts(min_samples=2, probe_interval=3)
     costs.observe("plain", 2, 2, 0.01)
     costs.observe("plain", 2, 2, 0.01)
+    costs.observe("verify", 2, 10, 1.0)
+    assert costs.pays(2, 8, 1.0)  # one sample: measure again
     costs.observe("verify", 2, 10, 1.0)
     assert [costs.pays(2, 8, 1.0) for _ in range(6)] == [False, False, True] * 2
 
