@@ -296,9 +296,9 @@ def test_suffix_greedy_equals_plain_decoding(engines, copy_prompt) -> None:
     plain, _ = engines
     suffix = speculating("suffix")
     loop = baton_model().tokenizer.encode("The cat sat on the mat. The cat")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want, got, accepted = run_both((plain, suffix), [copy_prompt, loop], params)
-    assert accepted > 10
+    assert accepted > 8
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert suffix.num_free_blocks() == suffix.num_total_blocks()
 
