@@ -211,8 +211,9 @@ class StepCosts:
     not counted (the CPU backend rebuilds a decode row a verified step left behind: a cost of
     switching, not of the steady state). Unmeasured sizes are measured first: no plain step at
     B yet, no drafts (the plain step measures it); fewer than `min_samples` verified ones at
-    B + D, drafts. A size judged not to pay is tried again every `probe_interval` refusals, so
-    its cost is kept current."""
+    B + D, drafts. A size judged not to pay is measured afresh every `probe_interval` refusals
+    (its samples dropped, `min_samples` new ones taken), so a size refused in a loaded stretch
+    of a shared host is not refused for good."""
 
     def __init__(self, window: int = 9, min_samples: int = 3, probe_interval: int = 32) -> None:
         self.window, self.min_samples, self.probe_interval = window, min_samples, probe_interval
@@ -245,8 +246,9 @@ class StepCosts:
                 < statistics.median(plain) * (num_rows + expected_kept)):
             return True
         self._refusals[key] = refusals = self._refusals.get(key, 0) + 1
-        if refusals >= self.probe_interval:
+        if refusals >= self.probe_interval:  # measure it afresh: `min_samples` verified steps
             self._refusals[key] = 0
+            verify.clear()
             return True
         return False
 

@@ -112,14 +112,19 @@ def test_a_batch_over_the_break_even_point_drafts_nothing() -> None:
 
 def test_a_refused_size_is_probed_again() -> None:
     """Verified steps are measured `min_samples` times before they can be refused; a refused
-    size is tried again every `probe_interval` refusals."""
+    size is measured afresh every `probe_interval` refusals (its old samples dropped)."""
     costs = StepCosts(min_samples=2, probe_interval=3)
     costs.observe("plain", 2, 2, 0.01)
     costs.observe("plain", 2, 2, 0.01)
     costs.observe("verify", 2, 10, 1.0)
     assert costs.pays(2, 8, 1.0)  # one sample: measure again
     costs.observe("verify", 2, 10, 1.0)
-    assert [costs.pays(2, 8, 1.0) for _ in range(6)] == [False, False, True] * 2
+    assert [costs.pays(2, 8, 1.0) for _ in range(3)] == [False, False, True]
+    assert costs.pays(2, 8, 1.0)  # no sample since the probe: measuring
+    for _ in range(2):  # the stall that made it slow has gone: 12 ms, 2 x 12 < 10 x (2 + 1)
+        costs.observe("verify", 2, 10, 0.012)
+        costs.observe("plain", 2, 2, 1.0)  # the plain step after a verified one: not counted
+    assert all(costs.pays(2, 8, 1.0) for _ in range(5))
 
 
 def test_draft_length_follows_acceptance() -> None:
