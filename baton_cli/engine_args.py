@@ -132,12 +132,17 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
         sp = p.add_argument_group("speculative decoding (README: Speculative decoding)")
         sp.add_argument("--speculative", default="off", choices=SPECULATIVE_METHODS,
                         help="draft tokens for the model to verify, all of a step in one "
-                             "forward: ngram = prompt lookup over each request's own tokens; "
+                             "forward: ngram = prompt lookup over each request's own tokens, "
+                             "suffix = the continuation of their longest repeated suffix; "
                              "greedy and seeded outputs are those without it")
         sp.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="most drafts per sequence and step (0 = "
-                             f"{DEFAULT_SPECULATIVE_TOKENS} with --speculative ngram; refused "
+                             f"{DEFAULT_SPECULATIVE_TOKENS} with --speculative ngram|suffix; refused "
                              "with --speculative off)")
+        sp.add_argument("--speculative-disable-by-batch-size", type=int, default=0,
+                        help="0 = a batch drafts only where the engine's measured step times "
+                             "say verifying pays (the default); N = a batch of N or more rows "
+                             "never drafts, a smaller one always does (vLLM's name)")
     if role in (NORMAL, PROMPT):
         m.add_argument("--data-parallel-size", type=int, default=1,
                        help="ranks, one scheduler each, voting on the step type over gloo")

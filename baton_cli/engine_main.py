@@ -57,7 +57,7 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
 # The prefill cadence flags (NORMAL engines only): EngineConfig fields of the same names.
 CADENCE = ("prefill_attempt_interval", "prefill_any_attempt_interval", "prefill_min_decode_steps")
 # The speculative decoding flags (engines that decode): EngineConfig fields of the same names.
-SPECULATION = ("speculative", "num_speculative_tokens")
+SPECULATION = ("speculative", "num_speculative_tokens", "speculative_disable_by_batch_size")
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:
@@ -152,7 +152,8 @@ MOCK_UNUSED = {"model": "", "dtype": "float32", "quantization": "auto", "device"
                "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0,
                "kv_cache_dtype": "auto", "lora_modules": [],
                # A mock runner samples no logits: it has nothing to verify drafts with.
-               "speculative": "off", "num_speculative_tokens": 0}
+               "speculative": "off", "num_speculative_tokens": 0,
+               "speculative_disable_by_batch_size": 0}
 
 
 def mock_runner(args: argparse.Namespace):

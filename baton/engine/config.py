@@ -75,12 +75,18 @@ class EngineConfig:
     # hit, a pulled prompt, a decode row) reads the same numbers. bfloat16 holds twice the
     # tokens of float32 in the same budget (quality gate: README, "KV cache dtype").
     kv_cache_dtype: str = "auto"
-    # Speculative decoding (baton/engine/speculation.py): off, or ngram (prompt lookup over each
-    # request's own tokens); the model verifies every draft of a step in one forward. Greedy
-    # and seeded outputs are those without it.
+    # Speculative decoding (baton/engine/speculation.py): off, ngram (prompt lookup over each
+    # request's own tokens) or suffix (the continuation of the longest repeated suffix of
+    # them); the model verifies every draft of a step in one forward, and a batch drafts only
+    # where the measured step times say it pays. Greedy and seeded outputs are those without.
     speculative: str = "off"
     # Most drafts per sequence and step; 0 = DEFAULT_SPECULATIVE_TOKENS when speculating.
     num_speculative_tokens: int = 0
+    # 0: a decode batch drafts only where the engine's running averages of its step times say
+    # verifying gives more tokens per second than a plain step (speculation.py StepCosts);
+    # N > 0: a batch of N rows or more never drafts and a smaller one always does (a fixed
+    # rule, vLLM's speculative_disable_by_batch_size).
+    speculative_disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -108,6 +114,12 @@ class EngineConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError("EngineConfig.num_speculative_tokens must be >= 0, got "
                              f"{self.num_speculative_tokens}")
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError("EngineConfig.speculative_disable_by_batch_size must be >= 0, got "
+                             f"{self.speculative_disable_by_batch_size}")
+        if self.speculative == "off" and self.speculative_disable_by_batch_size:
+            raise ValueError("EngineConfig.speculative_disable_by_batch_size="
+                             f"{self.speculative_disable_by_batch_size} with speculative='off'")
         if self.speculative == "off" and self.num_speculative_tokens:
             raise ValueError(f"EngineConfig.num_speculative_tokens={self.num_speculative_tokens}"
                              " with speculative='off': drafts need a proposer (speculative=ngram)")

@@ -23,6 +23,7 @@ Outputs are token ids; text is the router's business (and `generate`'s, offline)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from baton.engine.kv_events import KvEventSource
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig, kv_window
-from baton.engine.speculation import Speculator, booked_tokens
+from baton.engine.speculation import Speculator, booked_tokens, draft_masks, row_drafts
 from baton.model.modes import check_dtype_name
 from baton.protocol import COMPLETION, MAX_CACHE_SALT_CHARS, NORMAL
 from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
@@ -90,7 +91,8 @@ class LLMEngine:
             sliding_window=kv_window(getattr(self.model_config, "layer_windows", ()))),
             all_reduce_min=all_reduce_min)
         # Drafts for the next decode step (baton/engine/speculation.py); None = plain decoding.
-        self.speculator = (Speculator(config.speculative, config.num_draft_tokens)
+        self.speculator = (Speculator(config.speculative, config.num_draft_tokens,
+                                      disable_by_batch_size=config.speculative_disable_by_batch_size)
                            if config.num_draft_tokens else None)
         self.max_model_len = max_len
         self._requests: dict[str, Request] = {}
@@ -388,14 +390,20 @@ class LLMEngine:
                     for r, k in zip(reqs, seqlens_k - drafted, strict=True)]
         spans = (self._prompt_spans(reqs, seqlens_q, seqlens_k) if sched_out.prompt_run
                  else None)
+        verified = not sched_out.prompt_run and int(seqlens_q.max()) > 1
+        started = time.perf_counter()
         samples = self.runner.execute(
             sched_out, seq_ids,
             [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
-            [r.prompt_token_ids for r in reqs],
-            [r.token_ids for r in reqs], spans, self._allowed_tokens(reqs, complete),
+            [r.prompt_token_ids for r in reqs], [r.token_ids for r in reqs], spans,
+            self._allowed_tokens(reqs, complete, row_drafts(sched_out) if verified else None),
             choice_params(reqs, complete),
             **({"lora_names": [r.lora_name for r in reqs]}
                if any(r.lora_name for r in reqs) else {}))
+        if self.speculator is not None:  # the cost model's measurements (speculation.py)
+            kind = "prompt" if sched_out.prompt_run else "verify" if verified else "plain"
+            self.speculator.costs.observe(kind, len(reqs), int(seqlens_q.sum()),
+                                          time.perf_counter() - started)
         splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:
@@ -424,26 +432,31 @@ class LLMEngine:
         """Drafts for the next decode step of the requests still running here."""
         if self.speculator is None:
             return
-        for req in reqs:
-            if req.request_id in self._requests:
-                drafts = self.speculator.propose(req)
-                if drafts:
-                    self.scheduler.set_draft_tokens(req.request_id, drafts)
+        live = [req for req in reqs if req.request_id in self._requests]
+        num_rows = min(self.scheduler.num_running(), self.config.max_num_seqs)
+        for request_id, drafts in self.speculator.propose_batch(live, num_rows).items():
+            self.scheduler.set_draft_tokens(request_id, drafts)
 
-    def _allowed_tokens(self, reqs: list[Request], complete: list[bool]) -> list | None:
-        """Each sampled structured row's grammar mask (bool [vocab]); None when none."""
+    def _allowed_tokens(self, reqs: list[Request], complete: list[bool],
+                        drafts: list[list[int]] | None = None) -> list | None:
+        """Each sampled structured row's grammar mask (bool [vocab]; [1 + k, vocab] for a row
+        verifying k drafts: the mask at each of its positions); None when none."""
         if all(r.matcher is None for r in reqs):
             return None
-        return [self.inputs.grammars.allowed_tokens(r.matcher) if r.matcher is not None and c else None
-                for r, c in zip(reqs, complete, strict=True)]
+        grammars = self.inputs.grammars
+        return [None if r.matcher is None or not c else
+                draft_masks(grammars, r.matcher, drafts[i]) if drafts and drafts[i] else
+                grammars.allowed_tokens(r.matcher)
+                for i, (r, c) in enumerate(zip(reqs, complete, strict=True))]
 
     def _advance_matcher(self, req: Request, out: RequestOutput) -> None:
-        """Feed the matcher its row's token; one it refuses (cannot happen under its own
-        mask) finishes the request."""
-        if req.matcher.consume_token(out.new_token_ids[0]):
+        """Feed the matcher its row's tokens (kept drafts too); one it refuses (cannot happen
+        under its own masks) finishes the request."""
+        refused = next((t for t in out.new_token_ids if not req.matcher.consume_token(t)), None)
+        if refused is None:
             return
         logger.warning("request %s: grammar refused token %d: %s", req.request_id,
-                       out.new_token_ids[0], req.matcher.get_error())
+                       refused, req.matcher.get_error())
         self.scheduler.abort_sequence(req.request_id)
         self._finish(req, "structured_output_failed")
         out.finished, out.finish_reason = True, "structured_output_failed"

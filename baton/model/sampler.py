@@ -254,7 +254,8 @@ def sample_verified(sampler: Sampler, logits: torch.Tensor, params: Sequence[Sam
     Row i ran `1 + len(drafts[i])` query tokens: its last committed token, then its drafts;
     `logits` holds every such position of every row, flat, in row order. Position j of row i is
     sampled like a plain step whose outputs were `output_token_ids[i] + drafts[i][:j]` (the
-    seed's position, penalties and min_tokens see the drafts before it), and the drafts are
+    seed's position, penalties and min_tokens see the drafts before it; a grammar row's mask
+    `allowed_tokens[i]` is bool [vocab], or [1 + k, vocab], the mask at each position), and the drafts are
     kept while each equals the token sampled at the position before it. For a model-free
     proposal (a point mass on draft d) this is standard rejection sampling: d is kept with
     probability p(d), and a rejected position's token is a draw from p given it is not d, i.e.
@@ -272,8 +273,10 @@ def sample_verified(sampler: Sampler, logits: torch.Tensor, params: Sequence[Sam
             vparams.append(params[i])
             vprompt.append(prompt_token_ids[i])
             vout.append(outputs + list(row_drafts[:j]) if j else outputs)
-            # A grammar row never drafts (it has one position): its mask stays its own.
-            vallowed.append(None if allowed_tokens is None else allowed_tokens[i])
+            # A grammar row that drafted has a mask per position ([1 + k, vocab]: the grammar
+            # after the drafts before it), one that did not has its one mask.
+            mask = None if allowed_tokens is None else allowed_tokens[i]
+            vallowed.append(mask[j] if mask is not None and mask.dim() == 2 else mask)
     has_mask = allowed_tokens is not None and any(m is not None for m in allowed_tokens)
     ids, lps = sampler(logits, vparams, prompt_token_ids=vprompt, output_token_ids=vout,
                        allowed_tokens=vallowed if has_mask else None)

@@ -76,6 +76,8 @@ _SPEC_COUNTERS = [
     ("baton_spec_accepted_tokens", "Draft tokens the model agreed with (kept)",
      "spec_accepted_tokens"),
     ("baton_spec_verify_rows", "Decode rows that carried drafts", "spec_verify_rows"),
+    ("baton_spec_skipped_batches", "Decode steps whose drafts were dropped: verifying them "
+     "would not pay at that batch size (measured step times)", "spec_skipped_batches"),
 ]
 # (name, help, stats.extra key prefix + position) of the per-position draft counters.
 _SPEC_PER_POSITION = [

@@ -1,17 +1,22 @@
-"""Speculative decoding (baton/engine/speculation.py): n-gram drafts verified in one forward
-give the plain run's tokens (greedy, seeded), logprobs within rounding, the plain stops; the
-verification is rejection sampling (a statistical test); requests it cannot serve yet decode
-plainly."""
+"""Speculative decoding (baton/engine/speculation.py): n-gram and suffix drafts verified in one
+forward give the plain run's tokens (greedy, seeded, grammar-constrained, n > 1 choices),
+logprobs within rounding, the plain stops; the verification is rejection sampling (a
+statistical test); a batch where verifying would not pay drafts nothing."""
 
 from __future__ import annotations
 
+import random
+
+import llguidance
 import numpy as np
 import pytest
 import torch
 from model.reference import LONG_TEXT, baton_model
 
 from baton.engine import EngineConfig, LLMEngine
-from baton.engine.proposers import NgramProposer
+from baton.engine.proposers import NgramProposer, SuffixProposer, follow
+from baton.engine.request import Request
+from baton.engine.speculation import Speculator, StepCosts
 from baton.model.sampler import Sampler, sample_verified
 from baton.sampling.params import SamplingParams
 
@@ -40,12 +45,91 @@ def test_ngram_prefers_the_longest_match() -> None:
     assert NgramProposer(min_n=2, max_n=2).propose(history, 1) == [9]
 
 
+def test_suffix_proposes_what_followed_the_longest_repeated_suffix() -> None:
+    # The 4-gram (2, 3, 4, 5) last came before 6; the whole tail (1, 2, 3, 4, 5) before 8.
+    history = [1, 2, 3, 4, 5, 8, 9, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5]
+    assert NgramProposer().propose(history, 2) == [6, 1]
+    assert SuffixProposer().propose(history, 2) == [8, 9]
+    assert SuffixProposer().propose([9, 4, 5, 4, 5], 5) == [4, 5, 4, 5, 4]  # a loop runs on
+    proposer = SuffixProposer(min_match=3)
+    assert proposer.propose([7, 1, 2, 0, 1, 2], 2) == []  # a 2-token match is too short
+    assert proposer.propose([7, 1, 2, 0, 1, 2, 0], 2) == [1, 2]  # grown incrementally
+    assert proposer.match_length() == 3
+    assert proposer.propose([1, 2, 3], 2) == []  # shorter: the automaton restarts
+
+
+def test_suffix_automaton_matches_a_brute_force_search() -> None:
+    """Token by token over random histories: the longest suffix that ended before, its first
+    occurrence's continuation."""
+    def brute(tokens: list[int], k: int) -> list[int]:
+        num = len(tokens)
+        for length in range(num - 1, 1, -1):
+            for end in range(length, num):
+                if tokens[end - length:end] == tokens[num - length:]:
+                    return follow(tokens, end, k)
+        return []
+
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+        proposer = SuffixProposer()
+        for j in range(1, len(tokens) + 1):
+            assert proposer.propose(tokens[:j], 4) == brute(tokens[:j], 4), tokens[:j]
+
+
+def test_a_batch_over_the_break_even_point_drafts_nothing() -> None:
+    """Measured: a plain step of 8 rows 20 ms, verifying 8 rows + 32 drafts 120 ms (6x for at
+    most 5x the tokens): the batch drafts nothing. One row: 10 ms plain, 12 ms with 4 drafts:
+    it drafts. Unmeasured sizes are measured: plain first, then verified; a stall among the
+    measurements moves nothing (medians)."""
+    costs = StepCosts(min_samples=1)
+    spec = Speculator("suffix", 4, costs)
+    loop = [1, 2, 3, 1, 2, 3, 1, 2]
+    reqs = [Request(f"r{i}", loop, SamplingParams(max_tokens=50)) for i in range(8)]
+    assert spec.propose_batch(reqs, 8) == {}  # no plain average at 8 rows yet
+    for kind in ("plain", "plain"):  # the first plain step after another kind is not averaged
+        costs.observe(kind, 8, 8, 0.020)
+    assert len(spec.propose_batch(reqs, 8)) == 8  # no verified average at 40 tokens: measure
+    costs.observe("verify", 8, 40, 0.120)
+    costs.observe("verify", 8, 40, 0.020)  # a verified step is never faster than a plain one:
+    costs.observe("verify", 8, 40, 0.125)  # but the median of three ignores one outlier
+    skipped = spec.stats.num_skipped_batches
+    assert spec.propose_batch(reqs, 8) == {}
+    assert spec.stats.num_skipped_batches == skipped + 1
+    costs.observe("plain", 1, 1, 0.010)
+    costs.observe("plain", 1, 1, 0.010)
+    costs.observe("verify", 1, 5, 0.012)
+    costs.observe("plain", 1, 1, 0.500)  # a stall: the median of 10, 10, 500 ms is 10
+    assert spec.propose_batch(reqs[:1], 1) == {"r0": [3, 1, 2, 3]}
+    # A verified step that pays in the plain case's place: 8 rows, 40 tokens, 30 ms.
+    for _ in range(9):
+        costs.observe("verify", 8, 40, 0.030)
+    assert len(spec.propose_batch(reqs, 8)) == 8
+    fixed = Speculator("suffix", 4, disable_by_batch_size=8)  # the fixed rule: no timings
+    assert fixed.propose_batch(reqs, 8) == {}
+    assert len(fixed.propose_batch(reqs[:7], 7)) == 7
+
+
+def test_a_refused_size_is_probed_again() -> None:
+    """Verified steps are measured `min_samples` times before they can be refused; a refused
+    size is measured afresh every `probe_interval` refusals (its old samples dropped)."""
+    costs = StepCosts(min_samples=2, probe_interval=3)
+    costs.observe("plain", 2, 2, 0.01)
+    costs.observe("plain", 2, 2, 0.01)
+    costs.observe("verify", 2, 10, 1.0)
+    assert costs.pays(2, 8, 1.0)  # one sample: measure again
+    costs.observe("verify", 2, 10, 1.0)
+    assert [costs.pays(2, 8, 1.0) for _ in range(3)] == [False, False, True]
+    assert costs.pays(2, 8, 1.0)  # no sample since the probe: measuring
+    for _ in range(2):  # the stall that made it slow has gone: 12 ms, 2 x 12 < 10 x (2 + 1)
+        costs.observe("verify", 2, 10, 0.012)
+        costs.observe("plain", 2, 2, 1.0)  # the plain step after a verified one: not counted
+    assert all(costs.pays(2, 8, 1.0) for _ in range(5))
+
+
 def test_draft_length_follows_acceptance() -> None:
     """All kept: one more (up to the cap); some rejected: the number kept plus one; a request
-    whose features a verified row cannot serve, or that opts out, drafts nothing."""
-    from baton.engine.request import Request
-    from baton.engine.speculation import Speculator
-
+    that opts out, or an n > 1 prompt not split into its choices yet, drafts nothing."""
     spec = Speculator("ngram", 4)
     req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
     assert spec.propose(req) == [3, 1, 2, 3]
@@ -59,9 +143,9 @@ def test_draft_length_follows_acceptance() -> None:
     assert spec.propose(req) == [2]
     req.params.max_tokens = 3  # the step's own token comes on top: no draft past max_tokens
     assert spec.propose(req) == []
-    for params in (SamplingParams(speculative=False), SamplingParams(n=2),
-                   SamplingParams(grammar="start: /a+/")):
-        assert spec.propose(Request("x", [1, 2, 1, 2], params)) == []
+    assert spec.propose(Request("x", [1, 2, 1, 2], SamplingParams(speculative=False))) == []
+    assert spec.propose(Request("y", [1, 2, 1, 2], SamplingParams(n=2), is_split=False)) == []
+    assert spec.propose(Request("z", [1, 2, 1, 2], SamplingParams(n=2))) == [1, 2, 1, 2]
     assert spec.stats.num_drafted == 9 and spec.stats.num_accepted == 3
     assert spec.stats.accepted_per_pos == [2, 1, 0, 0]
 
@@ -118,9 +202,16 @@ def make_engine(**overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**{"num_blocks": 96, **overrides}), loaded=baton_model())
 
 
+def speculating(method: str = "ngram", **overrides) -> LLMEngine:
+    """A speculating engine that drafts whatever its step times (the exactness tests must not
+    depend on timings): a fixed batch limit instead of the cost model."""
+    return make_engine(speculative=method, num_speculative_tokens=4,
+                       speculative_disable_by_batch_size=1000, **overrides)
+
+
 @pytest.fixture(scope="module")
 def engines() -> tuple[LLMEngine, LLMEngine]:
-    return make_engine(), make_engine(speculative="ngram", num_speculative_tokens=4)
+    return make_engine(), speculating()
 
 
 @pytest.fixture(scope="module")
@@ -183,12 +274,12 @@ def test_seeded_sampling_repeats_the_plain_run(engines, copy_prompt) -> None:
 
 
 @pytest.mark.slow
-def test_unsupported_features_and_the_opt_out_decode_plainly(engines, copy_prompt) -> None:
-    """n > 1 choices and a request that opts out draft nothing; their output is the plain
-    one."""
+def test_choices_draft_and_the_opt_out_does_not(engines, copy_prompt) -> None:
+    """n > 1 seeded choices draft once split, a request that opts out never; both give the
+    plain output."""
     _, spec = engines
     cases = [SamplingParams(temperature=0, max_tokens=8, speculative=False),
-             SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2)]
+             SamplingParams(temperature=0.5, seed=3, max_tokens=12, n=2)]
     for params in cases:
         rows_before = spec.speculator.stats.num_verify_rows
         outs = []
@@ -201,7 +292,49 @@ def test_unsupported_features_and_the_opt_out_decode_plainly(engines, copy_promp
                         done.setdefault(out.index, []).extend(out.new_token_ids)
             outs.append(done)
         assert outs[0] == outs[1]
-        assert spec.speculator.stats.num_verify_rows == rows_before
+        assert (spec.speculator.stats.num_verify_rows > rows_before) == params.speculative
+
+
+@pytest.mark.slow
+def test_suffix_greedy_equals_plain_decoding(engines, copy_prompt) -> None:
+    """--speculative suffix: the copy and a prompt this model loops on, the plain tokens."""
+    plain, _ = engines
+    suffix = speculating("suffix")
+    loop = baton_model().tokenizer.encode("The cat sat on the mat. The cat")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want, got, accepted = run_both((plain, suffix), [copy_prompt, loop], params)
+    assert accepted > 8
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert suffix.num_free_blocks() == suffix.num_total_blocks()
+
+
+@pytest.mark.slow
+def test_drafts_stop_where_the_grammar_would_refuse(engines) -> None:
+    """A grammar row drafts only the prefix its matcher accepts, and the check leaves the
+    matcher where it was."""
+    _, spec = engines
+    tok = baton_model().tokenizer
+    x, y = tok.encode(" x"), tok.encode(" y")
+    assert len(x) == len(y) == 1
+    matcher = spec.inputs.grammars.matcher(llguidance.LLMatcher.grammar_from_regex(" y x"))
+    req = Request("g", (x + y) * 2 + x, SamplingParams(max_tokens=50), matcher=matcher)
+    assert spec.speculator.propose(req) == y + x  # the n-gram copy: y x y x, cut after x
+    assert matcher.consume_token(y[0]) and matcher.consume_token(x[0])
+    spec.speculator.forget("g")
+
+
+@pytest.mark.slow
+def test_grammar_constrained_drafts_give_the_plain_output(engines, copy_prompt) -> None:
+    """Each verified position of a grammar row is sampled under the mask after the drafts
+    before it: greedy and seeded outputs are the plain ones, and drafts were kept."""
+    grammar = llguidance.LLMatcher.grammar_from_regex("[A-Za-z ,.:-]+")
+    cases = [SamplingParams(temperature=0, max_tokens=16, grammar=grammar),
+             SamplingParams(temperature=0.7, seed=5, max_tokens=16, grammar=grammar)]
+    for params in cases:
+        want, got, accepted = run_both(engines, [copy_prompt], params)
+        assert got[0].token_ids == want[0].token_ids
+        assert got[0].finish_reason == want[0].finish_reason
+        assert accepted > 0
 
 
 def test_config_refuses_what_speculation_cannot_do() -> None:
@@ -209,6 +342,8 @@ def test_config_refuses_what_speculation_cannot_do() -> None:
         EngineConfig(speculative="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens=3 with speculative='off'"):
         EngineConfig(num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size=4 with spec"):
+        EngineConfig(speculative_disable_by_batch_size=4)
     with pytest.raises(ValueError, match="on a prompt engine"):
         EngineConfig(speculative="ngram", engine_type="prompt")
     assert EngineConfig(speculative="ngram").num_draft_tokens == 4
@@ -221,10 +356,12 @@ def test_flags_on_the_engines_that_decode(capsys) -> None:
     from baton_cli.launcher import role_engine_args
     from baton_cli.main import build_parser
 
-    flags = ["--speculative", "ngram", "--num-speculative-tokens", "2"]
+    flags = ["--speculative", "suffix", "--num-speculative-tokens", "2",
+             "--speculative-disable-by-batch-size", "8"]
     for command, role in (("engine", "normal"), ("completion-engine", "completion")):
         config = engine_config(build_parser().parse_args([command, *flags]), role)
-        assert (config.speculative, config.num_draft_tokens) == ("ngram", 2)
+        assert (config.speculative, config.num_draft_tokens) == ("suffix", 2)
+        assert config.speculative_disable_by_batch_size == 8
         assert role_engine_args(flags, role) == flags  # baton up forwards them
     assert engine_config(build_parser().parse_args(["engine"]), "normal").num_draft_tokens == 0
     assert role_engine_args(flags, "prompt") == []
@@ -232,8 +369,8 @@ def test_flags_on_the_engines_that_decode(capsys) -> None:
     args = build_parser().parse_args(["completion-engine", *flags])
     assert engine_config(args, "prompt").num_draft_tokens == 0
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["prompt-engine", "--speculative", "ngram"])
-    assert "unrecognized arguments: --speculative ngram" in capsys.readouterr().err
+        build_parser().parse_args(["prompt-engine", "--speculative", "suffix"])
+    assert "unrecognized arguments: --speculative suffix" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -267,7 +404,7 @@ def test_greedy_equals_plain_over_a_bfloat16_pool(copy_prompt) -> None:
     """--kv-cache-dtype bfloat16: the verified positions read the pool's rounded K/V, the plain
     ones the decode rows' (rounded the same way), so the tokens still match."""
     plain = make_engine(kv_cache_dtype="bfloat16")
-    spec = make_engine(kv_cache_dtype="bfloat16", speculative="ngram", num_speculative_tokens=4)
+    spec = speculating(kv_cache_dtype="bfloat16")
     params = SamplingParams(temperature=0, max_tokens=32)
     want, got, accepted = run_both((plain, spec), [copy_prompt], params)
     assert accepted > 10

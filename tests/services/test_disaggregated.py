@@ -26,9 +26,11 @@ pytestmark = pytest.mark.slow
 PREFIX = "svc"
 # A 64-token budget cuts the 300-token prompt into five prefill chunks.
 PROMPT_ARGS = ["--num-blocks", "160", "--max-num-batched-tokens", "64", "--lease-ttl", "8"]
-# The completion engine speculates (n-gram drafts, baton/engine/speculation.py): every
-# exactness test here also checks verified drafts against the plain NORMAL engine.
-COMPLETION_ARGS = ["--num-blocks", "48", "--kv-timeout", "10", "--speculative", "ngram"]
+# The completion engine speculates (suffix drafts, baton/engine/speculation.py; drafting
+# whatever its step times, so the test does not depend on them): every exactness test here
+# also checks verified drafts against the plain NORMAL engine.
+COMPLETION_ARGS = ["--num-blocks", "48", "--kv-timeout", "10", "--speculative", "suffix",
+                   "--speculative-disable-by-batch-size", "64"]
 NORMAL_ARGS = ["--num-blocks", "160"]
 GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
 
