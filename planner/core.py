@@ -167,9 +167,7 @@ class Planner:
         span = max(1e-9, min(cfg.window_s, now_s - self._first_seen_s))
         load = (sum(o.prompt_tokens for o in window) / span,
                 sum(o.output_tokens for o in window) / span)
-        if self._held is not None and self._held[0] == current and \
-                self._num_reuses < cfg.max_reuses and \
-                all(abs(a - b) <= cfg.reuse_tolerance * b for a, b in zip(load, self._held[1])):
+        if self._is_held(current, load):
             self._num_reuses += 1
             return Decision("hold", current, f"load within {100 * cfg.reuse_tolerance:.0f}% of "
                             "the last replay's, which held", self._held[2])
@@ -181,6 +179,14 @@ class Planner:
         self._held = (current, load, predicted) if decision.action == "hold" else None
         self._num_reuses = 0
         return decision
+
+    def _is_held(self, current: Split, load: tuple[float, float]) -> bool:
+        """The last replay held on this split, under a load within the tolerance of this one."""
+        if self._held is None or self._held[0] != current or \
+                self._num_reuses >= self.config.max_reuses:
+            return False
+        tol = self.config.reuse_tolerance
+        return all(abs(a - b) <= tol * b for a, b in zip(load, self._held[1], strict=True))
 
     def _judge(self, now_s: float, current: Split, splits: list[Split],
                predicted: dict[str, float]) -> Decision:
