@@ -72,20 +72,22 @@ def run(profile, specs, split: tuple[int, int], slos: dict, planner=None) -> dic
     return simulate(profile, cfg, None, specs=specs, planner=planner)
 
 
-def sweep(profile, specs, budget: int, slos: dict, full: bool) -> dict[str, float]:
+def sweep(profile, specs, budget: int, slos: dict, full: bool,
+          only: list[int] | None = None) -> dict[str, float]:
     """Goodput of fixed splits: every one if `full`, else every odd number of prompt engines
-    and then the untried neighbours of the best."""
+    and then the untried neighbours of the best; `only`: these numbers of prompt engines."""
     fixed: dict[int, float] = {}
 
     def try_split(p: int) -> None:
         if 1 <= p < budget and p not in fixed:
             fixed[p] = run(profile, specs, (p, budget - p), slos)["summary"]["goodput"]
 
-    for p in range(1, budget, 1 if full else 2):
+    for p in only or range(1, budget, 1 if full else 2):
         try_split(p)
-    best = max(fixed, key=fixed.get)
-    try_split(best - 1)
-    try_split(best + 1)
+    if only is None:
+        best = max(fixed, key=fixed.get)
+        try_split(best - 1)
+        try_split(best + 1)
     return {f"{p}P:{budget - p}D": fixed[p] for p in sorted(fixed)}
 
 
@@ -122,7 +124,8 @@ def one_workload(profile, name: str, args, slos: dict) -> dict:
     specs = workload(SHAPES[name], rates, args.phase_s, args.seed)
     wall0 = time.perf_counter()
     fixed = (recorded_sweep(args.fixed_from, name, profile, specs, args, slos)
-             if args.fixed_from else sweep(profile, specs, args.budget, slos, args.full_sweep))
+             if args.fixed_from else sweep(profile, specs, args.budget, slos, args.full_sweep,
+                                           args.splits and [int(p) for p in args.splits.split(",")]))
     best = max(fixed, key=fixed.get)
     middle = (args.budget // 2, args.budget - args.budget // 2)
     planner = Planner(profile, PlannerConfig(
@@ -168,6 +171,8 @@ def main() -> None:
     ap.add_argument("--retrieval-lengths", default="1500-3000:10-40",
                     help="prompt:output token ranges of a retrieval request")
     ap.add_argument("--full-sweep", action="store_true", help="every fixed split")
+    ap.add_argument("--splits", help="only these numbers of prompt engines, e.g. 11,12,13 "
+                    "(where a coarser run put the best)")
     ap.add_argument("--fixed-from", help="an earlier result JSON of these same workloads: its "
                     "fixed splits' goodput instead of a sweep (its best split is re-run)")
     ap.add_argument("--workloads", default="retrieval,chat,shifting")
