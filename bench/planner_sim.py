@@ -219,7 +219,7 @@ def plot(report: dict, path: Path, phase_s: float) -> None:
         ax.axhline(int(best), color="C0", linestyle="--", linewidth=0.8,
                    label=f"best fixed split {w['best_fixed']} (prompt)")
         ax.set_title(f"{name}: planner goodput {w['ratio']:.2f}x the best fixed split, "
-                     f"{len(w['changes'])} changes")
+                     f"{len(w['changes'])} change" + "s" * (len(w["changes"]) != 1))
         ax.set_xlabel("simulated s")
         ax.set_ylim(0, None)
         ax.legend(loc="best", fontsize=7)

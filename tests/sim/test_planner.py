@@ -198,3 +198,13 @@ def test_planner_flags_are_checked(capsys):
         PlannerConfig(slos_ms=SLOS, margin=0.2, urgent_margin=0.1)
     with pytest.raises(ValueError, match="urgent_cooldown_s"):
         PlannerConfig(slos_ms=SLOS, urgent_cooldown_s=-1)
+
+
+def test_a_planner_that_holds_scores_what_its_fixed_split_scores():
+    # its periodic tick after the last request must not stretch the run's duration
+    specs = _specs(["chat"])
+    fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=3)
+    holder = Planner(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=7, min_observations=10**6))
+    fixed, held = (simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None, specs=specs,
+                            planner=p)["summary"] for p in (None, holder))
+    assert (held["duration_s"], held["goodput"]) == (fixed["duration_s"], fixed["goodput"])
