@@ -1,12 +1,12 @@
 """The planner's decision, one function of what it observed: the same code in the simulator's
-virtual time (`baton sim --planner`) and, later, beside a live fleet.
+virtual time (`baton sim --planner`) and beside a live fleet (`baton up --planner`).
 
 Every `interval_s` the planner takes the requests that arrived in the last `window_s` (arrival
 time, prompt tokens, output tokens), replays them through the simulator (simulator/run.py: the
 real scheduler over the profile's step times) on each candidate prompt:completion split of the
 budget, and keeps the split with the most goodput (requests meeting every SLO per second).
-Its first decision comes once the window holds `min_observations` requests, not once a
-whole window has passed. It acts only when
+It decides from its first interval on, once the window holds `min_observations` requests
+(the window need not be full yet). It acts only when
   - it saw at least `min_observations` requests (a quiet window says nothing),
   - the best split beats the current one's predicted goodput by `margin` (hysteresis: two
     splits within the noise of the prediction never flip-flop),
@@ -23,6 +23,11 @@ prediction rates equal), and every engine of the move changes at once (one drain
 cooldown).
 The prediction sees lengths and arrival times, not prompt contents: prefix-cache hits are not
 in it (it predicts as if every prompt were new).
+A replay costs a simulation per candidate, so a steady load is not replayed every interval: when
+the last full decision held and the window's load (prompt and output tokens per second) is
+within `reuse_tolerance` of what that decision saw, the planner holds again without simulating,
+at most `max_reuses` times in a row (the prediction is a function of the window's lengths and
+arrivals; a load that did not move predicts what it predicted).
 """
 
 from __future__ import annotations
