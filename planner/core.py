@@ -1,18 +1,33 @@
 """The planner's decision, one function of what it observed: the same code in the simulator's
-virtual time (`baton sim --planner`) and, later, beside a live fleet.
+virtual time (`baton sim --planner`) and beside a live fleet (`baton up --planner`).
 
 Every `interval_s` the planner takes the requests that arrived in the last `window_s` (arrival
 time, prompt tokens, output tokens), replays them through the simulator (simulator/run.py: the
 real scheduler over the profile's step times) on each candidate prompt:completion split of the
 budget, and keeps the split with the most goodput (requests meeting every SLO per second).
-It acts only when
+It decides from its first interval on, once the window holds `min_observations` requests
+(the window need not be full yet). It acts only when
   - it saw at least `min_observations` requests (a quiet window says nothing),
   - the best split beats the current one's predicted goodput by `margin` (hysteresis: two
     splits within the noise of the prediction never flip-flop),
-  - the same split won `confirmations` decisions in a row (a burst is not a shift), and
+  - `confirmations` decisions in a row wanted engines moved the same way (a burst is not a
+    shift), and
   - `cooldown_s` passed since its last change (a change costs a drain).
+Strong evidence shortens the wait: a predicted gain of `urgent_margin` or more (e.g. 1.5x the
+goodput: the current split is failing its SLOs, not merely second best) acts on its first
+sighting and after `urgent_cooldown_s`. Small gains keep the full hysteresis, so a steady load
+makes at most one change per cooldown, and an oscillation needs a 10% predicted gain each way.
+The target is the split nearest the current one among those within `tie` of the best predicted
+goodput (fewer engines drained for the same gain, and no jump to an extreme split that the
+prediction rates equal), and every engine of the move changes at once (one drain, not one per
+cooldown).
 The prediction sees lengths and arrival times, not prompt contents: prefix-cache hits are not
 in it (it predicts as if every prompt were new).
+A replay costs a simulation per candidate, so a steady load is not replayed every interval: when
+the last full decision held and the window's load (prompt and output tokens per second) is
+within `reuse_tolerance` of what that decision saw, the planner holds again without simulating,
+at most `max_reuses` times in a row (the prediction is a function of the window's lengths and
+arrivals; a load that did not move predicts what it predicted).
 """
 
 from __future__ import annotations
@@ -56,6 +71,11 @@ class PlannerConfig:
     cooldown_s: float = 300.0  # after a change, none for this long
     max_candidates: int = 8  # splits simulated per decision (the current one's neighbours)
     apply: bool = True  # False: advise (decide and report, never change the fleet)
+    urgent_margin: float = 0.5  # a predicted gain this large acts at once (one confirmation)
+    urgent_cooldown_s: float = 60.0  # ... and needs only this long (or cooldown_s if shorter)
+    tie: float = 0.02  # splits within this of the best are equal: the nearest one wins
+    reuse_tolerance: float = 0.10  # a held load moved less than this: hold without a replay
+    max_reuses: int = 5  # ... at most this many decisions in a row (0: replay every time)
 
     def __post_init__(self) -> None:
         if not self.slos_ms:
@@ -65,6 +85,17 @@ class PlannerConfig:
                 raise ValueError(f"{name} must be > 0 and finite, got {getattr(self, name)}")
         if self.margin < 0 or self.confirmations < 1 or self.max_candidates < 2:
             raise ValueError("margin >= 0, confirmations >= 1 and max_candidates >= 2 needed")
+        if not self.margin <= self.urgent_margin < math.inf:
+            raise ValueError(f"urgent_margin must be >= margin ({self.margin}) and finite, got "
+                             f"{self.urgent_margin}")
+        if not 0 <= self.urgent_cooldown_s < math.inf:
+            raise ValueError(f"urgent_cooldown_s must be >= 0 and finite, got "
+                             f"{self.urgent_cooldown_s}")
+        if self.reuse_tolerance < 0 or self.max_reuses < 0:
+            raise ValueError(f"reuse_tolerance and max_reuses must be >= 0, got "
+                             f"{self.reuse_tolerance}, {self.max_reuses}")
+        if not 0 <= self.tie < 1:
+            raise ValueError(f"tie must be in [0, 1), got {self.tie}")
 
 
 @dataclass
@@ -111,9 +142,13 @@ class Planner:
 
         self.profile, self.config = profile, config
         self.fleet_base = fleet_base or FleetConfig()
-        self._pending: Split | None = None
-        self._pending_count = 0
+        self._pending = 0  # the direction of the pending move: +1 to prompt, -1 to completion
+        self._pending_count = 0  # decisions in a row that wanted it
         self._last_change_s = -math.inf
+        self._first_seen_s = math.inf  # the earliest arrival it was shown
+        # The last full decision, when it held: the split, its load, its predictions.
+        self._held: tuple[Split, tuple[float, float], dict[str, float]] | None = None
+        self._num_reuses = 0
 
     def predict(self, split: Split, specs: list[RequestSpec]) -> float:
         from dataclasses import replace
@@ -133,33 +168,62 @@ class Planner:
         if len(window) < cfg.min_observations:
             return Decision("hold", current, f"{len(window)} requests in the window "
                                              f"(< {cfg.min_observations})")
+        self._first_seen_s = min(self._first_seen_s, window[0].arrival_s)
+        span = max(1e-9, min(cfg.window_s, now_s - self._first_seen_s))
+        load = (sum(o.prompt_tokens for o in window) / span,
+                sum(o.output_tokens for o in window) / span)
+        if self._is_held(current, load):
+            self._num_reuses += 1
+            return Decision("hold", current, f"load within {100 * cfg.reuse_tolerance:.0f}% of "
+                            "the last replay's, which held", self._held[2])
         specs = observations_to_specs(window)
         budget = current.num_prompt + current.num_completion
-        predicted = {s.name: self.predict(s, specs)
-                     for s in candidates(current, budget, cfg.max_candidates)}
-        best_name = max(predicted, key=lambda n: (predicted[n], n == current.name))
-        best = next(s for s in candidates(current, budget, cfg.max_candidates)
-                    if s.name == best_name)
-        now_good = predicted[current.name]
-        if best == current or predicted[best_name] <= now_good * (1 + cfg.margin):
-            self._pending, self._pending_count = None, 0
+        splits = candidates(current, budget, cfg.max_candidates)
+        predicted = {s.name: self.predict(s, specs) for s in splits}
+        decision = self._judge(now_s, current, splits, predicted)
+        self._held = (current, load, predicted) if decision.action == "hold" else None
+        self._num_reuses = 0
+        return decision
+
+    def _is_held(self, current: Split, load: tuple[float, float]) -> bool:
+        """The last replay held on this split, under a load within the tolerance of this one."""
+        if self._held is None or self._held[0] != current or \
+                self._num_reuses >= self.config.max_reuses:
+            return False
+        tol = self.config.reuse_tolerance
+        return all(abs(a - b) <= tol * b for a, b in zip(load, self._held[1], strict=True))
+
+    def _judge(self, now_s: float, current: Split, splits: list[Split],
+               predicted: dict[str, float]) -> Decision:
+        """The decision on these predictions (split name -> goodput): hysteresis, confirmations
+        and cooldown, as the module docstring says."""
+        cfg = self.config
+        top = max(predicted.values())
+        near = [s for s in splits if predicted[s.name] >= top * (1 - cfg.tie)]
+        best = min(near, key=lambda s: (abs(s.num_prompt - current.num_prompt), s != current))
+        now_good, best_good = predicted[current.name], predicted[best.name]
+        if best == current or best_good <= now_good * (1 + cfg.margin):
+            self._pending, self._pending_count = 0, 0
             return Decision("hold", current, f"{current.name} is within {100 * cfg.margin:.0f}% "
                             f"of the best predicted goodput", predicted)
-        if best == self._pending:
+        urgent = best_good > now_good * (1 + cfg.urgent_margin)
+        direction = 1 if best.num_prompt > current.num_prompt else -1  # engines to prompt?
+        if direction == self._pending:
             self._pending_count += 1
         else:
-            self._pending, self._pending_count = best, 1
-        if self._pending_count < cfg.confirmations:
-            return Decision("wait", best, f"{best.name} predicted {predicted[best_name]:.2f} vs "
-                            f"{now_good:.2f} req/s ({self._pending_count} of "
-                            f"{cfg.confirmations} confirmations)", predicted)
-        if now_s - self._last_change_s < cfg.cooldown_s:
-            return Decision("wait", best, f"cooldown: {cfg.cooldown_s - (now_s - self._last_change_s):.0f} s "
-                            "left", predicted)
-        self._pending, self._pending_count = None, 0
+            self._pending, self._pending_count = direction, 1
+        gain = f"{best.name} predicted {best_good:.2f} vs {current.name} {now_good:.2f} req/s"
+        needed = 1 if urgent else cfg.confirmations
+        if self._pending_count < needed:
+            return Decision("wait", best, f"{gain} ({self._pending_count} of {needed} "
+                            "confirmations)", predicted)
+        cooldown = min(cfg.urgent_cooldown_s, cfg.cooldown_s) if urgent else cfg.cooldown_s
+        if now_s - self._last_change_s < cooldown:
+            return Decision("wait", best, f"{gain}; cooldown: "
+                            f"{cooldown - (now_s - self._last_change_s):.0f} s left", predicted)
+        self._pending, self._pending_count = 0, 0
         if not cfg.apply:
-            return Decision("advise", best, f"would change to {best.name}: predicted "
-                            f"{predicted[best_name]:.2f} vs {now_good:.2f} req/s", predicted)
+            return Decision("advise", best, f"would change: {gain}", predicted)
         self._last_change_s = now_s
-        return Decision("change", best, f"{best.name} predicted {predicted[best_name]:.2f} vs "
-                        f"{current.name} {now_good:.2f} req/s of goodput", predicted)
+        return Decision("change", best, f"{gain} of goodput" + (" (urgent)" if urgent else ""),
+                        predicted)

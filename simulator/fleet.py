@@ -265,6 +265,8 @@ class Simulation:
     def run(self) -> None:
         while self._queue:
             t, _, fn, args = heapq.heappop(self._queue)
+            if fn == self._plan and not (self._queue or self.flights):
+                break  # only the planner's next tick is left: the run ended before it
             self.now = t
             fn(*args)
 

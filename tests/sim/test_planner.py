@@ -44,6 +44,110 @@ def _run(phases: list[str], start: tuple[int, int], apply: bool = True) -> dict:
                     specs=_specs(phases), planner=planner)
 
 
+class _Scripted(Planner):
+    """A planner whose predictions are given (split name -> goodput, per decision): the
+    decision rules alone, no simulation."""
+
+    def __init__(self, script: list[dict[str, float]], **overrides) -> None:
+        base = dict(slos_ms=SLOS, interval_s=20, window_s=40, min_observations=1,
+                    cooldown_s=300, max_candidates=8, max_reuses=0)
+        super().__init__(PROFILE, PlannerConfig(**base | overrides))
+        self.script = iter(script)
+        self.table: dict[str, float] = {}
+        self.num_predictions = 0
+
+    def decide(self, now_s, current, prompt_tokens=10):
+        self.table = next(self.script)
+        arrivals = [(float(t), prompt_tokens, 10) for t in range(int(now_s))]  # 1 req/s
+        return super().decide(now_s, current, arrivals)
+
+    def predict(self, split, specs):
+        self.num_predictions += 1
+        return self.table.get(split.name, 0.0)
+
+
+def _actions(planner: _Scripted, start: Split, n: int) -> list[tuple[float, str, str]]:
+    out, current = [], start
+    for i in range(n):
+        d = planner.decide(20.0 * (i + 1), current)
+        out.append((20.0 * (i + 1), d.action, d.target.name))
+        if d.action == "change":
+            current = d.target
+    return out
+
+
+def test_an_urgent_gain_acts_on_its_first_sighting():
+    p = _Scripted([{"8P:8D": 2.0, "12P:4D": 6.0, "15P:1D": 6.0}])
+    assert _actions(p, Split(8, 8), 1) == [(20.0, "change", "12P:4D")]
+
+
+def test_a_small_gain_needs_confirmations_in_one_direction():
+    # 20% more: two decisions in a row must want engines moved the same way; the target may
+    # differ between them (the second names it)
+    script = [{"8P:8D": 5.0, "9P:7D": 6.0}, {"8P:8D": 5.0, "10P:6D": 6.0}]
+    assert _actions(_Scripted(script), Split(8, 8), 2) == [
+        (20.0, "wait", "9P:7D"), (40.0, "change", "10P:6D")]
+    # a reversal between them starts the count again: no change
+    script = [{"8P:8D": 5.0, "9P:7D": 6.0}, {"8P:8D": 5.0, "7P:9D": 6.0},
+              {"8P:8D": 5.0, "9P:7D": 6.0}]
+    assert [a for _, a, _ in _actions(_Scripted(script), Split(8, 8), 3)] == ["wait"] * 3
+
+
+def test_within_the_margin_it_holds_and_forgets_a_pending_move():
+    script = [{"8P:8D": 5.0, "9P:7D": 6.0}, {"8P:8D": 5.0, "9P:7D": 5.4},
+              {"8P:8D": 5.0, "9P:7D": 6.0}]
+    assert [a for _, a, _ in _actions(_Scripted(script), Split(8, 8), 3)] == [
+        "wait", "hold", "wait"]
+
+
+def test_cooldowns_small_gains_wait_the_full_one_urgent_ones_the_short_one():
+    # an urgent change at 20 s; then a 20% gain waits the 300 s cooldown...
+    script = [{"8P:8D": 1.0, "12P:4D": 6.0}] + [{"12P:4D": 5.0, "13P:3D": 6.0}] * 15
+    acts = _actions(_Scripted(script), Split(8, 8), 16)
+    assert [t for t, a, _ in acts if a == "change"] == [20.0, 320.0]
+    # ... and an urgent gain the 60 s one
+    script = [{"8P:8D": 1.0, "12P:4D": 6.0}] + [{"12P:4D": 2.0, "8P:8D": 6.0}] * 4
+    acts = _actions(_Scripted(script), Split(8, 8), 5)
+    assert [(t, n) for t, a, n in acts if a == "change"] == [(20.0, "12P:4D"), (80.0, "8P:8D")]
+
+
+def test_the_nearest_of_the_splits_tied_with_the_best_wins():
+    # 15P:1D is 1% better than 10P:6D: within the tie, so the move of 2 engines, not 7
+    p = _Scripted([{"8P:8D": 1.0, "10P:6D": 5.95, "15P:1D": 6.0, "12P:4D": 5.0}])
+    assert _actions(p, Split(8, 8), 1) == [(20.0, "change", "10P:6D")]
+    p = _Scripted([{"8P:8D": 1.0, "10P:6D": 5.95, "15P:1D": 6.0}], tie=0.0)
+    assert _actions(p, Split(8, 8), 1) == [(20.0, "change", "15P:1D")]
+
+
+def test_steady_noisy_predictions_make_at_most_one_change_per_cooldown():
+    # 10 simulated minutes of predictions wandering around equal goodput on a steady load
+    names = [s.name for s in candidates(Split(8, 8), 16, 8)]
+
+    def changes(noise: float, **overrides) -> list:
+        rng = random.Random(5)
+        script = [{n: 5.0 * (1 + rng.uniform(-noise, noise)) for n in names}
+                  for _ in range(30)]
+        acts = _actions(_Scripted(script, **overrides), Split(8, 8), 30)
+        return [a for a in acts if a[1] == "change"]
+
+    assert changes(0.04) == []  # +-4%: never past the 10% margin
+    assert len(changes(0.08, cooldown_s=600)) <= 1  # noise past the margin: the cooldown
+
+
+def test_a_steady_load_is_not_replayed_every_interval():
+    p = _Scripted([{"8P:8D": 5.0}] * 6, max_reuses=2)
+    actions = [p.decide(20.0 * (i + 1), Split(8, 8)).action for i in range(4)]
+    assert actions == ["hold"] * 4 and p.num_predictions == 2 * 8  # replays at 20 and 80 s
+    p.decide(100.0, Split(8, 8), prompt_tokens=12)  # 20% more prompt tokens: replayed
+    assert p.num_predictions == 3 * 8
+
+
+def test_advise_never_records_a_change():
+    p = _Scripted([{"8P:8D": 1.0, "12P:4D": 6.0}] * 3, apply=False)
+    acts = _actions(p, Split(8, 8), 3)
+    assert [a for _, a, _ in acts] == ["advise"] * 3  # it never changed, so it keeps advising
+
+
 def test_candidates_are_the_current_split_and_its_neighbours():
     assert candidates(Split(4, 4), 8, 5) == [(4, 4), (1, 7), (7, 1), (5, 3), (3, 5)]
     assert candidates(Split(1, 3), 4, 8) == [(1, 3), (3, 1), (2, 2)]
@@ -90,3 +194,17 @@ def test_planner_flags_are_checked(capsys):
                        "--completion-engines", "1", "--goodput", "ttft:1000"]) == 2
     with pytest.raises(ValueError, match="needs SLOs"):
         PlannerConfig(slos_ms={})
+    with pytest.raises(ValueError, match="urgent_margin"):
+        PlannerConfig(slos_ms=SLOS, margin=0.2, urgent_margin=0.1)
+    with pytest.raises(ValueError, match="urgent_cooldown_s"):
+        PlannerConfig(slos_ms=SLOS, urgent_cooldown_s=-1)
+
+
+def test_a_planner_that_holds_scores_what_its_fixed_split_scores():
+    # its periodic tick after the last request must not stretch the run's duration
+    specs = _specs(["chat"])
+    fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=3)
+    holder = Planner(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=7, min_observations=10**6))
+    fixed, held = (simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None, specs=specs,
+                            planner=p)["summary"] for p in (None, holder))
+    assert (held["duration_s"], held["goodput"]) == (fixed["duration_s"], fixed["goodput"])
