@@ -100,12 +100,13 @@ class EngineClient:
         self.close_request(req_id)
         await self._sock.send(protocol.encode(AbortRequest(req_id=req_id)))
 
-    async def reset_prefix_cache(self, timeout_s: float) -> ControlReply:
-        """Ask the engine to forget its cached-free KV blocks; TimeoutError past timeout_s."""
+    async def reset_prefix_cache(self, timeout_s: float, pool_only: bool = False) -> ControlReply:
+        """Ask the engine to forget its cached-free KV blocks (and its disk tier's, unless
+        `pool_only`); TimeoutError past timeout_s."""
         nonce, self._next_nonce = self._next_nonce, self._next_nonce + 1
         reply = self._replies[nonce] = asyncio.get_running_loop().create_future()
         try:
-            await self._sock.send(protocol.encode(ResetPrefixCache(nonce)))
+            await self._sock.send(protocol.encode(ResetPrefixCache(nonce, pool_only)))
             async with asyncio.timeout(timeout_s):  # wait_for may drop a cancellation (3.11)
                 return await reply
         finally:

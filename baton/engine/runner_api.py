@@ -34,3 +34,10 @@ class Runner(Protocol):
         """Run a scheduler step and sample it. A decode step whose rows carry drafts (query
         length 1 + k: the engine runs `--speculative`) is verified in that one forward and
         answers the `[n, 1 + k]` rows the scheduler books (`StepSamples.token_ids`)."""
+
+    def read_blocks(self, block_ids: np.ndarray) -> np.ndarray:
+        """A copy of the pool's blocks `block_ids`: uint8 `[n, bytes per block]` (a lower
+        KV tier keeps them, docs/scheduler.md P9)."""
+
+    def write_blocks(self, block_ids: np.ndarray, data: np.ndarray) -> None:
+        """Fill the pool's blocks `block_ids` with `data` (uint8 `[n, bytes per block]`)."""

@@ -80,7 +80,7 @@ class RoleWorker(Protocol):
     def has_pending(self) -> bool: ...  # waiting on others (KV pulls); the loop polls briefly
     def fill_stats(self, stats: EngineStats) -> None: ...
     def fill_record(self, record: EngineRecord) -> None: ...
-    def reset_prefix_cache(self) -> bool: ...
+    def reset_prefix_cache(self, pool_only: bool = False) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -279,7 +279,7 @@ class EngineService:
         elif isinstance(msg, StatsRequest):
             self._send(identity, self.stats(msg.nonce))
         elif isinstance(msg, ResetPrefixCache):
-            ok = self.worker.reset_prefix_cache()
+            ok = self.worker.reset_prefix_cache(msg.pool_only)
             self._send(identity, ControlReply(msg.nonce, ok, "" if ok else
                                               "KV pulls into cached blocks are in flight; retry"))
         elif isinstance(msg, ChangeRole):
