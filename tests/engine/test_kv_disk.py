@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from model.reference import baton_model, prompt_of_length
 
-from baton.engine import AllocStatus, EngineConfig, LLMEngine
-from baton.engine import kv_disk_store
+from baton.engine import AllocStatus, EngineConfig, LLMEngine, kv_disk_store
 from baton.engine.block_keys import compute_block_keys
-from baton.engine.kv_disk_store import MAGIC, RECORD
+from baton.engine.kv_disk_store import MAGIC
 from baton.sampling.params import SamplingParams
 from kv_transfer.protocol import Fingerprint
 
