@@ -142,12 +142,14 @@ def _from_snapshot(msg: KvEvents) -> EngineKeys:
                             f"seed={msg.seed}, instance_id={msg.instance_id!r}")
     if msg.removed or msg.disk_removed:
         raise ProtocolError("a snapshot with removed keys")
-    if not 0 <= msg.num_disk_blocks <= MAX_KEYS_PER_ENGINE:
+    if msg.num_disk_blocks < 0:
         raise ProtocolError(f"num_disk_blocks={msg.num_disk_blocks} out of range")
+    # A disk may hold more blocks than the router keeps keys for: past the bound, a resync.
+    disk_bound = min(msg.num_disk_blocks, MAX_KEYS_PER_ENGINE)
     keys = set(unpack_keys(msg.stored, msg.num_total_blocks))
-    disk_keys = set(unpack_keys(msg.disk_stored, msg.num_disk_blocks))
+    disk_keys = set(unpack_keys(msg.disk_stored, disk_bound))
     return EngineKeys(msg.instance_id, msg.seq, msg.block_size, msg.seed,
-                      msg.num_total_blocks, keys, msg.num_disk_blocks, disk_keys)
+                      msg.num_total_blocks, keys, disk_bound, disk_keys)
 
 
 class RequestKeys:
