@@ -1,8 +1,9 @@
 """The local disk tier (README: KV tiers): returning turns of conversations whose working set is
 ~4x the KV pool, with the disk tier against recompute, in one run.
 
-    .venv/bin/python bench/kv_disk_tier.py               # ~10 minutes on 2 busy cores
-    .venv/bin/python bench/kv_disk_tier.py --conversations 8 --rounds 4
+    .venv/bin/python bench/kv_disk_tier.py               # ~25 minutes on 2 busy cores
+    .venv/bin/python bench/kv_disk_tier.py --quantization auto --prefix-tokens 300 \
+        --num-blocks 32 --out bench/results/kv_disk_tier_int4.json
 
 `--conversations` conversations take turns round-robin on two engines over the same loaded
 weights and the same small pool (`--num-blocks`): one with `--kv-disk-dir` (a temp dir), one
@@ -66,11 +67,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--conversations", type=int, default=6)
     p.add_argument("--rounds", type=int, default=3, help="turns per conversation")
-    p.add_argument("--prefix-tokens", type=int, default=300, help="a conversation's opening")
+    p.add_argument("--prefix-tokens", type=int, default=400, help="a conversation's opening")
     p.add_argument("--user-tokens", type=int, default=24, help="each later user message")
     p.add_argument("--answer-tokens", type=int, default=8)
-    p.add_argument("--num-blocks", type=int, default=32, help="the pool (null block included)")
-    p.add_argument("--quantization", default="auto", help="the engines' (the servers' default)")
+    p.add_argument("--num-blocks", type=int, default=40, help="the pool (null block included)")
+    p.add_argument("--quantization", default="none",
+                   help="none: the exact mode, whose prefill costs in proportion to its tokens; "
+                   "auto: the servers' int4, whose prompt steps carry a fixed cost")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()

@@ -87,7 +87,7 @@ def test_p9_a_disk_block_costs_less_than_a_new_one_and_more_than_a_pool_one() ->
     choice = policy.select("prompt", [Candidate("cold"), Candidate("disk")], request)
     assert choice.engine_id == "disk" and choice.num_overlap_blocks == 4
     assert choice.num_disk_blocks == 3 and choice.num_active_blocks == 3  # 7 blocks, 4 held
-    # Four blocks of queued work outweigh what its pool block and 3 disk blocks save (1 + 2.25)
+    # Four blocks of queued work outweigh what its pool block and 3 disk blocks save (1 + 2.1)
     assert policy.select("normal", [Candidate("cold"), Candidate("disk", num_active_blocks=3)],
                          request).engine_id == "disk"
     assert policy.select("normal", [Candidate("cold"), Candidate("disk", num_active_blocks=4)],
