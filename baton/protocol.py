@@ -115,9 +115,11 @@ class StatsRequest(msgspec.Struct, tag="stats?", array_like=True, omit_defaults=
 
 class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True,
                        omit_defaults=True):
-    """Forget every cached-free KV block (vLLM's `/reset_prefix_cache`)."""
+    """Forget every cached-free KV block (vLLM's `/reset_prefix_cache`), and every block of
+    the engine's lower tiers (its disk) unless `pool_only`."""
 
     nonce: int = 0
+    pool_only: bool = False
 
 
 class ChangeRole(msgspec.Struct, tag="change_role", array_like=True, omit_defaults=True):
@@ -181,6 +183,11 @@ class KvEvents(msgspec.Struct, tag="kv_events", array_like=True, omit_defaults=T
     block_size: int = 0  # tokens per block and the key chain's seed: the router keys a prompt
     seed: int = 0  # with the same function (baton.scheduler.compute_block_keys)
     num_total_blocks: int = 0  # no engine holds more keys than this
+    # The disk tier's keys (docs/scheduler.md P10), packed as `stored`: what entered / left it
+    # (a snapshot: all it holds); a key may be in both tiers.
+    disk_stored: bytes = b""
+    disk_removed: bytes = b""
+    num_disk_blocks: int = 0  # the disk tier holds no more keys than this (0: no disk tier)
 
 
 class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=True):

@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 
-from baton.engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
+from baton.engine.config import DEFAULT_KV_DISK_BYTES, DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 from baton.engine.proposers import SPECULATIVE_METHODS
 from baton.model.modes import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_REQUESTS
 from baton.ops.cluster_keys import add_key_args, keys_from_args
@@ -37,6 +37,20 @@ transfer agent 0.5, service 0.2 (since process start, pid 11473)" (a restart at 
 # engine command -> its role
 ROLE_COMMANDS = {"engine": NORMAL, "prompt-engine": PROMPT, "completion-engine": COMPLETION}
 COMMAND_OF = {role: command for command, role in ROLE_COMMANDS.items()}
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: an integer, or one with a K, M or G suffix (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    scale = units.get(text[-1:], 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8G, 512M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be > 0, got {text!r}")
+    return value
 
 
 def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -109,6 +123,14 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                         "adapter_model.safetensors) to serve beside the base model, each under "
                         "NAME (a request's `model`); more load at run time through the router's "
                         "POST /v1/load_lora_adapter (README: LoRA adapters)")
+    m.add_argument("--kv-disk-dir", default="",
+                   help="the local disk tier (README: KV tiers): keyed blocks the pool evicts are "
+                   "written here, off the step loop, and a later prompt loads them instead of "
+                   "recomputing; the files outlive the engine (a restart finds them), so give "
+                   "each engine its own folder (baton up uses DIR/ENGINE_ID). Default: off")
+    m.add_argument("--kv-disk-bytes", type=parse_bytes, default=DEFAULT_KV_DISK_BYTES,
+                   metavar="N[K|M|G]", help="most bytes of files in --kv-disk-dir, the least "
+                   f"recently used files deleted first (default {DEFAULT_KV_DISK_BYTES >> 30}G)")
     m.add_argument("--max-num-seqs", type=int, default=64)
     m.add_argument("--max-num-batched-tokens", type=int, default=1024)
     m.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")

@@ -51,7 +51,16 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         **{name: getattr(args, name) for name in SPECULATION
            if hasattr(args, name) and role != PROMPT},
         engine_type=role, load_cache_dir=None if getattr(args, "no_load_cache", False)
-        else getattr(args, "load_cache_dir", "") or default_cache_dir())
+        else getattr(args, "load_cache_dir", "") or default_cache_dir(),
+        kv_disk_dir=kv_disk_dir(args), kv_disk_bytes=args.kv_disk_bytes)
+
+
+def kv_disk_dir(args: argparse.Namespace) -> str:
+    """--kv-disk-dir as given; a data-parallel rank keeps its blocks in a sub-folder of its own
+    (each rank has its own pool)."""
+    if not args.kv_disk_dir or getattr(args, "data_parallel_size", 1) <= 1:
+        return args.kv_disk_dir
+    return os.path.join(args.kv_disk_dir, f"dp{getattr(args, 'data_parallel_rank', 0)}")
 
 
 # The prefill cadence flags (NORMAL engines only): EngineConfig fields of the same names.

@@ -32,7 +32,8 @@ from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port
 from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 from baton.workload.results import parse_slos
-from baton_cli.engine_args import COMMAND_OF, ROLE_COMMANDS, add_common_args, lora_module
+from baton_cli.engine_args import (COMMAND_OF, ROLE_COMMANDS, add_common_args, lora_module,
+                                      parse_bytes)
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,11 @@ class LaunchConfig:
     # Every engine's --lora-modules (NAME=PATH each): the prompt and the completion engine of a
     # request must both serve its adapter, so the fleet gets one list.
     lora_modules: list[str] = field(default_factory=list)
+    # The local disk tier (README: KV tiers): each engine keeps its evicted blocks in
+    # kv_disk_dir/ENGINE_ID (a restarted engine has the same id: it finds its own files), at
+    # most kv_disk_bytes each (0 = the engines' default); "" = off.
+    kv_disk_dir: str = ""
+    kv_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
@@ -147,6 +153,14 @@ class LaunchConfig:
         if any(a.split("=")[0] == "--kv-cache-dtype" for a in self.engine_args):
             raise ValueError("give --kv-cache-dtype to `baton up` itself, not after --: "
                              "prompt and completion engines must share it")
+        for flag in ("--kv-disk-dir", "--kv-disk-bytes"):
+            if any(a.split("=")[0] == flag for a in self.engine_args):
+                raise ValueError(f"give {flag} to `baton up` itself, not after --: each "
+                                 "engine gets its own sub-folder of the directory")
+        if self.kv_disk_bytes < 0:
+            raise ValueError(f"--kv-disk-bytes must be > 0, got {self.kv_disk_bytes}")
+        if self.kv_disk_bytes and not self.kv_disk_dir:
+            raise ValueError("--kv-disk-bytes sizes the disk tier: give --kv-disk-dir too")
         if self.api_keys_file:
             from router.api_keys import load_api_keys
 
@@ -341,6 +355,13 @@ class Launcher:
                            self.spawned_at, self.keys, self.address_files)
         self._start_router(deadline)
 
+    def _disk_args(self, engine_id: str) -> list[str]:
+        cfg = self.config
+        if not cfg.kv_disk_dir:
+            return []
+        return ["--kv-disk-dir", os.path.join(cfg.kv_disk_dir, engine_id),
+                *(["--kv-disk-bytes", str(cfg.kv_disk_bytes)] if cfg.kv_disk_bytes else [])]
+
     def _model_args(self) -> list[str]:
         return ["--model", self.config.model] if self.config.model else []
 
@@ -356,7 +377,7 @@ class Launcher:
                 *(["--kv-cache-dtype", cfg.kv_cache_dtype] if cfg.kv_cache_dtype != "auto"
                   else []),
                 *(["--lora-modules", *cfg.lora_modules] if cfg.lora_modules else []),
-                *self._metrics_args(engine_id), *self.key_args,
+                *self._metrics_args(engine_id), *self.key_args, *self._disk_args(engine_id),
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
         self.address_files[engine_id] = address_file
@@ -546,6 +567,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="LoRA adapters (PEFT folders) every engine serves beside the base model, "
                         "each under NAME (a request's `model`); more load at run time through "
                         "POST /v1/load_lora_adapter (README: LoRA adapters)")
+    p.add_argument("--kv-disk-dir", default="",
+                   help="the local disk tier (README: KV tiers): each engine writes the blocks "
+                   "its pool evicts to DIR/ENGINE_ID and loads them back for later prompts; a "
+                   "restarted engine finds its own files. Default: off")
+    p.add_argument("--kv-disk-bytes", type=parse_bytes, default=0, metavar="N[K|M|G]",
+                   help="each engine's disk tier size (default: the engines' default)")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
                         "model; the router tokenizes with the default model's tokenizer")
@@ -627,6 +654,7 @@ def run(args: argparse.Namespace) -> int:
             pd_handoff_ms=args.pd_handoff_ms,
             warm_standby=args.warm_standby, kv_cache_dtype=args.kv_cache_dtype,
             lora_modules=args.lora_modules,
+            kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
             planner=args.planner,
             planner_profile=args.planner_profile or args.profile,
             slos_ms=parse_slos(args.goodput),

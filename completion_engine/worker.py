@@ -81,3 +81,4 @@ class CompletionWorker(EngineWorker):
 
     def close(self) -> None:
         self.admission.close()
+        super().close()

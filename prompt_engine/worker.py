@@ -85,3 +85,4 @@ class PromptWorker(EngineWorker):
 
     def close(self) -> None:
         self.handoff.close()
+        super().close()

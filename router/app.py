@@ -264,13 +264,14 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/reset_prefix_cache", response_model=api_models.ResetResult,
               responses={**api_models.error_responses(401), 503: {"model": api_models.ResetResult}})
-    async def reset_prefix_cache(request: Request):
+    async def reset_prefix_cache(request: Request, pool_only: bool = False):
         """vLLM's endpoint: every live engine forgets its cached-free KV blocks (benchmarks
-        call it between runs). 503 naming the engines that refused or did not answer."""
+        call it between runs), and the blocks of its disk tier unless `?pool_only=true`. 503
+        naming the engines that refused or did not answer."""
         pool: EnginePool = request.app.state.pool
         engines = pool.live_engines()
-        replies = await asyncio.gather(*(client.reset_prefix_cache(5.0) for _, client in engines),
-                                       return_exceptions=True)
+        replies = await asyncio.gather(*(client.reset_prefix_cache(5.0, pool_only)
+                                         for _, client in engines), return_exceptions=True)
         results, failed = {}, []
         for (record, _), reply in zip(engines, replies, strict=True):
             ok = not isinstance(reply, BaseException) and reply.ok

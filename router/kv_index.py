@@ -1,7 +1,9 @@
 """Which prefix-cache block keys each engine holds, as its KV events said (baton/engine/kv_events.py).
 
 Per engine (by address) the index keeps the engine's `instance_id`, the `seq` of the last
-message applied, the block size and key seed it keys with, and the set of keys it holds.
+message applied, the block size and key seed it keys with, and the set of keys it holds in
+each tier: its pool (`keys`) and its disk (`disk_keys`, docs/scheduler.md P10; a prompt's
+blocks past the pool's run that are on disk are loaded, not computed).
 An engine's entries are dropped, and the engine must be subscribed again, when:
   - a delta's `seq` is not one past the last one (the engine's queue to us dropped a message),
   - a message names another `instance_id` than the snapshot did (a restarted engine),
@@ -39,6 +41,8 @@ class EngineKeys:
     seed: int
     num_total_blocks: int
     keys: set[int] = field(default_factory=set)
+    num_disk_blocks: int = 0  # the disk tier's bound (0: none)
+    disk_keys: set[int] = field(default_factory=set)
 
 
 class KvIndex:
@@ -88,6 +92,12 @@ class KvIndex:
             entry.keys.update(stored)
             if len(entry.keys) > bound:
                 raise ProtocolError(f"{len(entry.keys)} keys held with {bound} blocks")
+            disk_bound = entry.num_disk_blocks
+            entry.disk_keys.difference_update(unpack_keys(msg.disk_removed, disk_bound))
+            entry.disk_keys.update(unpack_keys(msg.disk_stored, disk_bound))
+            if len(entry.disk_keys) > disk_bound:
+                raise ProtocolError(f"{len(entry.disk_keys)} disk keys with room for "
+                                    f"{disk_bound}")
             entry.seq = msg.seq
             return True
         except ProtocolError as exc:
@@ -102,6 +112,16 @@ class KvIndex:
         if entry is None or not entry.keys:
             return 0
         return prefix_overlap(request.keys_for(entry.block_size, entry.seed), entry.keys)
+
+    def disk_overlap(self, address: str, request: RequestKeys) -> int:
+        """Blocks of the request's prompt past the engine's pool run that its disk tier
+        holds (the engine loads them instead of computing them; 0 if unknown)."""
+        entry = self._engines.get(address)
+        if entry is None or not entry.disk_keys:
+            return 0
+        keys = request.keys_for(entry.block_size, entry.seed)
+        start = prefix_overlap(keys, entry.keys)
+        return prefix_overlap(keys[start:], entry.disk_keys)
 
 
 def prefix_overlap(keys: list[int], held: Set[int]) -> int:
@@ -120,11 +140,16 @@ def _from_snapshot(msg: KvEvents) -> EngineKeys:
     if msg.block_size <= 0 or not 0 <= msg.seed < 1 << 64 or not msg.instance_id:
         raise ProtocolError(f"bad snapshot header: block_size={msg.block_size}, "
                             f"seed={msg.seed}, instance_id={msg.instance_id!r}")
-    if msg.removed:
+    if msg.removed or msg.disk_removed:
         raise ProtocolError("a snapshot with removed keys")
+    if msg.num_disk_blocks < 0:
+        raise ProtocolError(f"num_disk_blocks={msg.num_disk_blocks} out of range")
+    # A disk may hold more blocks than the router keeps keys for: past the bound, a resync.
+    disk_bound = min(msg.num_disk_blocks, MAX_KEYS_PER_ENGINE)
     keys = set(unpack_keys(msg.stored, msg.num_total_blocks))
+    disk_keys = set(unpack_keys(msg.disk_stored, disk_bound))
     return EngineKeys(msg.instance_id, msg.seq, msg.block_size, msg.seed,
-                      msg.num_total_blocks, keys)
+                      msg.num_total_blocks, keys, disk_bound, disk_keys)
 
 
 class RequestKeys:

@@ -16,7 +16,9 @@ least-loaded   the lowest `Candidate.load`; the first listed among equals.
 overlap-minus-load (cache-aware, the router's default) NVIDIA Dynamo's KV router cost in blocks:
                    cost = overlap_weight * new_blocks + active_blocks
                new_blocks: the request's blocks the engine does not hold (what a prompt or
-               normal engine must prefill, what a completion engine must pull);
+               normal engine must prefill, what a completion engine must pull); a block its
+               disk tier holds past its pool run counts as 1 - disk_weight of a new block
+               (it is loaded, not computed: docs/scheduler.md P10);
                active_blocks: the blocks of this router's requests in flight there. Ties go
                to the lowest load, then to the first listed. overlap_weight 1 (Dynamo's
                default) prices a cached block like one block of queued work.
@@ -32,6 +34,10 @@ from baton.protocol import PROMPT
 from router.kv_index import RequestKeys, prefix_overlap
 
 DEFAULT_BLOCK_SIZE = 16  # an engine that has said nothing of its block size
+# What a block on an engine's disk saves of computing it: bench/kv_disk_tier.py measured the
+# TTFT of returning turns loaded from disk at 0.29x (exact mode) to 0.38x (int4) of recomputing
+# them (README: KV tiers), so a disk block is priced at 0.3 of a block to compute.
+DISK_HIT_WEIGHT = 0.7
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class Choice:
     engine_id: Hashable
     num_active_blocks: int = 0  # what the request adds to the engine's active blocks
     num_overlap_blocks: int = 0  # leading blocks of the request the engine already holds
+    num_disk_blocks: int = 0  # of those, the ones on its disk tier (loaded, not computed)
 
 
 class CacheView(Protocol):
@@ -61,6 +68,9 @@ class CacheView(Protocol):
 
     def overlap(self, engine_id: Hashable, request: RequestKeys) -> int:
         """Leading full blocks of the request the engine holds (0 if unknown)."""
+
+    def disk_overlap(self, engine_id: Hashable, request: RequestKeys) -> int:
+        """Blocks past that run its disk tier holds (0 if unknown or none)."""
 
 
 class KeySets:
@@ -80,6 +90,9 @@ class KeySets:
         if not held:
             return 0
         return prefix_overlap(request.keys_for(self._block_size, self._seed), held)
+
+    def disk_overlap(self, engine_id: Hashable, request: RequestKeys) -> int:
+        return 0  # a simulator's engines have no disk tier
 
 
 class SelectionPolicy:
@@ -112,11 +125,15 @@ class OverlapMinusLoad(SelectionPolicy):
 
     is_cache_aware = True
 
-    def __init__(self, cache: CacheView, overlap_weight: float = 1.0):
+    def __init__(self, cache: CacheView, overlap_weight: float = 1.0,
+                 disk_weight: float = DISK_HIT_WEIGHT):
         if not 0 <= overlap_weight < float("inf"):
             raise ValueError(f"overlap_weight must be >= 0 and finite, got {overlap_weight}")
+        if not 0 <= disk_weight <= 1:
+            raise ValueError(f"disk_weight must be in [0, 1], got {disk_weight}")
         self.cache = cache
         self.overlap_weight = overlap_weight
+        self.disk_weight = disk_weight
 
     def select(self, role: str, candidates: Sequence[Candidate],
                request: RequestKeys) -> Choice:
@@ -127,9 +144,12 @@ class OverlapMinusLoad(SelectionPolicy):
             block_size = self.cache.block_size(candidate.engine_id) or candidate.block_size
             num_blocks = request.num_blocks(block_size)
             overlap = self.cache.overlap(candidate.engine_id, request)
-            cost = self.overlap_weight * (num_blocks - overlap) + candidate.num_active_blocks
+            disk = self.cache.disk_overlap(candidate.engine_id, request)
+            cost = (self.overlap_weight * (num_blocks - overlap - self.disk_weight * disk)
+                    + candidate.num_active_blocks)
             if best is None or (cost, candidate.load) < best:
                 best = (cost, candidate.load)
-                active = num_blocks - overlap if role == PROMPT else num_blocks
-                choice = Choice(candidate.engine_id, active, overlap)
+                held = overlap + disk
+                active = num_blocks - held if role == PROMPT else num_blocks
+                choice = Choice(candidate.engine_id, active, held, disk)
         return choice

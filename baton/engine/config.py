@@ -12,6 +12,7 @@ from baton.protocol import NORMAL, PROMPT, ROLES
 # Each role runs the scheduler in the mode of the same name.
 # Drafts per step when speculating and num_speculative_tokens is 0.
 DEFAULT_SPECULATIVE_TOKENS = 4
+DEFAULT_KV_DISK_BYTES = 16 << 30
 
 ROLE_TYPES = {role: EngineType.__members__[role.upper()] for role in ROLES}
 
@@ -87,6 +88,12 @@ class EngineConfig:
     # N > 0: a batch of N rows or more never drafts and a smaller one always does (a fixed
     # rule, vLLM's speculative_disable_by_batch_size).
     speculative_disable_by_batch_size: int = 0
+    # The local disk tier (baton/engine/kv_disk.py, docs/scheduler.md P10): keyed blocks the
+    # pool evicts are written here, and a later prompt loads them instead of recomputing;
+    # "" = off. Needs prefix caching. The files outlive the engine (a restart finds them).
+    kv_disk_dir: str = ""
+    # Most bytes of files in kv_disk_dir; the least recently used files go first.
+    kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -104,6 +111,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.engine_type must be one of {sorted(ROLE_TYPES)}, "
                              f"got {self.engine_type!r}")
         self._check_speculative()
+        if self.kv_disk_dir and not self.enable_prefix_caching:
+            raise ValueError(f"EngineConfig.kv_disk_dir={self.kv_disk_dir!r} with prefix caching "
+                             "off: the disk tier keeps and finds blocks by their prefix keys")
+        if self.kv_disk_bytes <= 0:
+            raise ValueError(f"EngineConfig.kv_disk_bytes must be > 0, got {self.kv_disk_bytes}")
         if self.num_blocks == 1:
             raise ValueError("EngineConfig.num_blocks must be 0 (auto) or >= 2, got 1")
 

@@ -33,7 +33,9 @@ from baton.engine.block_keys import key_seed, request_seed
 from baton.engine.choices import choice_id, choice_params, for_choice, plan_splits
 from baton.engine.config import ROLE_TYPES, EngineConfig
 from baton.engine.input_processor import InputProcessor
+from baton.engine.kv_disk import DiskTier, open_disk_tier
 from baton.engine.kv_events import KvEventSource
+from baton.engine.kv_identity import kv_fingerprint
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig, kv_window
@@ -43,6 +45,8 @@ from baton.protocol import COMPLETION, MAX_CACHE_SALT_CHARS, NORMAL
 from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
 from baton.sampling.params import SamplingParams
 from baton.sampling.samples import PromptSpan
+from kv_transfer.config import PoolSpec
+from kv_transfer.protocol import Fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,16 @@ class LLMEngine:
         self.num_decode_steps = 0
         logger.info("engine: %s, model %s, %d KV blocks, max_model_len %d", config,
                     self.model_path, num_blocks, max_len)
+        self._fingerprint: Fingerprint | None = None
+        # The local disk tier below the pool (P10); None = off, or its directory is unusable.
+        self.disk: DiskTier | None = None
+        if config.kv_disk_dir:
+            self.disk = open_disk_tier(config.kv_disk_dir, config.kv_disk_bytes,
+                                       self.kv_fingerprint, self._block_bytes(), self.scheduler,
+                                       self.runner)
+        if self.disk is not None:
+            logger.info("KV tiers: pool %d blocks x %d bytes; %s", num_blocks,
+                        self._block_bytes(), self.disk.describe())
 
     @property
     def model_fingerprint(self) -> str:
@@ -127,6 +141,20 @@ class LLMEngine:
     @property
     def prefix_cache_seed(self) -> int:
         return key_seed(self.model_fingerprint)
+
+    @property
+    def kv_fingerprint(self) -> Fingerprint:
+        """Who computed this pool's blocks: what the hand-off's handshake and the disk tier
+        check before a block is used (kv_transfer/protocol.py)."""
+        if self._fingerprint is None:
+            self._fingerprint = kv_fingerprint(self.model_path, self.quantization, self.kv_spec,
+                                               self.prefix_cache_seed)
+        return self._fingerprint
+
+    def _block_bytes(self) -> int:
+        if self.runner.kv_cache is None:  # the simulator's runner: no bytes
+            return int(self.kv_spec.bytes_per_block)
+        return PoolSpec.of(self.runner.kv_cache).block_bytes
 
     def request_key_seed(self, request_id: str, cache_salt: str,
                          lora_name: str = "") -> int | None:
@@ -194,10 +222,25 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.scheduler.num_total_blocks()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached-free block (vLLM's reset_prefix_cache); False, and nothing
-        done, while a KV pull into an allocated block could still be pending."""
-        return bool(self.scheduler.reset_prefix_cache())
+    def reset_prefix_cache(self, pool_only: bool = False) -> bool:
+        """Forget every cached-free block (vLLM's reset_prefix_cache) and, unless
+        `pool_only`, every block of the disk tier; False, and nothing done, while a KV pull
+        into an allocated block could still be pending."""
+        if not self.scheduler.reset_prefix_cache():
+            return False
+        if self.disk is not None and not pool_only:
+            self.disk.clear()
+        return True
+
+    def close(self) -> None:
+        """With a disk tier: the pool's cached blocks go to disk too, and the writer finishes,
+        so that a restart (or the next role's engine, S41) finds them there (P10)."""
+        if self.disk is None:
+            return
+        if self.scheduler.reset_prefix_cache(spill=True):
+            self.disk.spill(wait=True)
+        self.disk.close()
+        self.disk = None
 
     def stats(self) -> dict[str, float]:
         """Counters for the engine's stats and registry record (pool, queues, prefix cache)."""
@@ -215,7 +258,22 @@ class LLMEngine:
     def kv_event_source(self) -> KvEventSource:
         """The prefix cache's keys for cache-aware routing (baton/engine/kv_events.py)."""
         return KvEventSource(self.scheduler, self.config.block_size, self.prefix_cache_seed,
-                             self.scheduler.num_total_blocks())
+                             self.scheduler.num_total_blocks(), self.disk)
+
+    def tier_stats(self) -> dict[str, float]:
+        """Hits, bytes and load time per KV tier (`baton_kv_tier_*`): the pool's, and the
+        disk's when it is on. A block loaded from disk is hit in the pool afterwards: the
+        pool's hits are those that were not loaded."""
+        cache = self.scheduler.prefix_cache_stats()
+        disk = self.disk.stats() if self.disk is not None else {}
+        loaded = disk.get("kv_tier_hit_tokens_disk", 0.0)
+        return {"kv_tier_hit_tokens_pool": max(0.0, cache["hit_tokens"] - loaded),
+                "kv_tier_blocks_pool": float(self.scheduler.num_cached_blocks()),
+                "kv_tier_bytes_pool": float(self.scheduler.num_cached_blocks()
+                                            * self._block_bytes()),
+                "kv_tier_capacity_bytes_pool": float(self.scheduler.num_total_blocks()
+                                                     * self._block_bytes()),
+                **disk}
 
     # ------------------------------------------------------------------ PROMPT: the hand-off
     def block_keys(self, request_id: str) -> list[int]:
@@ -238,11 +296,17 @@ class LLMEngine:
         engine's prefix cache holds, by `block_keys`, is pinned instead) and track it as
         waiting for its remote KV; it joins `running` at `commit_prompted`. Returns the
         scheduler's allocation (status OK / LATER / NEVER, block ids, cached blocks)."""
+        seed = self.request_key_seed(request_id, cache_salt, lora_name)
+        if self.disk is not None and len(block_keys):  # P10: what is on disk needs no pull
+            self.disk.load_now(prompt_token_ids + output_token_ids,
+                               self.prefix_cache_seed if seed is None else seed)
         alloc = self.scheduler.allocate_prompted(
             request_id, prompt_token_ids + output_token_ids, first_token,
             params.max_tokens - len(output_token_ids), **self.inputs.stop_options(params),
             block_keys=block_keys if self.config.enable_prefix_caching else (),
-            key_seed=self.request_key_seed(request_id, cache_salt, lora_name))
+            key_seed=seed)
+        if self.disk is not None:
+            self.disk.spill()  # the allocation may have evicted: out before the pull lands
         if alloc.status == AllocStatus.OK:
             self.track(request_id, prompt_token_ids, for_choice(params, params.sample_index, index),
                        alloc.seq_id, token_ids=[*output_token_ids, first_token],
@@ -295,11 +359,20 @@ class LLMEngine:
                              "migrated request) is not supported")
         self.inputs.check_grammar(params, outputs)
         # Prompt logprobs need the logits of every prompt position: a cached prefix has none.
-        seq_id = self.scheduler.add_sequence(
-            request_id, np.asarray(ids + outputs, dtype=np.int32),
-            params.max_tokens - len(outputs), **self.inputs.stop_options(params),
-            skip_prefix_cache=params.prompt_logprobs >= 0,
-            key_seed=self.request_key_seed(request_id, cache_salt, lora_name))
+        seed = self.request_key_seed(request_id, cache_salt, lora_name)
+        skip = params.prompt_logprobs >= 0
+        # P10: blocks of it on disk are read first; it waits (S15) until they are in the pool.
+        loading = self.disk is not None and not skip and self.disk.plan(
+            request_id, ids + outputs, self.prefix_cache_seed if seed is None else seed)
+        try:
+            seq_id = self.scheduler.add_sequence(
+                request_id, np.asarray(ids + outputs, dtype=np.int32),
+                params.max_tokens - len(outputs), **self.inputs.stop_options(params),
+                skip_prefix_cache=skip, key_seed=seed, schedulable=not loading)
+        except Exception:
+            if loading:
+                self.disk.forget(request_id)
+            raise
         self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
         self._requests[request_id].lora_name = lora_name
         return request_id
@@ -351,6 +424,8 @@ class LLMEngine:
         reqs = [self._requests[i] for i in ids if i in self._requests]
         for req in reqs:
             self.scheduler.abort_sequence(req.request_id)
+            if self.disk is not None:
+                self.disk.forget(req.request_id)
             self._pending.append(self._finish(req, "abort"))
         return bool(reqs)
 
@@ -364,7 +439,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> process_outputs round; what it produced, per request."""
         outputs, self._pending = self._pending, []
+        if self.disk is not None:  # P10: finished disk reads enter the pool before the admission
+            idle = (self.scheduler.num_running() == 0 and not outputs
+                    and self.scheduler.num_waiting() <= self.disk.num_pending)
+            self.disk.land(wait_s=0.002 if idle else 0.0)
         sched_out = self.scheduler.schedule()
+        if self.disk is not None:
+            self.disk.spill()  # blocks this schedule evicted, before the step rewrites them
         for request_id, reason in [*sched_out.ignored, *sched_out.finished]:
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))

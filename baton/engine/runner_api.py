@@ -36,3 +36,10 @@ class Runner(Protocol):
         answers the `[n, 1 + k]` rows the scheduler books (`StepSamples.token_ids`). A runner
         with LoRA adapters (a `lora` attribute: `baton.model.lora.LoraSet`) also takes
         `lora_names=`, each row's adapter ("" = the base), passed only when a row has one."""
+
+    def read_blocks(self, block_ids: np.ndarray) -> np.ndarray:
+        """A copy of the pool's blocks `block_ids`: uint8 `[n, bytes per block]` (a lower
+        KV tier keeps them, docs/scheduler.md P10)."""
+
+    def write_blocks(self, block_ids: np.ndarray, data: np.ndarray) -> None:
+        """Fill the pool's blocks `block_ids` with `data` (uint8 `[n, bytes per block]`)."""

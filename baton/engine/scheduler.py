@@ -1,6 +1,6 @@
 """Typed facade over the compiled scheduler (csrc/scheduler/, module ``baton._scheduler``).
 
-A request's life in one scheduler (rules S1-S39 and P1-P8: docs/scheduler.md):
+A request's life in one scheduler (rules S1-S41 and P1-P10: docs/scheduler.md):
 
 1. ``add_sequence`` puts it in ``waiting``; nothing is allocated yet.
 2. ``schedule()`` admits the head of ``waiting`` on a prompt step, allocating its
@@ -333,10 +333,12 @@ class Scheduler:
     def decode_step(self) -> int:
         return self._impl.decode_step()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, spill: bool = False) -> bool:
         """P8: every cached-free block loses its key (owned blocks keep theirs). Refused
-        (False, nothing done) while an ``allocate_prompted`` allocation is uncommitted."""
-        return self._impl.reset_prefix_cache()
+        (False, nothing done) while an ``allocate_prompted`` allocation is uncommitted.
+        ``spill``: the blocks go to the spill log as if evicted (P10: an engine closing keeps
+        its cache on disk)."""
+        return self._impl.reset_prefix_cache(spill)
 
     def num_cached_prompt_tokens(self, request_id: str) -> int:
         """Prompt tokens the last admission of this live or handed-off sequence took from
@@ -370,6 +372,33 @@ class Scheduler:
     def prefix_cache_keys(self) -> np.ndarray:
         """Every key the prefix-cache index holds (owned and cached-free blocks)."""
         return self._impl.prefix_cache_keys()
+
+    def set_spill_capacity(self, capacity: int) -> None:
+        """P10: note blocks evicted for reuse (for a lower tier to keep), at most ``capacity``
+        between two drains (past it they are counted in ``num_spills_dropped``); 0 stops."""
+        self._impl.set_spill_capacity(capacity)
+
+    def drain_spills(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """P10: ``(keys, parents, block_ids, tokens[n, block_size])`` of the blocks evicted for
+        reuse since the last drain. Their bytes are intact until the next step runs (or a pull
+        lands): copy them out before that."""
+        return self._impl.drain_spills()
+
+    def num_spills_dropped(self) -> int:
+        return self._impl.num_spills_dropped()
+
+    def num_held_prefix_blocks(self, block_keys: Sequence[int] | np.ndarray) -> int:
+        """P10: how many of a prompt's keys, from the first, the prefix cache holds."""
+        return self._impl.num_held_prefix_blocks(np.asarray(block_keys, dtype=np.uint64))
+
+    def adopt_blocks(self, token_ids: Sequence[int] | np.ndarray, seed: int, first_block: int,
+                     reserve: int = 0) -> np.ndarray:
+        """P10: key blocks ``[first_block, len(token_ids) // block_size)`` of ``token_ids``
+        (chained from ``seed``) as cached-free, for the caller to fill before the next step;
+        int32 ids, -1 for a block left out (no room beyond ``reserve``, or the run before
+        ``first_block`` no longer held: then none)."""
+        return self._impl.adopt_blocks(np.asarray(token_ids, dtype=np.int32), int(seed),
+                                       int(first_block), int(reserve))
 
     def check_invariants(self) -> None:
         """Debug: ref counts equal owners, free xor owned, no sequence in two queues."""

@@ -65,6 +65,15 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.shape[0]
 
+    def read_blocks(self, block_ids: np.ndarray) -> np.ndarray:
+        rows = self.kv_cache.view(self.kv_cache.shape[0], -1).view(torch.uint8)
+        return rows[torch.as_tensor(np.asarray(block_ids, dtype=np.int64))].cpu().numpy()
+
+    def write_blocks(self, block_ids: np.ndarray, data: np.ndarray) -> None:
+        rows = self.kv_cache.view(self.kv_cache.shape[0], -1).view(torch.uint8)
+        index = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=rows.device)
+        rows[index] = torch.from_numpy(np.ascontiguousarray(data)).to(rows.device)
+
     def _tensor(self, values) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values), device=self.device).long()
 

@@ -90,6 +90,14 @@ class MockRunner:
     def num_blocks(self) -> int:
         return self._num_blocks
 
+    def read_blocks(self, block_ids: np.ndarray) -> np.ndarray:
+        assert self.kv_cache is not None, "the simulator's runner has no KV pool"
+        return self.kv_cache.reshape(self._num_blocks, -1)[np.asarray(block_ids)]
+
+    def write_blocks(self, block_ids: np.ndarray, data: np.ndarray) -> None:
+        assert self.kv_cache is not None, "the simulator's runner has no KV pool"
+        self.kv_cache.reshape(self._num_blocks, -1)[np.asarray(block_ids)] = data
+
     def execute(self, sched_out, seq_ids: np.ndarray,
                 params: Sequence[SamplingParams | None],
                 prompt_token_ids: Sequence[Sequence[int]],

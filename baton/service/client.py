@@ -76,8 +76,10 @@ class EngineClient:
     def stats(self, timeout_s: float = 5.0) -> EngineStats:
         return self._ask(StatsRequest, EngineStats, timeout_s)
 
-    def reset_prefix_cache(self, timeout_s: float = 5.0) -> ControlReply:
-        return self._ask(ResetPrefixCache, ControlReply, timeout_s)
+    def reset_prefix_cache(self, timeout_s: float = 5.0, pool_only: bool = False) -> ControlReply:
+        """Forget the engine's cached-free blocks, and its disk tier's unless `pool_only`."""
+        return self._ask(lambda nonce: ResetPrefixCache(nonce, pool_only), ControlReply,
+                         timeout_s)
 
     def change_role(self, role: str, timeout_s: float = 5.0) -> ControlReply:
         """Ask the engine to become `role` (S41): accepted (it drains, then switches) or

@@ -91,6 +91,29 @@ _AUTH_ENDPOINTS = [("engine", "auth_refused"), ("kv_side_channel", "kv_auth_refu
 _FAILED_PREFIX = "kv_failed_"  # the importer's per-reason failure counters, in stats.extra
 # stats.extra keys of KV integrity failures, one per where (baton_kv_integrity_failures_total).
 INTEGRITY_PREFIX = "kv_integrity_failures_"
+# Per KV tier (pool, disk): (family, help, counter or gauge, stats.extra key kv_tier_<name>_<tier>).
+TIER_PREFIX = "kv_tier_"
+_TIER_FAMILIES = [
+    ("baton_kv_tier_hit_tokens", "Prompt tokens served from this KV tier instead of computed "
+     "(disk: loaded into the pool, then hit)", True, "hit_tokens"),
+    ("baton_kv_tier_blocks", "Keyed KV blocks this tier holds now (pool: cached-free ones)",
+     False, "blocks"),
+    ("baton_kv_tier_bytes", "Bytes of KV blocks this tier holds now", False, "bytes"),
+    ("baton_kv_tier_capacity_bytes", "Bytes this tier may hold", False, "capacity_bytes"),
+    ("baton_kv_tier_loads", "Prompts whose blocks were read from this tier", True, "loads"),
+    ("baton_kv_tier_load_seconds", "Seconds spent reading and checking blocks of this tier "
+     "and putting them into the pool (over loads: the mean load time)", True, "load_seconds"),
+    ("baton_kv_tier_loaded_blocks", "Blocks loaded from this tier into the pool", True,
+     "loaded_blocks"),
+    ("baton_kv_tier_missed_blocks", "Blocks looked up in this tier but not loaded (refused, "
+     "evicted meanwhile, no room): recomputed", True, "missed_blocks"),
+    ("baton_kv_tier_written_blocks", "Blocks evicted from the pool and written to this tier",
+     True, "written_blocks"),
+    ("baton_kv_tier_dropped_blocks", "Evicted blocks not written (writer behind, I/O error, "
+     "full disk): recomputed when needed", True, "dropped_blocks"),
+    ("baton_kv_tier_errors", "I/O errors of this tier (each a warning; requests recompute)",
+     True, "errors"),
+]
 
 
 def _value(stats: EngineStats, key: str | tuple[str, ...]) -> float:
@@ -135,6 +158,7 @@ class _SnapshotCollector(Collector):
         integrity = self._integrity(stats)
         if integrity is not None:
             yield integrity
+        yield from self._tiers(stats)
         refused = self._refused(stats)
         if refused is not None:
             yield refused
@@ -192,6 +216,21 @@ class _SnapshotCollector(Collector):
         for where, value in wheres:
             family.add_metric([*self.labels, where], value)
         return family
+
+    def _tiers(self, stats: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Hits, bytes and load time per KV tier: every `kv_tier_<name>_<tier>` a worker
+        reports (the pool's always, the disk tier's when it is on)."""
+        for name, text, is_counter, key in _TIER_FAMILIES:
+            prefix = f"{TIER_PREFIX}{key}_"
+            tiers = [(k.removeprefix(prefix), v) for k, v in sorted(stats.extra.items())
+                     if k.startswith(prefix)]
+            if not tiers:
+                continue
+            kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+            family = kind(name, text, labels=[*LABELS, "tier"])
+            for tier, value in tiers:
+                family.add_metric([*self.labels, tier], value)
+            yield family
 
     def _failures(self, stats: EngineStats) -> CounterMetricFamily:
         family = CounterMetricFamily("baton_kv_transfer_failures", "KV pulls that failed, by "

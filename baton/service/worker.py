@@ -7,14 +7,11 @@ registry record and the KV event source. A role adds its own part of a request's
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-from pathlib import Path
 
 from baton.engine import LLMEngine, RequestOutput
 from baton.engine.kv_events import KvEventSource
-from baton.load_cache import weights_identity
+from baton.engine.kv_identity import weights_digest  # noqa: F401 (its old home, for importers)
 from baton.ops.registry import EngineRecord
 from baton.protocol import EngineStats, GenerateRequest, SamplingOptions, TokenDelta
 from baton.sampling.params import SamplingParams
@@ -56,20 +53,6 @@ def to_delta(out: RequestOutput) -> TokenDelta:
     return delta
 
 
-def weights_digest(model_path: str, quantization: str) -> str:
-    """The identity of the weights an engine computes KV with: the load cache's identity of the
-    weight files (size and blake2b of each file's first and last MiB) less their mtimes (a
-    copy on another host is the same weights), and the quantization; "" without files (a
-    mock runner)."""
-    try:
-        files = [[name, size, digest] for name, size, _mtime, digest in
-                 weights_identity(model_path)]
-    except OSError:
-        return ""
-    material = json.dumps([files, quantization]).encode()
-    return hashlib.blake2b(material, digest_size=16).hexdigest()
-
-
 def error_delta(req_id: str, message: str, reason: str = "error") -> TokenDelta:
     return TokenDelta(req_id, finish_reason=reason, error=message)
 
@@ -89,13 +72,7 @@ class EngineWorker:
 
     def kv_fingerprint(self) -> Fingerprint:
         """What two engines must share to exchange KV blocks byte for byte (kv_transfer)."""
-        engine, spec = self.engine, self.engine.kv_spec
-        return Fingerprint(model=Path(engine.model_path).name,
-                           dtype=str(spec.dtype).removeprefix("torch."),
-                           num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                           head_dim=spec.head_dim, block_size=spec.block_size,
-                           weights=weights_digest(engine.model_path, engine.quantization),
-                           key_scheme=f"{engine.prefix_cache_seed:016x}")
+        return self.engine.kv_fingerprint
 
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         try:
@@ -141,6 +118,7 @@ class EngineWorker:
         if engine.speculator is not None:
             stats.extra.update(engine.speculator.metrics())
         stats.lora_adapters = engine.lora_adapters()
+        stats.extra.update(engine.tier_stats())
 
     def fill_record(self, record: EngineRecord) -> None:
         counts = self.engine.stats()
@@ -150,8 +128,8 @@ class EngineWorker:
             setattr(record, key, int(counts[key]))
         record.lora_adapters = self.engine.lora_adapters()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, pool_only: bool = False) -> bool:
+        return self.engine.reset_prefix_cache(pool_only)
 
     def load_lora(self, name: str, path: str) -> str:
         """ValueError naming the adapter when it does not load."""
@@ -165,4 +143,4 @@ class EngineWorker:
         return self.engine.kv_event_source()
 
     def close(self) -> None:
-        pass
+        self.engine.close()

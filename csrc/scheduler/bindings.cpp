@@ -333,7 +333,7 @@ PYBIND11_MODULE(_scheduler, m) {
       .def("ref_count", &Scheduler::ref_count, py::arg("block_id"))
       .def("get_gpu_cache_usage", &Scheduler::get_gpu_cache_usage, py::arg("n_planned") = 0)
       .def("check_invariants", &Scheduler::check_invariants)
-      .def("reset_prefix_cache", &Scheduler::reset_prefix_cache)
+      .def("reset_prefix_cache", &Scheduler::reset_prefix_cache, py::arg("spill") = false)
       .def("num_cached_prompt_tokens", &Scheduler::num_cached_prompt_tokens, py::arg("request_id"))
       .def("block_keys", [](const Scheduler &s, const std::string &rid) { return keys_array(s.block_keys(rid)); },
            py::arg("request_id"))
@@ -345,6 +345,28 @@ PYBIND11_MODULE(_scheduler, m) {
         return py::make_tuple(ok, keys_array(stored), keys_array(removed));
       })
       .def("prefix_cache_keys", [](const Scheduler &s) { return keys_array(s.prefix_cache_keys()); })
+      .def("set_spill_capacity", &Scheduler::set_spill_capacity, py::arg("capacity"))
+      .def("drain_spills", [](Scheduler &s) {
+        std::vector<uint64_t> keys, parents;
+        std::vector<int32_t> ids, tokens;
+        s.drain_spills(keys, parents, ids, tokens);
+        const auto n = static_cast<py::ssize_t>(ids.size());
+        const auto bs = static_cast<py::ssize_t>(s.config().block_size);
+        py::array_t<int32_t> id_arr(n), tok_arr({n, bs});
+        std::copy(ids.begin(), ids.end(), id_arr.mutable_data());
+        std::copy(tokens.begin(), tokens.end(), tok_arr.mutable_data());
+        return py::make_tuple(keys_array(keys), keys_array(parents), id_arr, tok_arr);
+      })
+      .def("num_spills_dropped", &Scheduler::num_spills_dropped)
+      .def("num_held_prefix_blocks", [](const Scheduler &s, py::handle keys) {
+        return s.num_held_prefix_blocks(to_keys(keys));
+      }, py::arg("block_keys"))
+      .def("adopt_blocks", [](Scheduler &s, py::handle tokens, uint64_t seed, int first_block, int reserve) {
+        auto ids = s.adopt_blocks(to_tokens(tokens, "token_ids"), seed, first_block, reserve);
+        py::array_t<int32_t> arr(static_cast<py::ssize_t>(ids.size()));
+        std::copy(ids.begin(), ids.end(), arr.mutable_data());
+        return arr;
+      }, py::arg("token_ids"), py::arg("seed"), py::arg("first_block"), py::arg("reserve") = 0)
       .def("prefix_cache_stats", [](const Scheduler &s) {
         py::dict d;
         d["query_tokens"] = s.prefix_query_tokens();

@@ -111,9 +111,10 @@ class BlockManager {
     }
   }
 
-  // P8: every cached-free block loses its key and becomes plain free.
-  void reset_prefix_cache_nolock() {
-    while (num_cached_() > 0) push_back_(prefix_->evict_lru());
+  // P8: every cached-free block loses its key and becomes plain free; `spill`: each
+  // is noted for a lower tier to keep (P10: an engine closing).
+  void reset_prefix_cache_nolock(bool spill = false) {
+    while (num_cached_() > 0) push_back_(prefix_->evict_lru(spill));
   }
 
   // Refuses while any block is in use: clearing a pool that still has owners
@@ -124,7 +125,7 @@ class BlockManager {
       throw std::runtime_error("BlockManager.reset: " + std::to_string(num_total_blocks() - num_free_blocks()) +
                                " blocks still in use");
     }
-    while (num_cached_() > 0) prefix_->evict_lru();
+    while (num_cached_() > 0) prefix_->evict_lru(false);
     link_all_();
   }
 

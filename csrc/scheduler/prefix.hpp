@@ -7,6 +7,9 @@
 //   booking, table growth, release: register_blocks_ keys every full block
 //     whose KV a booked step wrote (P5); the cursor makes it O(new blocks)
 //   freeing: BlockManager sends keyed blocks to the LRU instead (P2, P6)
+//   lower tier (P10): evictions for reuse are logged for the engine to spill;
+//     adopt_blocks keys blocks the engine fills from the tier, cached-free, so
+//     that the admission's own walk (P3) hits them
 //
 // A decode block is keyed when its sequence next grows its table or leaves:
 // the decode rows stay untouched, and in a loop that schedules a step before
@@ -123,10 +126,10 @@ inline void Scheduler::free_blocks_(const std::vector<int> &blocks) {
 }
 
 // P8: refused while a pull may still be landing in an allocate_prompted allocation.
-inline bool Scheduler::reset_prefix_cache() {
+inline bool Scheduler::reset_prefix_cache(bool spill) {
   PoolGuard guard(*this);
   if (!allocated_.empty()) return false;
-  if (prefix_) block_manager_->reset_prefix_cache_nolock();
+  if (prefix_) block_manager_->reset_prefix_cache_nolock(spill);
   return true;
 }
 
@@ -147,6 +150,67 @@ inline std::vector<uint64_t> Scheduler::prefix_cache_keys() const {
   keys.reserve(prefix_->index().size());
   for (const auto &entry : prefix_->index()) keys.push_back(entry.first);
   return keys;
+}
+
+inline void Scheduler::set_spill_capacity(int capacity) {
+  PoolGuard guard(*this);
+  if (prefix_) prefix_->set_spill_capacity(capacity);
+}
+
+inline void Scheduler::drain_spills(std::vector<uint64_t> &keys, std::vector<uint64_t> &parents,
+                                    std::vector<int32_t> &ids, std::vector<int32_t> &tokens) {
+  PoolGuard guard(*this);
+  if (prefix_) prefix_->drain_spills(keys, parents, ids, tokens);
+}
+
+// P10: how many of `keys` (a prompt's chain), from the first, the index holds: what a
+// lower tier need not load. Keys only (the admission compares the tokens).
+inline int Scheduler::num_held_prefix_blocks(const std::vector<uint64_t> &keys) const {
+  if (!prefix_) return 0;
+  int n = 0;
+  while (n < static_cast<int>(keys.size()) && prefix_->index().count(keys[n])) ++n;
+  return n;
+}
+
+// P10: blocks [first_block, n) of `tokens` (n full blocks, chained from `seed`) enter
+// the cache cached-free and keyed, for the engine to fill with a lower tier's bytes
+// before the next step; returns their ids, -1 for a block left out. The run before
+// first_block must be held (else nothing: a hit could not reach them); room is made
+// by the usual eviction (P2, spilled) but never out of that run, and `reserve`
+// blocks stay free for the rest of the prompt. LRU order afterwards: the adopted
+// blocks, deepest first, then the held run (its root most recent).
+inline std::vector<int32_t> Scheduler::adopt_blocks(const std::vector<int32_t> &tokens, uint64_t seed, int first_block,
+                                                    int reserve) {
+  PoolGuard guard(*this);
+  const int bs = cfg_.block_size;
+  const int n = static_cast<int>(tokens.size()) / bs;
+  std::vector<int32_t> ids(std::max(0, n - first_block), -1);
+  if (!prefix_ || first_block < 0 || first_block >= n) return ids;
+  const auto keys = compute_block_keys(tokens.data(), n * bs, bs, seed);
+  std::vector<int> held, adopted;
+  for (int i = 0; i < n; ++i) {
+    const uint64_t parent = i ? keys[i - 1] : seed;
+    const int32_t *block = tokens.data() + static_cast<size_t>(i) * bs;
+    const int id = prefix_->find(keys[i], parent, block);
+    if (id >= 0) {
+      if (prefix_->is_cached(id)) {
+        prefix_->take_cached(id);  // out of the LRU for this call: not evicted below
+        held.push_back(id);
+      }
+      continue;
+    }
+    if (i < first_block || block_manager_->num_free_blocks() <= reserve) break;
+    const int fresh = block_manager_->allocate_single_nolock();
+    if (!prefix_->insert(keys[i], parent, block, fresh)) {  // another block holds the key
+      block_manager_->free_nolock(fresh);
+      break;
+    }
+    ids[i - first_block] = fresh;
+    adopted.push_back(fresh);
+  }
+  for (auto it = adopted.rbegin(); it != adopted.rend(); ++it) block_manager_->free_nolock(*it);
+  for (auto it = held.rbegin(); it != held.rend(); ++it) prefix_->push_cached(*it);
+  return ids;
 }
 
 // The keys of the prompt's full blocks (chained from its own seed, P1), up to the first

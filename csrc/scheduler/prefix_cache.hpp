@@ -18,6 +18,11 @@
 // over the net change since the last drain. Past the capacity only an overflow
 // flag is kept, and the listener takes a whole snapshot instead. With nobody
 // listening the cost is one branch per insert / eviction.
+//
+// Spill log (P10, a lower tier such as the disk): while its capacity is > 0,
+// every block evicted for reuse (not by a reset) is noted with its key, its
+// parent's key and its tokens; the engine drains it after each call that can
+// allocate and copies those blocks' bytes out before anything rewrites them.
 #pragma once
 
 #include <algorithm>
@@ -133,15 +138,41 @@ class PrefixCache {
   }
 
   // P2, P8: the least recently used cached-free block loses its key; returns its id.
-  int evict_lru() {
+  // `spill`: evicted for reuse (P10 notes it), not dropped by a reset.
+  int evict_lru(bool spill = true) {
     if (lru_size_ == 0) throw std::logic_error("PrefixCache.evict_lru: no cached-free block");
     int id = head_;
     unlink_(id);
     index_.erase(meta_[id].key);
     meta_[id].keyed = false;
     note_(meta_[id].key);
+    if (spill) note_spill_(id);
     return id;
   }
+
+  // P10: 0 stops the spill log (and empties it); past `capacity` entries between two
+  // drains an eviction is only counted in num_spills_dropped.
+  void set_spill_capacity(int capacity) {
+    if (capacity < 0) throw std::invalid_argument("set_spill_capacity: capacity=" + std::to_string(capacity) + " must be >= 0");
+    spill_capacity_ = capacity;
+    spills_.clear();
+    spill_tokens_.clear();
+  }
+
+  // P10: the blocks evicted for reuse since the last drain (their ids may be handed out
+  // already, but nothing has written them yet), with their tokens [n, block_size].
+  void drain_spills(std::vector<uint64_t> &keys, std::vector<uint64_t> &parents, std::vector<int32_t> &ids,
+                    std::vector<int32_t> &tokens) {
+    for (const Spill &s : spills_) {
+      keys.push_back(s.key);
+      parents.push_back(s.parent);
+      ids.push_back(s.id);
+    }
+    tokens.swap(spill_tokens_);
+    spills_.clear();
+    spill_tokens_.clear();
+  }
+  int64_t num_spills_dropped{0};
 
   // 0 stops recording; any capacity starts a fresh log (the listener snapshots now).
   void set_event_capacity(int capacity) {
@@ -213,6 +244,25 @@ class PrefixCache {
   }
 
   int event_capacity_{0};  // 0: nobody listens, nothing is recorded
+
+  struct Spill {
+    uint64_t key;
+    uint64_t parent;
+    int32_t id;
+  };
+  void note_spill_(int id) {
+    if (spill_capacity_ == 0) return;
+    if (static_cast<int>(spills_.size()) >= spill_capacity_) {
+      ++num_spills_dropped;
+      return;
+    }
+    spills_.push_back(Spill{meta_[id].key, meta_[id].parent, id});
+    const int32_t *held = tokens_.data() + static_cast<size_t>(id) * block_size_;
+    spill_tokens_.insert(spill_tokens_.end(), held, held + block_size_);
+  }
+  int spill_capacity_{0};  // 0: no lower tier, nothing is noted
+  std::vector<Spill> spills_;
+  std::vector<int32_t> spill_tokens_;  // [spills_.size(), block_size]
   std::vector<uint64_t> touched_;  // keys stored or evicted since the last drain, repeats allowed
   bool overflowed_{false};
 };

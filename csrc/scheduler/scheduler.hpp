@@ -148,7 +148,7 @@ class Scheduler {
 
   // ---- prefix caching (P1-P8, prefix.hpp) ---------------------------------------
 
-  bool reset_prefix_cache();
+  bool reset_prefix_cache(bool spill = false);
   int num_cached_prompt_tokens(const std::string &request_id) const {
     return lookup_(request_id)->prefix.num_cached_tokens;
   }
@@ -160,6 +160,13 @@ class Scheduler {
   void set_kv_event_capacity(int capacity);
   bool drain_kv_events(std::vector<uint64_t> &stored, std::vector<uint64_t> &removed);
   std::vector<uint64_t> prefix_cache_keys() const;
+  // P10: a lower tier (the disk) below the pool, all no-ops with caching off.
+  void set_spill_capacity(int capacity);
+  void drain_spills(std::vector<uint64_t> &keys, std::vector<uint64_t> &parents, std::vector<int32_t> &ids,
+                    std::vector<int32_t> &tokens);
+  int64_t num_spills_dropped() const { return prefix_ ? prefix_->num_spills_dropped : 0; }
+  int num_held_prefix_blocks(const std::vector<uint64_t> &keys) const;
+  std::vector<int32_t> adopt_blocks(const std::vector<int32_t> &tokens, uint64_t seed, int first_block, int reserve);
 
   // S13: the three queues.
   std::deque<SequencePtr> waiting;
