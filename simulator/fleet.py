@@ -82,6 +82,7 @@ class SimEngine:
         self._build(role)
         self.busy = False
         self._step_s = 0.0
+        self.num_empty_in_row = 0  # steps in a row that ran nothing
         self.num_inflight = 0  # the router's books: its requests in flight here (the load)
         self.active_blocks = 0  # and the blocks they add (Choice.num_active_blocks)
         self.admissions: deque[Handoff] = deque()  # COMPLETION: waiting for blocks (LATER)
@@ -117,7 +118,7 @@ class SimEngine:
         """Something may have given it work: step now unless a step is running. A draining
         engine that has become empty switches its role."""
         if not self.busy and self.engine.has_unfinished():
-            self.busy = True
+            self.busy, self.num_empty_in_row = True, 0
             self.sim.at(self.sim.now, self._step)
         elif self.draining_to and self.is_empty():
             self.sim.switched(self)
@@ -127,8 +128,17 @@ class SimEngine:
         outputs = self.engine.step()
         self._drain_keys()
         if self._step_s == 0.0 and not outputs:
-            self.busy = False  # nothing could run: idle until an event kicks it
+            # Nothing ran. The engine loop steps again at once while it has work, and a step
+            # can change what the next one schedules (a decode step of no sequence after the
+            # last one finished, then the waiting prompt): one more step, then idle until an
+            # event (an arrival, freed blocks elsewhere) kicks it.
+            self.num_empty_in_row += 1
+            if self.num_empty_in_row < 2 and self.engine.has_unfinished():
+                self.sim.at(self.sim.now, self._step)
+            else:
+                self.busy = False
             return
+        self.num_empty_in_row = 0
         self.sim.at(self.sim.now + self._step_s, self._deliver, outputs)
 
     def _deliver(self, outputs) -> None:

@@ -96,3 +96,15 @@ def test_bad_flags_are_refused(tmp_path, capsys):
     assert baton_main(["sim", "--profile", prof, "--trace", str(WINDOW),
                        "--request-rate", "3"]) == 2
     assert "exclude" in capsys.readouterr().err
+
+
+def test_an_engine_steps_again_after_a_step_that_ran_nothing():
+    """The engine loop steps while it has work: after the last running request finishes, one
+    step may schedule nothing and the next the waiting prompt (here a 341-block chunked prompt
+    on an engine of 4 that stalled before, leaving it unfinished)."""
+    trace = TraceConfig(str(WINDOW), num_requests=40, time_scale=0.5, length_scale=1 / 16)
+    cfg = SimConfig(fleet=FleetConfig(num_normal=4, num_blocks=1024,
+                                      max_num_batched_tokens=1024), num_requests=40)
+    rec = simulate(PROFILE, cfg, WorkloadConfig(), trace)
+    assert rec["summary"]["num_completed"] == 40
+    _drained(rec)

@@ -1,0 +1,267 @@
+"""The simulator against real runs on this machine: same workload, same seed, same fleet shape.
+
+    .venv/bin/python bench/sim_validate.py --runs 3            # fits a profile first
+    .venv/bin/python bench/sim_validate.py --profile P.json --runs 1 --num-requests 16
+
+1. One profile, fitted once (`baton profile --out bench/results/sim_validate_profile.json`,
+   `--quick` with --quick-profile), unless --profile names one: it must hold on both
+   workloads below.
+2. Workloads: a window of the Mooncake trace at reduced scale (tests/data's window,
+   --length-scale, the first --num-requests lines, its arrivals scaled to the point's mean
+   rate; the trace's bursts of equal timestamps stay bursts) and a synthetic one (--dataset,
+   Poisson at the point's rate).
+3. Setups: co-located (1 normal engine) and disaggregated (1 prompt + 1 completion engine),
+   real engines (`baton up`, the default model) with the pool and batch limits the simulator
+   is given, one torch thread each (the profile's).
+4. Rates per setup and workload: light, near the knee and overloaded, as fractions
+   (--load-fractions, default 0.3 0.75 1.5) of the capacity the simulator predicts for that
+   setup (its throughput with every request sent at once).
+5. Per point: the simulator's prediction, then --runs real runs (the prefix cache reset before
+   each, as the simulator starts cold), reported as predicted vs the real runs' median
+   [min-max] of TTFT p50/p90, TPOT p50, mean end-to-end latency and goodput; the error against
+   the target (10%, or the real runs' spread where that is larger; 25% overloaded).
+
+Writes bench/results/sim_validate.json (every run's summary) and prints the table. A run on a
+loaded host measures the host's load too: the load average is recorded with every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_bench as sb  # noqa: E402 - a sibling script, not a package
+
+from baton.ops.redis_server import free_port  # noqa: E402
+from baton.perf.profile import load as load_profile  # noqa: E402
+from baton.workload.results import parse_slos  # noqa: E402
+from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402
+from baton.workload.trace import TraceConfig, build_trace_workload  # noqa: E402
+from simulator.fleet import FleetConfig  # noqa: E402
+from simulator.run import SimConfig, simulate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUPS = {"colo": FleetConfig(num_normal=1),
+          "pd": FleetConfig(num_normal=0, num_prompt=1, num_completion=1)}
+LEVELS = ("light", "knee", "overloaded")
+METRICS = (("ttft_p50", "ttft_ms", "median"), ("ttft_p90", "ttft_ms", "p90"),
+           ("tpot_p50", "tpot_ms", "median"), ("e2e_mean", "e2e_ms", "mean"))
+
+
+def rel(path: str | Path) -> str:
+    """A path in the repository relative to its root; outside it, the file's name only."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else p.name
+
+
+def fit_profile(args: argparse.Namespace) -> str:
+    out = ROOT / "bench/results/sim_validate_profile.json"
+    cmd = [sys.executable, "-m", "baton_cli", "profile", "--out", str(out),
+           *(["--quick"] if args.quick_profile else [])]
+    print("fitting the profile:", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, timeout=3600)
+    return str(out)
+
+
+# --------------------------------------------------------------------------- workloads
+def workload_at(kind: str, args: argparse.Namespace, rate: float):
+    """(WorkloadConfig, TraceConfig | None, request_rate) of `kind` offered at `rate` req/s."""
+    workload = WorkloadConfig(dataset=args.dataset, seed=args.seed, input_len=args.input_len,
+                              output_len=args.output_len)
+    if kind == "synthetic":
+        return workload, None, rate
+    base = TraceConfig(str(args.trace), args.num_requests, 1.0, args.length_scale)
+    arrivals = [s.arrival_s for s in build_trace_workload(base)]
+    if max(arrivals) == min(arrivals):
+        raise SystemExit(f"the first {args.num_requests} lines of {rel(args.trace)} arrive at "
+                         "once: no rate to scale; take more (--num-requests)")
+    native = (len(arrivals) - 1) / (max(arrivals) - min(arrivals))
+    return workload, replace(base, time_scale=native / rate if math.isfinite(rate) else 1e-6), \
+        math.inf
+
+
+def sim_config(setup: str, args: argparse.Namespace, rate: float) -> SimConfig:
+    fleet = replace(SETUPS[setup], num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens)
+    return SimConfig(fleet=fleet, request_rate=rate, num_requests=args.num_requests,
+                     slos_ms=parse_slos(args.goodput), label=f"sim_{setup}")
+
+
+def predict(profile, kind: str, setup: str, args: argparse.Namespace, rate: float) -> dict:
+    workload, trace, request_rate = workload_at(kind, args, rate)
+    return simulate(profile, sim_config(setup, args, request_rate), workload, trace)["summary"]
+
+
+def capacity(profile, kind: str, setup: str, args: argparse.Namespace) -> float:
+    """Requests/s the simulator says this setup completes with all of them sent at once."""
+    return predict(profile, kind, setup, args, math.inf)["request_throughput"]
+
+
+# --------------------------------------------------------------------------- real runs
+class RealFleet:
+    """`baton up` with real engines of this setup; stopped on exit."""
+
+    def __init__(self, setup: str, args: argparse.Namespace) -> None:
+        self.setup, self.args, self.port = setup, args, free_port()
+
+    def __enter__(self) -> RealFleet:
+        f = SETUPS[self.setup]
+        shape = (["--normal-engines", "1"] if f.num_normal else
+                 ["--prompt-engines", "1", "--completion-engines", "1"])
+        a = self.args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port), "--no-metrics",
+             *shape, "--", "--num-threads", "1", "--num-blocks", str(a.num_blocks),
+             "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens",
+             str(a.max_num_batched_tokens)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        deadline = time.monotonic() + a.ready_timeout
+        try:
+            for line in self.proc.stdout:
+                if "Ctrl-C stops" in line:
+                    return self
+                if time.monotonic() > deadline:
+                    break
+        except BaseException:
+            self.__exit__()
+            raise
+        self.__exit__()
+        raise SystemExit(f"baton up ({self.setup}) not up within {a.ready_timeout:g} s")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reset_cache(self) -> None:
+        req = urllib.request.Request(f"{self.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def measure(fleet: RealFleet, kind: str, args: argparse.Namespace, rate: float) -> dict:
+    workload, trace, request_rate = workload_at(kind, args, rate)
+    fleet.reset_cache()
+    cfg = sb.BenchConfig(base_url=fleet.url, endpoint="completions", request_rate=request_rate,
+                         num_requests=args.num_requests, slos_ms=parse_slos(args.goodput),
+                         label=f"real_{fleet.setup}", progress=False,
+                         drain_timeout_s=args.drain_timeout)
+    summary = asyncio.run(sb.run_async(cfg, workload, trace))["summary"]
+    return {**summary, "load_average": list(os.getloadavg())}
+
+
+# --------------------------------------------------------------------------- the report
+def figures(summary: dict) -> dict:
+    out = {name: summary[key][stat] for name, key, stat in METRICS}
+    out["goodput"] = summary["goodput"]
+    out["num_failed"] = summary["num_failed"]
+    return out
+
+
+def compare(level: str, predicted: dict, runs: list[dict]) -> dict:
+    """Per figure: predicted, the runs' median/min/max, the error and whether it is within the
+    target (10%, or the runs' spread around their median where larger; 25% overloaded)."""
+    target = 0.25 if level == "overloaded" else 0.10
+    out = {}
+    for key in (*(m[0] for m in METRICS), "goodput"):
+        vals = sorted(figures(r)[key] for r in runs)
+        med = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1]
+                                                          + vals[len(vals) // 2]) / 2
+        pred = figures(predicted)[key]
+        err = (pred - med) / med if med else math.nan
+        spread = max(med - vals[0], vals[-1] - med) / med if med else math.nan
+        out[key] = {"predicted": pred, "median": med, "min": vals[0], "max": vals[-1],
+                    "error": err, "spread": spread,
+                    "within": bool(abs(err) <= max(target, spread))}
+    return out
+
+
+def print_point(p: dict) -> None:
+    head = f"{p['workload']:<9} {p['setup']:<4} {p['level']:<10} {p['rate']:>6.2f}/s"
+    cells = []
+    for key in ("ttft_p50", "ttft_p90", "tpot_p50", "e2e_mean", "goodput"):
+        c = p["compare"][key]
+        cells.append(f"{key} {c['predicted']:.0f} vs {c['median']:.0f} [{c['min']:.0f}-"
+                     f"{c['max']:.0f}] {100 * c['error']:+.0f}%{'' if c['within'] else '!'}"
+                     if key != "goodput" else
+                     f"goodput {c['predicted']:.2f} vs {c['median']:.2f}")
+    print(head + "  " + "; ".join(cells), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default="", help="default: fit one with `baton profile`")
+    p.add_argument("--quick-profile", action="store_true", help="fit with --quick")
+    p.add_argument("--runs", type=int, default=3, help="real runs per point")
+    p.add_argument("--workloads", nargs="+", default=["trace", "synthetic"],
+                   choices=["trace", "synthetic"])
+    p.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    p.add_argument("--load-fractions", nargs=3, type=float, default=[0.3, 0.75, 1.5],
+                   metavar=("LIGHT", "KNEE", "OVERLOADED"),
+                   help="rates as fractions of the simulated capacity")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--trace", default=str(ROOT / "tests/data/mooncake_conversation_window.jsonl"))
+    p.add_argument("--length-scale", type=float, default=1 / 32)
+    p.add_argument("--dataset", default="mix", choices=DATASETS)
+    p.add_argument("--input-len", type=int, default=64, help="--dataset fixed: prompt words")
+    p.add_argument("--output-len", type=int, default=96, help="--dataset fixed: output tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="*", default=["ttft:2000", "tpot:150"], metavar="KEY:MS")
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    # A stop (SIGTERM) unwinds through RealFleet, which stops its `baton up`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    profile_path = args.profile or fit_profile(args)
+    profile = load_profile(profile_path)
+    record = {"profile": rel(profile_path), "args": {k: rel(v) if k in ("trace", "out") else v
+                                                     for k, v in vars(args).items()},
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "points": []}
+    out = Path(args.out)
+    for setup in args.setups:
+        with RealFleet(setup, args) as fleet:
+            for kind in args.workloads:
+                cap = capacity(profile, kind, setup, args)
+                for level, frac in zip(LEVELS, args.load_fractions, strict=True):
+                    rate = frac * cap
+                    predicted = predict(profile, kind, setup, args, rate)
+                    runs = [measure(fleet, kind, args, rate) for _ in range(args.runs)]
+                    point = {"workload": kind, "setup": setup, "level": level, "rate": rate,
+                             "capacity": cap, "predicted": predicted, "runs": runs,
+                             "compare": compare(level, predicted, runs)}
+                    record["points"].append(point)
+                    print_point(point)
+                    out.write_text(json.dumps(record, indent=1, default=str))  # as it goes
+    n = sum(c["within"] for pt in record["points"] for k, c in pt["compare"].items()
+            if k in ("ttft_p50", "tpot_p50", "e2e_mean"))
+    print(f"within target: {n} of {3 * len(record['points'])} (TTFT p50, TPOT p50, mean E2E); "
+          f"wrote {rel(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
