@@ -32,8 +32,13 @@ from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port
 from baton.ops.supervisor import Child, LaunchError, RestartPolicy, Supervisor
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 from baton.workload.results import parse_slos
-from baton_cli.engine_args import (COMMAND_OF, ROLE_COMMANDS, add_common_args, lora_module,
-                                      parse_bytes)
+from baton_cli.engine_args import (
+    COMMAND_OF,
+    ROLE_COMMANDS,
+    add_common_args,
+    lora_module,
+    parse_bytes,
+)
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 
 logger = logging.getLogger(__name__)

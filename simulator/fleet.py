@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine import AllocStatus, EngineConfig, LLMEngine
-from baton.protocol import COMPLETION, NORMAL, PROMPT
 from baton.perf.mock_runner import MockRunner
 from baton.perf.profile import Profile
+from baton.protocol import COMPLETION, NORMAL, PROMPT
 from baton.sampling.params import SamplingParams
 from baton.workload.results import RequestResult
 from baton.workload.synthetic import RequestSpec
