@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from baton.engine.scheduler import compute_block_keys
 
-from .utils import create_scheduler, drain, step
+from .utils import create_caching_scheduler, create_scheduler, drain, step
 
 SEED = 77
 A = list(range(100, 108))  # two full blocks of 4
@@ -13,9 +13,7 @@ C = list(range(400, 408))
 
 
 def cached_scheduler(**overrides):
-    fields = dict(enable_prefix_caching=True, prefix_cache_seed=SEED, num_blocks=8, block_size=4)
-    fields.update(overrides)
-    return create_scheduler(**fields)
+    return create_caching_scheduler(SEED, **{"num_blocks": 8, **overrides})
 
 
 def keys(tokens):

@@ -7,16 +7,14 @@ import pytest
 
 from baton.engine.scheduler import AllocStatus, EngineType, SchedulerConfig, compute_block_keys
 
-from .utils import create_scheduler, drain, step
+from .utils import create_caching_scheduler, create_scheduler, drain, step
 
 SEED = 1234
 A = list(range(100, 108))  # two full blocks of 4
 
 
 def cached_scheduler(**overrides):
-    fields = dict(enable_prefix_caching=True, prefix_cache_seed=SEED, num_blocks=16, block_size=4)
-    fields.update(overrides)
-    return create_scheduler(**fields)
+    return create_caching_scheduler(SEED, **{"num_blocks": 16, **overrides})
 
 
 def table(sched, rid):

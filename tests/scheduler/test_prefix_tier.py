@@ -6,7 +6,7 @@ import numpy as np
 
 from baton.engine.scheduler import compute_block_keys
 
-from .utils import create_scheduler, drain, step
+from .utils import create_caching_scheduler, drain, step
 
 SEED = 99
 A = list(range(100, 112))  # three full blocks of 4
@@ -14,9 +14,7 @@ B = list(range(500, 512))
 
 
 def tier_scheduler(**overrides):
-    fields = dict(enable_prefix_caching=True, prefix_cache_seed=SEED, num_blocks=8, block_size=4)
-    fields.update(overrides)
-    sched = create_scheduler(**fields)
+    sched = create_caching_scheduler(SEED, **overrides)
     sched.set_spill_capacity(64)
     return sched
 

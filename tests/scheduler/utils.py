@@ -18,6 +18,12 @@ def create_scheduler(all_reduce_min=None, **overrides) -> Scheduler:
     return Scheduler(SchedulerConfig(**fields), all_reduce_min=all_reduce_min)
 
 
+def create_caching_scheduler(seed: int, num_blocks: int = 8, **overrides) -> Scheduler:
+    """A small scheduler with prefix caching on (blocks of 4 tokens, key seed `seed`)."""
+    return create_scheduler(**{"enable_prefix_caching": True, "prefix_cache_seed": seed,
+                               "num_blocks": num_blocks, "block_size": 4, **overrides})
+
+
 def create_requests(n: int, prompt_len: int = 32, max_tokens: int = 16, prefix: str = "r",
                     start_token: int = 10) -> list[tuple[str, list[int]]]:
     """`n` (request_id, prompt) pairs; token ids avoid EOS."""
