@@ -353,7 +353,7 @@ def test_config_refuses_what_speculation_cannot_do() -> None:
 
 def test_flags_on_the_engines_that_decode(capsys) -> None:
     from baton_cli.engine_main import engine_config
-    from baton_cli.launcher import role_engine_args
+    from baton_cli.launch_config import role_engine_args
     from baton_cli.main import build_parser
 
     flags = ["--speculative", "suffix", "--num-speculative-tokens", "2",

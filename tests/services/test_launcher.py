@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from baton.ops.cpus import cpu_shares, parse_cpus
 from baton.ops.redis_server import free_port
-from baton_cli.launcher import LaunchConfig, role_engine_args
+from baton_cli.launch_config import LaunchConfig, role_engine_args
 
 pytestmark = pytest.mark.slow
 
@@ -203,7 +203,7 @@ def test_engine_counts_mixed_fleet_and_normal_alone():
     """--normal-engines alone is co-located serving (prompt and completion default to 0);
     explicit prompt and completion counts beside it make a mixed fleet; a prompt engine
     without a completion engine (or the reverse) beside it is refused by name."""
-    from baton_cli.launcher import LaunchConfig, engine_counts
+    from baton_cli.launch_config import LaunchConfig, engine_counts
     from baton_cli.main import build_parser
 
     def counts(*flags: str):
