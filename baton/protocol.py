@@ -188,6 +188,12 @@ class KvEvents(msgspec.Struct, tag="kv_events", array_like=True, omit_defaults=T
     disk_stored: bytes = b""
     disk_removed: bytes = b""
     num_disk_blocks: int = 0  # the disk tier holds no more keys than this (0: no disk tier)
+    # The shared cluster tier's keys (docs/scheduler.md P11) as this engine knows them (it wrote
+    # or read them), packed as `stored`; every engine of one `shared_tier` id reaches them all.
+    shared_stored: bytes = b""
+    shared_removed: bytes = b""
+    num_shared_blocks: int = 0  # this engine names no more shared keys than this
+    shared_tier: str = ""  # the store and the fingerprint's namespace ("": no shared tier)
 
 
 class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=True):

@@ -44,6 +44,10 @@ from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys, generate
 logger = logging.getLogger(__name__)
 
 
+LOCAL_STORE = "local"  # --kv-shared-tier local[:SIZE]: baton up starts the store
+DEFAULT_KV_SHARED_BYTES = 1 << 30
+
+
 @dataclass
 class LaunchConfig:
     host: str = "127.0.0.1"
@@ -100,6 +104,44 @@ class LaunchConfig:
     # most kv_disk_bytes each (0 = the engines' default); "" = off.
     kv_disk_dir: str = ""
     kv_disk_bytes: int = 0
+    # The shared cluster tier (README: KV tiers), handed to every engine: "local[:SIZE]" starts
+    # a Redis for it here (at most SIZE, default 1G, least recently used keys evicted; closed
+    # like the registry's), a redis:// URL is one that runs (its password in
+    # kv_shared_password_file); "" = off.
+    kv_shared_tier: str = ""
+    kv_shared_password_file: str = ""
+
+    @property
+    def kv_shared_local_bytes(self) -> int:
+        """The maxmemory of the store `local[:SIZE]` asks to start (0: none to start)."""
+        if self.kv_shared_tier.split(":")[0] != LOCAL_STORE:
+            return 0
+        size = self.kv_shared_tier.removeprefix(LOCAL_STORE).removeprefix(":")
+        return parse_bytes(size) if size else DEFAULT_KV_SHARED_BYTES
+
+    def _check_shared_tier(self) -> None:
+        for flag in ("--kv-shared-tier", "--kv-shared-password-file"):
+            if any(a.split("=")[0] == flag for a in self.engine_args):
+                raise ValueError(f"give {flag} to `baton up` itself, not after --: every "
+                                 "engine must share the one store")
+        if not self.kv_shared_tier:
+            if self.kv_shared_password_file:
+                raise ValueError("--kv-shared-password-file is for --kv-shared-tier URL")
+            return
+        if self.mock:
+            raise ValueError("--mock engines have no KV bytes to share: drop --kv-shared-tier")
+        if self.kv_shared_tier.split(":")[0] == LOCAL_STORE:
+            if self.kv_shared_password_file:
+                raise ValueError("--kv-shared-password-file is for an external --kv-shared-tier "
+                                 "URL; the local store makes its own password")
+            try:
+                self.kv_shared_local_bytes  # noqa: B018 (parses SIZE)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"--kv-shared-tier {self.kv_shared_tier!r}: {e}") from None
+            return
+        from baton.ops.kv_store import check_shared_url
+
+        check_shared_url(self.kv_shared_tier)
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
@@ -166,6 +208,7 @@ class LaunchConfig:
             raise ValueError(f"--kv-disk-bytes must be > 0, got {self.kv_disk_bytes}")
         if self.kv_disk_bytes and not self.kv_disk_dir:
             raise ValueError("--kv-disk-bytes sizes the disk tier: give --kv-disk-dir too")
+        self._check_shared_tier()
         if self.api_keys_file:
             from router.api_keys import load_api_keys
 
@@ -300,6 +343,8 @@ class Launcher:
         self.redis_url = config.redis_url
         self.redis_args: list[str] = (["--redis-password-file", config.redis_password_file]
                                       if config.redis_password_file else [])
+        self.kv_redis: RedisServer | None = None  # --kv-shared-tier local: the tier's store
+        self.shared_args: list[str] = []  # every engine's --kv-shared-tier flags
         self.engine_addresses: dict[str, str] = {}
         self.address_files: dict[str, str] = {}  # engine id -> its --address-file
         self.engine_roles: dict[str, str] = {}  # engine id -> its role now (S41 may change it)
@@ -345,6 +390,7 @@ class Launcher:
             self.redis = RedisServer(cfg.host).start()
             self.redis_url = self.redis.url
             self.redis_args = ["--redis-password-file", self.redis.password_file]
+        self.shared_args = self._start_shared_tier()
         deadline = time.monotonic() + cfg.ready_timeout_s
         roles = ([(COMMAND_OF[NORMAL], NORMAL)] * cfg.num_normal_engines
                  + [(COMMAND_OF[PROMPT], PROMPT)] * cfg.num_prompt_engines
@@ -359,6 +405,20 @@ class Launcher:
         wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
                            self.spawned_at, self.keys, self.address_files)
         self._start_router(deadline)
+
+    def _start_shared_tier(self) -> list[str]:
+        cfg = self.config
+        if not cfg.kv_shared_tier:
+            return []
+        if cfg.kv_shared_local_bytes:
+            self.kv_redis = RedisServer(cfg.host, maxmemory_bytes=cfg.kv_shared_local_bytes).start()
+            logger.info("KV shared tier: redis-server on %s, maxmemory %d MiB, allkeys-lru",
+                        self.kv_redis.url, cfg.kv_shared_local_bytes >> 20)
+            return ["--kv-shared-tier", self.kv_redis.url,
+                    "--kv-shared-password-file", self.kv_redis.password_file]
+        return ["--kv-shared-tier", cfg.kv_shared_tier,
+                *(["--kv-shared-password-file", cfg.kv_shared_password_file]
+                  if cfg.kv_shared_password_file else [])]
 
     def _disk_args(self, engine_id: str) -> list[str]:
         cfg = self.config
@@ -383,6 +443,7 @@ class Launcher:
                   else []),
                 *(["--lora-modules", *cfg.lora_modules] if cfg.lora_modules else []),
                 *self._metrics_args(engine_id), *self.key_args, *self._disk_args(engine_id),
+                *self.shared_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
         self.address_files[engine_id] = address_file
@@ -509,9 +570,10 @@ class Launcher:
         for child in reversed(self.children):  # router first: no new work reaches the engines
             child.stop(timeout_s)
         self.children.clear()
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        for server in (self.redis, self.kv_redis):
+            if server is not None:
+                server.stop()
+        self.redis = self.kv_redis = None
         if self._own_key_dir:
             shutil.rmtree(self._own_key_dir, ignore_errors=True)
             self._own_key_dir = ""
@@ -538,6 +600,8 @@ class Launcher:
         model = self.served_model()
         auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.launcher_key() else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
+        if self.shared_args:
+            lines.append(f"  KV shared tier {self.shared_args[1]}")
         ready = {name: f"  ready in {s:.1f} s" for name, s in self.ready_s.items()}
         lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
                                             if name in self.metrics_urls else "")
@@ -578,6 +642,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "restarted engine finds its own files. Default: off")
     p.add_argument("--kv-disk-bytes", type=parse_bytes, default=0, metavar="N[K|M|G]",
                    help="each engine's disk tier size (default: the engines' default)")
+    p.add_argument("--kv-shared-tier", default="", metavar="local[:SIZE]|URL",
+                   help="the shared cluster tier (README: KV tiers), handed to every engine: "
+                   "local[:SIZE] starts a Redis for it here (at most SIZE, default 1G, least "
+                   "recently used blocks evicted), a redis:// URL uses that one. Default: off")
+    p.add_argument("--kv-shared-password-file", default="",
+                   help="file holding the password of a --kv-shared-tier URL")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
                         "model; the router tokenizes with the default model's tokenizer")
@@ -660,6 +730,8 @@ def run(args: argparse.Namespace) -> int:
             warm_standby=args.warm_standby, kv_cache_dtype=args.kv_cache_dtype,
             lora_modules=args.lora_modules,
             kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
+            kv_shared_tier=args.kv_shared_tier,
+            kv_shared_password_file=args.kv_shared_password_file,
             planner=args.planner,
             planner_profile=args.planner_profile or args.profile,
             slos_ms=parse_slos(args.goodput),

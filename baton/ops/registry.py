@@ -130,14 +130,15 @@ def read_password_file(path: str) -> str:
     return password
 
 
-def connect(url: str, password_file: str = ""):
+def connect(url: str, password_file: str = "", timeout_s: float = 2.0):
     """A redis-py client for `url` (redis://, rediss://, unix://) with the password of
-    `password_file` (default $BATON_REDIS_PASSWORD_FILE)."""
+    `password_file` (default $BATON_REDIS_PASSWORD_FILE); each call at most `timeout_s`."""
     import redis
 
     password_file = password_file or os.environ.get(ENV_PASSWORD_FILE, "")
     extra = {"password": read_password_file(password_file)} if password_file else {}
-    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0, **extra)
+    return redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s, **extra)
 
 
 class RedisRegistry:
