@@ -116,10 +116,12 @@ class StatsRequest(msgspec.Struct, tag="stats?", array_like=True, omit_defaults=
 class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True,
                        omit_defaults=True):
     """Forget every cached-free KV block (vLLM's `/reset_prefix_cache`), and every block of
-    the engine's lower tiers (its disk) unless `pool_only`."""
+    the engine's lower tiers (its disk) unless `pool_only`; `shared`: the shared tier's blocks
+    of its fingerprint too (every engine's, docs/scheduler.md P11)."""
 
     nonce: int = 0
     pool_only: bool = False
+    shared: bool = False
 
 
 class ChangeRole(msgspec.Struct, tag="change_role", array_like=True, omit_defaults=True):

@@ -193,14 +193,13 @@ class SharedBlocks:
             self._note(int(keys[i]), stored=True)
         return len(todo)
 
-    def clear(self) -> int:
-        """Delete every block of this fingerprint from the store (every engine's)."""
+    def forget_all(self) -> None:
+        """Know nothing of the store any more (its blocks are being deleted)."""
         with self.lock:
             for key in self.known:
                 self._removed.add(key)
                 self._stored.discard(key)
             self.known.clear()
-        return self.client.delete_prefix(self.prefix)
 
     # ------------------------------------------------------------------ KV events
     def _note(self, key: int, stored: bool) -> None:
@@ -246,6 +245,7 @@ class SharedTier(TierLoader):
         self._queued_bytes = 0
         self._lock = threading.Lock()
         self._seeds: dict[str, int] = {}  # request id -> its key seed (block 0's parent)
+        self._generation = 0  # a clear() drops what was queued before it
         self.num_written_blocks = 0
         self.num_dropped_blocks = 0
         store.read_capacity()
@@ -308,7 +308,7 @@ class SharedTier(TierLoader):
                 return
             self._queued_bytes += nbytes
         data = self.runner.read_blocks(ids)
-        self._writes.put((keys.copy(), parents, tokens.copy(), data))
+        self._writes.put((self._generation, keys.copy(), parents, tokens.copy(), data))
 
     def _write_loop(self) -> None:
         last_try = time.monotonic()
@@ -329,9 +329,11 @@ class SharedTier(TierLoader):
             if item == "clear":
                 self._clear_store()
                 continue
-            keys, parents, tokens, data = item
+            generation, keys, parents, tokens, data = item
             try:
-                if store.is_up:
+                if generation != self._generation:
+                    pass  # queued before a clear
+                elif store.is_up:
                     self.num_written_blocks += store.write(keys, parents, tokens, data)
                 else:
                     self.num_dropped_blocks += len(keys)
@@ -345,7 +347,7 @@ class SharedTier(TierLoader):
 
     def _clear_store(self) -> None:
         try:
-            num = self.store.clear()
+            num = self.store.client.delete_prefix(self.store.prefix)
             logger.info("KV shared tier %s: deleted %d blocks of %s*", self.store.client.url,
                         num, self.store.prefix)
         except OSError as exc:
@@ -355,6 +357,8 @@ class SharedTier(TierLoader):
     def clear(self) -> None:
         """Delete this fingerprint's blocks from the store, every engine's (an explicit
         `/reset_prefix_cache?shared=true`); the writer does it."""
+        self._generation += 1
+        self.store.forget_all()
         self._writes.put("clear")
 
     def stats(self) -> dict[str, float]:
