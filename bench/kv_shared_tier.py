@@ -266,11 +266,11 @@ def main() -> None:
         mooncake_worker(role, master, metadata, int(num), int(nbytes))
         return
     import torch
+    from repo_paths import relative_args  # a sibling script, not a package
 
     from baton.model import load_model
     from baton.ops.kv_store import RedisKvStore
     from baton.ops.redis_server import RedisServer
-    from bench.repo_paths import relative_args
 
     torch.set_num_threads(args.threads)
     loaded = load_model(quantization="none", device="cpu")
@@ -306,6 +306,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--mooncake-worker" not in sys.argv:  # the worker runs without the project installed
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()

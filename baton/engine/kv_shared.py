@@ -39,8 +39,14 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from baton.engine.kv_disk_store import (COLLISION, RECORD, check_record, encode_record,
-                                        fingerprint_header, split_header)
+from baton.engine.kv_disk_store import (
+    COLLISION,
+    RECORD,
+    check_record,
+    encode_record,
+    fingerprint_header,
+    split_header,
+)
 from baton.engine.kv_tier import TierLoader
 from kv_transfer.integrity import fingerprint_mismatch
 from kv_transfer.protocol import Fingerprint

@@ -35,8 +35,8 @@ from baton.engine.config import ROLE_TYPES, EngineConfig
 from baton.engine.input_processor import InputProcessor
 from baton.engine.kv_disk import DiskTier, open_disk_tier
 from baton.engine.kv_events import KvEventSource
-from baton.engine.kv_shared import SharedTier, open_shared_tier
 from baton.engine.kv_identity import kv_fingerprint
+from baton.engine.kv_shared import SharedTier, open_shared_tier
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig, kv_window
