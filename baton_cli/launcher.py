@@ -128,8 +128,6 @@ class LaunchConfig:
             if self.kv_shared_password_file:
                 raise ValueError("--kv-shared-password-file is for --kv-shared-tier URL")
             return
-        if self.mock:
-            raise ValueError("--mock engines have no KV bytes to share: drop --kv-shared-tier")
         if self.kv_shared_tier.split(":")[0] == LOCAL_STORE:
             if self.kv_shared_password_file:
                 raise ValueError("--kv-shared-password-file is for an external --kv-shared-tier "

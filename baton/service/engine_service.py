@@ -283,9 +283,12 @@ class EngineService:
         elif isinstance(msg, StatsRequest):
             self._send(identity, self.stats(msg.nonce))
         elif isinstance(msg, ResetPrefixCache):
-            ok = self.worker.reset_prefix_cache(msg.pool_only, msg.shared)
-            self._send(identity, ControlReply(msg.nonce, ok, "" if ok else
-                                              "KV pulls into cached blocks are in flight; retry"))
+            try:
+                ok = self.worker.reset_prefix_cache(msg.pool_only, msg.shared)
+                why = "" if ok else "KV pulls into cached blocks are in flight; retry"
+            except ValueError as exc:  # pool_only with shared
+                ok, why = False, str(exc)
+            self._send(identity, ControlReply(msg.nonce, ok, why))
         elif isinstance(msg, (LoadLoraAdapter, UnloadLoraAdapter)):
             self._send(identity, self._lora_control(msg))
         elif isinstance(msg, ChangeRole):

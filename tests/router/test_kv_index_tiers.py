@@ -120,7 +120,7 @@ def test_p11_a_shared_block_is_every_engine_of_its_tier_and_costs_less_than_a_ne
     choice = policy.select("prompt", [Candidate("cold"), Candidate("reader")], request)
     assert choice.engine_id == "reader" and choice.num_shared_blocks == 5
     assert choice.num_overlap_blocks == 5 and choice.num_active_blocks == 2
-    # Five shared blocks at the measured weight outweigh four blocks of queued work.
+    # Five shared blocks save 4.5 blocks of compute at the measured weight: more than 3 queued.
     assert policy.select("normal", [Candidate("cold"), Candidate("reader", num_active_blocks=3)],
                          request).engine_id == "reader"
     flat = OverlapMinusLoad(index, shared_weight=0.0)
