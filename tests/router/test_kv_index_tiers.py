@@ -10,7 +10,7 @@ import numpy as np
 
 from baton import protocol
 from baton.engine.kv_events import KvEventPublisher, KvEventSource
-from baton.protocol import KvEvents
+from baton.protocol import KvEvents, ResetPrefixCache
 from router.kv_index import KvIndex, RequestKeys
 from router.selection import Candidate, OverlapMinusLoad
 from tests.scheduler.utils import create_scheduler, drain
@@ -133,3 +133,12 @@ def test_p11_a_shared_block_is_every_engine_of_its_tier_and_costs_less_than_a_ne
     # A snapshot naming a tier without a bound (or a bound without a tier) breaks the rules.
     assert not index.apply("bad", KvEvents("i-bad", 0, is_snapshot=True, block_size=BS,
                                            seed=SEED, num_total_blocks=32, shared_tier=tier))
+
+
+def test_p11_a_reset_clears_the_store_only_when_asked_and_never_with_pool_only(make_client):
+    client = make_client()
+    both = client.post("/reset_prefix_cache", params={"pool_only": "true", "shared": "true"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "shared"
+    assert ResetPrefixCache(7, shared=True).shared and not ResetPrefixCache(7).shared
+    decoded = protocol.decode_to_engine(protocol.encode(ResetPrefixCache(7, False, True)))
+    assert isinstance(decoded, ResetPrefixCache) and decoded.shared and not decoded.pool_only
