@@ -474,8 +474,9 @@ class LLMEngine:
         """One schedule -> run -> process_outputs round; what it produced, per request."""
         outputs, self._pending = self._pending, []
         if self._tiers():  # P10, P11: finished reads enter the pool before the admission
-            idle = (self.scheduler.num_running() == 0 and not outputs and self.scheduler.
-                    num_waiting() <= sum(t.num_pending for t in self._tiers()))
+            num_loading = sum(t.num_pending for t in self._tiers())
+            idle = (self.scheduler.num_running() == 0 and not outputs
+                    and self.scheduler.num_waiting() <= num_loading)
             for tier in self._tiers():
                 tier.land(wait_s=0.002 if idle else 0.0)
         sched_out = self.scheduler.schedule()
@@ -516,12 +517,12 @@ class LLMEngine:
             choice_params(reqs, complete),
             **({"lora_names": [r.lora_name for r in reqs]}
                if any(r.lora_name for r in reqs) else {}))
-        if self.shared is not None and sched_out.prompt_run:
-            self.shared.publish(reqs, sched_out)  # P11: before the booking frees anything
         if self.speculator is not None:  # the cost model's measurements (speculation.py)
             kind = "prompt" if sched_out.prompt_run else "verify" if verified else "plain"
             self.speculator.costs.observe(kind, len(reqs), int(seqlens_q.sum()),
                                           time.perf_counter() - started)
+        if self.shared is not None and sched_out.prompt_run:
+            self.shared.publish(reqs, sched_out)  # P11: before the booking frees anything
         splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:

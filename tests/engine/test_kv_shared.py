@@ -1,7 +1,8 @@
 """The shared cluster tier (docs/scheduler.md P11) in the engine, over a real redis-server: a
 block one engine published gives another engine (its own pool) the cold text token for token;
 a corrupted value or another producer's is a counted miss and never wrong output; a store that
-dies degrades to recompute with one warning and is used again once it is back."""
+dies degrades to recompute with one warning and is used again once it is back, and one slower
+than the timeout is not waited for."""
 
 from __future__ import annotations
 
@@ -170,3 +171,21 @@ def test_p11_a_dead_store_means_recompute_one_warning_and_a_reconnect(cold_a, ca
         assert engine.tier_stats()["kv_tier_written_blocks_shared"] > 0
         engine.close()
     store.close()
+
+
+def test_p11_a_store_slower_than_the_timeout_is_given_up(server, store, cold_a) -> None:
+    """A store that answers after the tier's timeout (CLIENT PAUSE stalls every client of a
+    real server for 2 s) is not waited for: the prompt computes, 0 tokens from the tier."""
+    publish_a(store).close()
+    slow = RedisKvStore(server.url, server.password_file, timeout_s=0.2)
+    engine = make_engine(slow)
+    raw = connect(server.url, server.password_file)
+    raw.execute_command("CLIENT", "PAUSE", "2000", "ALL")
+    out = engine.generate(A, GREEDY)[0]
+    assert out.token_ids == cold_a and out.num_cached_tokens == 0  # 2 s later it would hit
+    stats = engine.tier_stats()
+    assert stats["kv_tier_timeouts_shared"] + stats["kv_tier_errors_shared"] >= 1
+    assert stats["kv_tier_loaded_blocks_shared"] == 0
+    raw.close()
+    engine.close()
+    slow.close()
