@@ -55,7 +55,9 @@ class RedisKvStore:
     def __init__(self, url: str, password_file: str = "", timeout_s: float = 1.0) -> None:
         self.url = redact(check_shared_url(url))
         self.timeout_s = timeout_s
-        self._redis = connect(url, password_file, timeout_s=timeout_s)
+        # No retries: a failed call is a miss now (the tier pings the store again later),
+        # never redis-py's seconds of backoff while a prompt waits.
+        self._redis = connect(url, password_file, timeout_s=timeout_s, retries=0)
 
     def _call(self, fn, *args):
         import redis
