@@ -15,9 +15,11 @@ from model.reference import baton_model, prompt_of_length
 
 from baton.engine import EngineConfig, LLMEngine, kv_shared
 from baton.engine.kv_disk_store import fingerprint_header, split_header
+from baton.engine.kv_events import KvEventPublisher
 from baton.ops.kv_store import RedisKvStore
 from baton.ops.redis_server import RedisServer
 from baton.ops.registry import connect
+from baton.protocol import unpack_keys
 from baton.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -85,6 +87,10 @@ def test_p11_a_block_another_engine_published_gives_the_cold_text(store, cold_a)
     # The events name what each engine knows of the store; the names hold the fingerprint.
     assert set(reader.shared.keys()) <= set(publisher.shared.keys())
     assert reader.shared.store.tier_id == publisher.shared.store.tier_id
+    snapshot = KvEventPublisher(reader.kv_event_source()).subscribe(b"router", nonce=1)
+    assert snapshot.shared_tier == reader.shared.store.tier_id
+    assert list(unpack_keys(snapshot.shared_stored, snapshot.num_shared_blocks)) == \
+        reader.shared.keys() and len(reader.shared.keys()) == NUM_A_BLOCKS
     other = make_engine(store, kv_cache_dtype="bfloat16")
     assert other.shared.store.prefix != reader.shared.store.prefix
     assert other.generate(A, GREEDY)[0].num_cached_tokens == 0  # a plain miss: other names
@@ -101,6 +107,11 @@ def test_p11_a_block_another_engine_published_gives_the_cold_text(store, cold_a)
         time.sleep(0.05)
     with pytest.raises(ValueError, match="contradict"):
         again.reset_prefix_cache(pool_only=True, shared=True)
+    # A writer that is behind drops what does not fit its queue (counted): the step never waits.
+    again.shared.queue_bytes = 1
+    again.generate(prompt_of_length(30), GREEDY)
+    stats = again.tier_stats()
+    assert stats["kv_tier_dropped_blocks_shared"] > 0 and stats["kv_tier_written_blocks_shared"] == 0
     for engine in (publisher, reader, other, again):
         engine.close()
 
