@@ -116,10 +116,12 @@ class StatsRequest(msgspec.Struct, tag="stats?", array_like=True, omit_defaults=
 class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True,
                        omit_defaults=True):
     """Forget every cached-free KV block (vLLM's `/reset_prefix_cache`), and every block of
-    the engine's lower tiers (its disk) unless `pool_only`."""
+    the engine's lower tiers (its disk) unless `pool_only`; `shared`: the shared tier's blocks
+    of its fingerprint too (every engine's, docs/scheduler.md P11)."""
 
     nonce: int = 0
     pool_only: bool = False
+    shared: bool = False
 
 
 class ChangeRole(msgspec.Struct, tag="change_role", array_like=True, omit_defaults=True):
@@ -188,6 +190,12 @@ class KvEvents(msgspec.Struct, tag="kv_events", array_like=True, omit_defaults=T
     disk_stored: bytes = b""
     disk_removed: bytes = b""
     num_disk_blocks: int = 0  # the disk tier holds no more keys than this (0: no disk tier)
+    # The shared cluster tier's keys (docs/scheduler.md P11) as this engine knows them (it wrote
+    # or read them), packed as `stored`; every engine of one `shared_tier` id reaches them all.
+    shared_stored: bytes = b""
+    shared_removed: bytes = b""
+    num_shared_blocks: int = 0  # this engine names no more shared keys than this
+    shared_tier: str = ""  # the store and the fingerprint's namespace ("": no shared tier)
 
 
 class TokenDelta(msgspec.Struct, tag="delta", array_like=True, omit_defaults=True):

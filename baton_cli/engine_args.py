@@ -53,6 +53,16 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def shared_tier_url(text: str) -> str:
+    """--kv-shared-tier: a store's URL an engine can use ("" = off)."""
+    from baton.ops.kv_store import check_shared_url
+
+    try:
+        return check_shared_url(text) if text else ""
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     g = p.add_argument_group("service")
     g.add_argument("--engine-id", default=f"{role}-{socket.gethostname()}-{os.getpid()}",
@@ -131,6 +141,16 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
     m.add_argument("--kv-disk-bytes", type=parse_bytes, default=DEFAULT_KV_DISK_BYTES,
                    metavar="N[K|M|G]", help="most bytes of files in --kv-disk-dir, the least "
                    f"recently used files deleted first (default {DEFAULT_KV_DISK_BYTES >> 30}G)")
+    m.add_argument("--kv-shared-tier", default="", type=shared_tier_url, metavar="URL",
+                   help="the shared cluster tier (README: KV tiers): a Redis (redis://USER@HOST:"
+                   "PORT/DB, rediss://, unix://) every engine reaches; the full prompt blocks "
+                   "this engine computes are published there off the step loop, and a prompt "
+                   "whose prefix another engine computed loads it instead of recomputing. Its "
+                   "size and eviction are the store's (maxmemory, allkeys-lru); a store that is "
+                   "down means recompute, never a failed request. Default: off")
+    m.add_argument("--kv-shared-password-file", default="",
+                   help="file holding the --kv-shared-tier Redis password (default "
+                   "$BATON_REDIS_PASSWORD_FILE); the user goes in the URL")
     m.add_argument("--max-num-seqs", type=int, default=64)
     m.add_argument("--max-num-batched-tokens", type=int, default=1024)
     m.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")

@@ -108,7 +108,7 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
                  metrics: EngineMetrics | None = None, clock: StartupClock | None = None):
     runner = mock_runner(args) if args.mock else None  # None: the model's (torch)
     engine = LLMEngine(engine_config(args, role), all_reduce_min=dp.all_reduce_min,
-                       runner=runner)
+                       runner=runner, shared_store=shared_store(args))
     load_lora_modules(engine, getattr(args, "lora_modules", []))
     if clock is not None:
         startup = getattr(engine.runner, "startup", {})  # a mock runner has none
@@ -126,6 +126,17 @@ def build_worker(args: argparse.Namespace, role: str, dp: DPGroup, engine_id: st
     return worker
 
 
+def shared_store(args: argparse.Namespace):
+    """--kv-shared-tier's client (one per process: a role change's engine keeps it), or None."""
+    if not getattr(args, "kv_shared_tier", ""):
+        return None
+    if getattr(args, "_shared_store", None) is None:
+        from baton.ops.kv_store import RedisKvStore
+
+        args._shared_store = RedisKvStore(args.kv_shared_tier, args.kv_shared_password_file)
+    return args._shared_store
+
+
 def load_lora_modules(engine: LLMEngine, modules: list[tuple[str, str]]) -> None:
     """--lora-modules: each adapter loaded before the engine serves (ValueError naming the
     adapter that does not load or fit)."""
@@ -140,7 +151,8 @@ def role_factory(args: argparse.Namespace, engine_id: str, metrics: EngineMetric
     """A role change's worker (S41): a new engine core in the new mode over the old one's
     runner, so the weights and the KV pool stay; the role's worker around it."""
     def build(role: str, old) -> object:
-        engine = LLMEngine(engine_config(args, role), runner=old.engine.runner)
+        engine = LLMEngine(engine_config(args, role), runner=old.engine.runner,
+                           shared_store=shared_store(args))
         return ROLE_WORKERS[role](engine, args, engine_id, metrics)
     return build
 

@@ -15,6 +15,9 @@ from baton.workload.results import parse_slos
 from baton_cli.engine_args import add_common_args, lora_module, parse_bytes
 from kv_transfer.auth import ENV_KEY_DIR
 
+LOCAL_STORE = "local"  # --kv-shared-tier local[:SIZE]: baton up starts the store
+DEFAULT_KV_SHARED_BYTES = 1 << 30
+
 
 @dataclass
 class LaunchConfig:
@@ -72,6 +75,42 @@ class LaunchConfig:
     # most kv_disk_bytes each (0 = the engines' default); "" = off.
     kv_disk_dir: str = ""
     kv_disk_bytes: int = 0
+    # The shared cluster tier (README: KV tiers), handed to every engine: "local[:SIZE]" starts
+    # a Redis for it here (at most SIZE, default 1G, least recently used keys evicted; closed
+    # like the registry's), a redis:// URL is one that runs (its password in
+    # kv_shared_password_file); "" = off.
+    kv_shared_tier: str = ""
+    kv_shared_password_file: str = ""
+
+    @property
+    def kv_shared_local_bytes(self) -> int:
+        """The maxmemory of the store `local[:SIZE]` asks to start (0: none to start)."""
+        if self.kv_shared_tier.split(":")[0] != LOCAL_STORE:
+            return 0
+        size = self.kv_shared_tier.removeprefix(LOCAL_STORE).removeprefix(":")
+        return parse_bytes(size) if size else DEFAULT_KV_SHARED_BYTES
+
+    def _check_shared_tier(self) -> None:
+        for flag in ("--kv-shared-tier", "--kv-shared-password-file"):
+            if any(a.split("=")[0] == flag for a in self.engine_args):
+                raise ValueError(f"give {flag} to `baton up` itself, not after --: every "
+                                 "engine must share the one store")
+        if not self.kv_shared_tier:
+            if self.kv_shared_password_file:
+                raise ValueError("--kv-shared-password-file is for --kv-shared-tier URL")
+            return
+        if self.kv_shared_tier.split(":")[0] == LOCAL_STORE:
+            if self.kv_shared_password_file:
+                raise ValueError("--kv-shared-password-file is for an external --kv-shared-tier "
+                                 "URL; the local store makes its own password")
+            try:
+                self.kv_shared_local_bytes  # noqa: B018 (parses SIZE)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"--kv-shared-tier {self.kv_shared_tier!r}: {e}") from None
+            return
+        from baton.ops.kv_store import check_shared_url
+
+        check_shared_url(self.kv_shared_tier)
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
@@ -138,6 +177,7 @@ class LaunchConfig:
             raise ValueError(f"--kv-disk-bytes must be > 0, got {self.kv_disk_bytes}")
         if self.kv_disk_bytes and not self.kv_disk_dir:
             raise ValueError("--kv-disk-bytes sizes the disk tier: give --kv-disk-dir too")
+        self._check_shared_tier()
         if self.api_keys_file:
             from router.api_keys import load_api_keys
 
@@ -224,6 +264,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    "restarted engine finds its own files. Default: off")
     p.add_argument("--kv-disk-bytes", type=parse_bytes, default=0, metavar="N[K|M|G]",
                    help="each engine's disk tier size (default: the engines' default)")
+    p.add_argument("--kv-shared-tier", default="", metavar="local[:SIZE]|URL",
+                   help="the shared cluster tier (README: KV tiers), handed to every engine: "
+                   "local[:SIZE] starts a Redis for it here (at most SIZE, default 1G, least "
+                   "recently used blocks evicted), a redis:// URL uses that one. Default: off")
+    p.add_argument("--kv-shared-password-file", default="",
+                   help="file holding the password of a --kv-shared-tier URL")
     p.add_argument("--mock", default="", metavar="PROFILE.json",
                    help="mock engines (baton engine --mock): the profile's step times, no "
                         "model; the router tokenizes with the default model's tokenizer")
@@ -305,6 +351,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         warm_standby=args.warm_standby, kv_cache_dtype=args.kv_cache_dtype,
         lora_modules=args.lora_modules,
         kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,
+        kv_shared_tier=args.kv_shared_tier,
+        kv_shared_password_file=args.kv_shared_password_file,
         planner=args.planner,
         planner_profile=args.planner_profile or args.profile,
         slos_ms=parse_slos(args.goodput),

@@ -51,6 +51,8 @@ class Launcher:
         self.redis_url = config.redis_url
         self.redis_args: list[str] = (["--redis-password-file", config.redis_password_file]
                                       if config.redis_password_file else [])
+        self.kv_redis: RedisServer | None = None  # --kv-shared-tier local: the tier's store
+        self.shared_args: list[str] = []  # every engine's --kv-shared-tier flags
         self.engine_addresses: dict[str, str] = {}
         self.address_files: dict[str, str] = {}  # engine id -> its --address-file
         self.engine_roles: dict[str, str] = {}  # engine id -> its role now (S41 may change it)
@@ -96,6 +98,7 @@ class Launcher:
             self.redis = RedisServer(cfg.host).start()
             self.redis_url = self.redis.url
             self.redis_args = ["--redis-password-file", self.redis.password_file]
+        self.shared_args = self._start_shared_tier()
         deadline = time.monotonic() + cfg.ready_timeout_s
         roles = ([(COMMAND_OF[NORMAL], NORMAL)] * cfg.num_normal_engines
                  + [(COMMAND_OF[PROMPT], PROMPT)] * cfg.num_prompt_engines
@@ -110,6 +113,20 @@ class Launcher:
         wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
                            self.spawned_at, self.keys, self.address_files)
         self._start_router(deadline)
+
+    def _start_shared_tier(self) -> list[str]:
+        cfg = self.config
+        if not cfg.kv_shared_tier:
+            return []
+        if cfg.kv_shared_local_bytes:
+            self.kv_redis = RedisServer(cfg.host, maxmemory_bytes=cfg.kv_shared_local_bytes).start()
+            logger.info("KV shared tier: redis-server on %s, maxmemory %d MiB, allkeys-lru",
+                        self.kv_redis.url, cfg.kv_shared_local_bytes >> 20)
+            return ["--kv-shared-tier", self.kv_redis.url,
+                    "--kv-shared-password-file", self.kv_redis.password_file]
+        return ["--kv-shared-tier", cfg.kv_shared_tier,
+                *(["--kv-shared-password-file", cfg.kv_shared_password_file]
+                  if cfg.kv_shared_password_file else [])]
 
     def _disk_args(self, engine_id: str) -> list[str]:
         cfg = self.config
@@ -134,6 +151,7 @@ class Launcher:
                   else []),
                 *(["--lora-modules", *cfg.lora_modules] if cfg.lora_modules else []),
                 *self._metrics_args(engine_id), *self.key_args, *self._disk_args(engine_id),
+                *self.shared_args,
                 *role_engine_args(cfg.engine_args, ROLE_COMMANDS[command])]
         self.engine_addresses[engine_id] = ""  # known once the engine wrote its address file
         self.address_files[engine_id] = address_file
@@ -260,9 +278,10 @@ class Launcher:
         for child in reversed(self.children):  # router first: no new work reaches the engines
             child.stop(timeout_s)
         self.children.clear()
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        for server in (self.redis, self.kv_redis):
+            if server is not None:
+                server.stop()
+        self.redis = self.kv_redis = None
         if self._own_key_dir:
             shutil.rmtree(self._own_key_dir, ignore_errors=True)
             self._own_key_dir = ""
@@ -289,6 +308,8 @@ class Launcher:
         model = self.served_model()
         auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if cfg.launcher_key() else ""
         lines = [f"Baton is up: {base}/v1  (Redis {self.redis_url})"]
+        if self.shared_args:
+            lines.append(f"  KV shared tier {self.shared_args[1]}")
         ready = {name: f"  ready in {s:.1f} s" for name, s in self.ready_s.items()}
         lines += [f"  {name:<14} {addr}" + (f"  metrics {self.metrics_urls[name]}"
                                             if name in self.metrics_urls else "")

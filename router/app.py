@@ -263,14 +263,20 @@ def _add_routes(app: FastAPI) -> None:
         return {"status": "ok", "engines": engines}
 
     @app.post("/reset_prefix_cache", response_model=api_models.ResetResult,
-              responses={**api_models.error_responses(401), 503: {"model": api_models.ResetResult}})
-    async def reset_prefix_cache(request: Request, pool_only: bool = False):
+              responses={**api_models.error_responses(400, 401),
+                         503: {"model": api_models.ResetResult}})
+    async def reset_prefix_cache(request: Request, pool_only: bool = False,
+                                 shared: bool = False):
         """vLLM's endpoint: every live engine forgets its cached-free KV blocks (benchmarks
-        call it between runs), and the blocks of its disk tier unless `?pool_only=true`. 503
-        naming the engines that refused or did not answer."""
+        call it between runs), and the blocks of its disk tier unless `?pool_only=true`; the
+        shared tier's (every engine's, P11) only with `?shared=true`. 503 naming the engines
+        that refused or did not answer; 400 for both options at once."""
+        if pool_only and shared:
+            raise APIError(400, "pool_only=true and shared=true contradict each other",
+                           "invalid_request_error", "shared")
         pool: EnginePool = request.app.state.pool
         engines = pool.live_engines()
-        replies = await asyncio.gather(*(client.reset_prefix_cache(5.0, pool_only)
+        replies = await asyncio.gather(*(client.reset_prefix_cache(5.0, pool_only, shared)
                                          for _, client in engines), return_exceptions=True)
         results, failed = {}, []
         for (record, _), reply in zip(engines, replies, strict=True):

@@ -109,10 +109,12 @@ class EngineClient:
         self.close_request(req_id)
         await self._sock.send(protocol.encode(AbortRequest(req_id=req_id)))
 
-    async def reset_prefix_cache(self, timeout_s: float, pool_only: bool = False) -> ControlReply:
+    async def reset_prefix_cache(self, timeout_s: float, pool_only: bool = False,
+                                 shared: bool = False) -> ControlReply:
         """Ask the engine to forget its cached-free KV blocks (and its disk tier's, unless
         `pool_only`); TimeoutError past timeout_s."""
-        return await self._control(lambda nonce: ResetPrefixCache(nonce, pool_only), timeout_s)
+        return await self._control(lambda nonce: ResetPrefixCache(nonce, pool_only, shared),
+                                   timeout_s)
 
     async def load_lora_adapter(self, name: str, path: str, timeout_s: float) -> ControlReply:
         """Ask the engine to load a LoRA adapter; TimeoutError past timeout_s."""

@@ -2,8 +2,10 @@
 
 Per engine (by address) the index keeps the engine's `instance_id`, the `seq` of the last
 message applied, the block size and key seed it keys with, and the set of keys it holds in
-each tier: its pool (`keys`) and its disk (`disk_keys`, docs/scheduler.md P10; a prompt's
-blocks past the pool's run that are on disk are loaded, not computed).
+each tier: its pool (`keys`), its disk (`disk_keys`, docs/scheduler.md P10; a prompt's
+blocks past the pool's run that are on disk are loaded, not computed) and the shared cluster
+tier's keys it wrote or read (`shared_keys`, P11). A shared block is every engine's of the same
+`shared_tier` id: the index joins their sets when it scores any one of them.
 An engine's entries are dropped, and the engine must be subscribed again, when:
   - a delta's `seq` is not one past the last one (the engine's queue to us dropped a message),
   - a message names another `instance_id` than the snapshot did (a restarted engine),
@@ -43,6 +45,9 @@ class EngineKeys:
     keys: set[int] = field(default_factory=set)
     num_disk_blocks: int = 0  # the disk tier's bound (0: none)
     disk_keys: set[int] = field(default_factory=set)
+    shared_tier: str = ""  # the shared tier's id ("": none)
+    num_shared_blocks: int = 0
+    shared_keys: set[int] = field(default_factory=set)
 
 
 class KvIndex:
@@ -98,6 +103,12 @@ class KvIndex:
             if len(entry.disk_keys) > disk_bound:
                 raise ProtocolError(f"{len(entry.disk_keys)} disk keys with room for "
                                     f"{disk_bound}")
+            shared_bound = entry.num_shared_blocks
+            entry.shared_keys.difference_update(unpack_keys(msg.shared_removed, shared_bound))
+            entry.shared_keys.update(unpack_keys(msg.shared_stored, shared_bound))
+            if len(entry.shared_keys) > shared_bound:
+                raise ProtocolError(f"{len(entry.shared_keys)} shared keys, at most "
+                                    f"{shared_bound}")
             entry.seq = msg.seq
             return True
         except ProtocolError as exc:
@@ -123,6 +134,27 @@ class KvIndex:
         start = prefix_overlap(keys, entry.keys)
         return prefix_overlap(keys[start:], entry.disk_keys)
 
+    def shared_overlap(self, address: str, request: RequestKeys) -> int:
+        """Blocks of the request's prompt past the engine's pool and disk runs that its shared
+        tier holds, as any engine of that tier has said (loaded, not computed; 0 if none)."""
+        entry = self._engines.get(address)
+        if entry is None or not entry.shared_tier:
+            return 0
+        group = [e.shared_keys for e in self._engines.values()
+                 if e.shared_tier == entry.shared_tier and e.seed == entry.seed
+                 and e.block_size == entry.block_size and e.shared_keys]
+        if not group:
+            return 0
+        keys = request.keys_for(entry.block_size, entry.seed)
+        start = prefix_overlap(keys, entry.keys)
+        start += prefix_overlap(keys[start:], entry.disk_keys)
+        num = 0
+        for key in keys[start:]:
+            if not any(key in held for held in group):
+                break
+            num += 1
+        return num
+
 
 def prefix_overlap(keys: list[int], held: Set[int]) -> int:
     """How many of `keys`, from the first, are in `held`."""
@@ -140,16 +172,23 @@ def _from_snapshot(msg: KvEvents) -> EngineKeys:
     if msg.block_size <= 0 or not 0 <= msg.seed < 1 << 64 or not msg.instance_id:
         raise ProtocolError(f"bad snapshot header: block_size={msg.block_size}, "
                             f"seed={msg.seed}, instance_id={msg.instance_id!r}")
-    if msg.removed or msg.disk_removed:
+    if msg.removed or msg.disk_removed or msg.shared_removed:
         raise ProtocolError("a snapshot with removed keys")
-    if msg.num_disk_blocks < 0:
-        raise ProtocolError(f"num_disk_blocks={msg.num_disk_blocks} out of range")
+    if msg.num_disk_blocks < 0 or msg.num_shared_blocks < 0:
+        raise ProtocolError(f"num_disk_blocks={msg.num_disk_blocks}, num_shared_blocks="
+                            f"{msg.num_shared_blocks} out of range")
+    if bool(msg.shared_tier) != bool(msg.num_shared_blocks) or len(msg.shared_tier) > 512:
+        raise ProtocolError(f"shared_tier={msg.shared_tier[:64]!r} with num_shared_blocks="
+                            f"{msg.num_shared_blocks}")
     # A disk may hold more blocks than the router keeps keys for: past the bound, a resync.
     disk_bound = min(msg.num_disk_blocks, MAX_KEYS_PER_ENGINE)
     keys = set(unpack_keys(msg.stored, msg.num_total_blocks))
     disk_keys = set(unpack_keys(msg.disk_stored, disk_bound))
+    shared_bound = min(msg.num_shared_blocks, MAX_KEYS_PER_ENGINE)
+    shared_keys = set(unpack_keys(msg.shared_stored, shared_bound))
     return EngineKeys(msg.instance_id, msg.seq, msg.block_size, msg.seed,
-                      msg.num_total_blocks, keys, disk_bound, disk_keys)
+                      msg.num_total_blocks, keys, disk_bound, disk_keys, msg.shared_tier,
+                      shared_bound, shared_keys)
 
 
 class RequestKeys:

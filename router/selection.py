@@ -18,7 +18,8 @@ overlap-minus-load (cache-aware, the router's default) NVIDIA Dynamo's KV router
                new_blocks: the request's blocks the engine does not hold (what a prompt or
                normal engine must prefill, what a completion engine must pull); a block its
                disk tier holds past its pool run counts as 1 - disk_weight of a new block
-               (it is loaded, not computed: docs/scheduler.md P10);
+               (it is loaded, not computed: docs/scheduler.md P10), one the shared tier
+               holds past both as 1 - shared_weight (P11);
                active_blocks: the blocks of this router's requests in flight there. Ties go
                to the lowest load, then to the first listed. overlap_weight 1 (Dynamo's
                default) prices a cached block like one block of queued work.
@@ -38,6 +39,11 @@ DEFAULT_BLOCK_SIZE = 16  # an engine that has said nothing of its block size
 # TTFT of returning turns loaded from disk at 0.29x (exact mode) to 0.38x (int4) of recomputing
 # them (README: KV tiers), so a disk block is priced at 0.3 of a block to compute.
 DISK_HIT_WEIGHT = 0.7
+# What a block of the shared tier (Redis) saves of computing it: bench/kv_shared_tier.py measured
+# the TTFT of a prompt whose 256-token prefix another engine had published at 0.11x (median of
+# 5, 0.05-0.26) of recomputing it, exact mode (README: KV tiers; a load read, checked and put
+# 16 blocks into the pool in 90 ms), so a shared block is priced at 0.1 of a block to compute.
+SHARED_HIT_WEIGHT = 0.9
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,7 @@ class Choice:
     num_active_blocks: int = 0  # what the request adds to the engine's active blocks
     num_overlap_blocks: int = 0  # leading blocks of the request the engine already holds
     num_disk_blocks: int = 0  # of those, the ones on its disk tier (loaded, not computed)
+    num_shared_blocks: int = 0  # of those, the ones in the shared tier (loaded, not computed)
 
 
 class CacheView(Protocol):
@@ -71,6 +78,9 @@ class CacheView(Protocol):
 
     def disk_overlap(self, engine_id: Hashable, request: RequestKeys) -> int:
         """Blocks past that run its disk tier holds (0 if unknown or none)."""
+
+    def shared_overlap(self, engine_id: Hashable, request: RequestKeys) -> int:
+        """Blocks past both runs its shared tier holds (0 if unknown or none)."""
 
 
 class KeySets:
@@ -93,6 +103,9 @@ class KeySets:
 
     def disk_overlap(self, engine_id: Hashable, request: RequestKeys) -> int:
         return 0  # a simulator's engines have no disk tier
+
+    def shared_overlap(self, engine_id: Hashable, request: RequestKeys) -> int:
+        return 0  # nor a shared one
 
 
 class SelectionPolicy:
@@ -126,11 +139,14 @@ class OverlapMinusLoad(SelectionPolicy):
     is_cache_aware = True
 
     def __init__(self, cache: CacheView, overlap_weight: float = 1.0,
-                 disk_weight: float = DISK_HIT_WEIGHT):
+                 disk_weight: float = DISK_HIT_WEIGHT, shared_weight: float = SHARED_HIT_WEIGHT):
         if not 0 <= overlap_weight < float("inf"):
             raise ValueError(f"overlap_weight must be >= 0 and finite, got {overlap_weight}")
         if not 0 <= disk_weight <= 1:
             raise ValueError(f"disk_weight must be in [0, 1], got {disk_weight}")
+        if not 0 <= shared_weight <= 1:
+            raise ValueError(f"shared_weight must be in [0, 1], got {shared_weight}")
+        self.shared_weight = shared_weight
         self.cache = cache
         self.overlap_weight = overlap_weight
         self.disk_weight = disk_weight
@@ -145,11 +161,13 @@ class OverlapMinusLoad(SelectionPolicy):
             num_blocks = request.num_blocks(block_size)
             overlap = self.cache.overlap(candidate.engine_id, request)
             disk = self.cache.disk_overlap(candidate.engine_id, request)
-            cost = (self.overlap_weight * (num_blocks - overlap - self.disk_weight * disk)
+            shared = self.cache.shared_overlap(candidate.engine_id, request)
+            cost = (self.overlap_weight * (num_blocks - overlap - self.disk_weight * disk
+                                           - self.shared_weight * shared)
                     + candidate.num_active_blocks)
             if best is None or (cost, candidate.load) < best:
                 best = (cost, candidate.load)
-                held = overlap + disk
+                held = overlap + disk + shared
                 active = num_blocks - held if role == PROMPT else num_blocks
-                choice = Choice(candidate.engine_id, active, held, disk)
+                choice = Choice(candidate.engine_id, active, held, disk, shared)
         return choice

@@ -8,15 +8,9 @@ A keyed block's life across the two tiers, all on the engine's thread but the tw
    rewrites them, and queues those not on disk yet for the writer thread. The queue is bounded
    in bytes: past it a spill is dropped (counted), so the step loop never waits on the disk.
    The writer appends each batch to a segment file in one sequential write.
-2. Plan: a new prompt whose full blocks past the pool's run are on disk (`plan`) is queued
-   unschedulable (S15: it holds the head of `waiting`) and its blocks go to the reader thread,
-   which reads them and checks checksum, producer fingerprint, key chain and tokens.
-3. Land: before the next `schedule`, `land()` adopts what was read into the pool (P10: keyed,
-   cached-free), writes the bytes (`Runner.write_blocks`) and makes the prompt schedulable;
-   its admission hits the blocks like any cached block (P3), and `cached_tokens` counts them.
-   A completion engine loads the same way but at once (`load_now`), before `allocate_prompted`
-   pins the run: the blocks it finds need no pull.
-4. Any failure (a refused block, an I/O error, a full disk, no room in the pool) is a miss:
+2. Load: a new prompt whose full blocks past the pool's run are on disk is read and adopted
+   by the load path every tier shares (baton/engine/kv_tier.py: plan, land, load_now).
+3. Any failure (a refused block, an I/O error, a full disk, no room in the pool) is a miss:
    the prompt computes what it did not get, a warning says why; never a failed request.
 """
 
@@ -26,69 +20,41 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from baton.engine.block_keys import compute_block_keys
 from baton.engine.kv_disk_store import DiskStore
+from baton.engine.kv_tier import TierLoader
 
 logger = logging.getLogger(__name__)
 
 # Bytes of copied blocks waiting for the writer; past it spills are dropped.
 DEFAULT_QUEUE_BYTES = 256 << 20
-WARN_EVERY_S = 30.0  # an I/O error is logged at most this often (each is counted)
 
 
-@dataclass
-class LoadJob:
-    """One prompt's blocks [first_block, first_block + len(keys)) to read from disk."""
+class DiskTier(TierLoader):
+    """One engine's disk tier: its store, its writer thread, the spills; the reader and the
+    load path are TierLoader's."""
 
-    request_id: str
-    token_ids: np.ndarray  # int32: the prompt through the last block to load
-    seed: int
-    first_block: int
-    keys: np.ndarray
-    reserve: int  # pool blocks the rest of the prompt still needs
-    data: np.ndarray | None = None  # uint8 [r, block_bytes], r <= len(keys): verified blocks
-    seconds: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class DiskTier:
-    """One engine's disk tier: its store, its writer and reader threads, the engine glue."""
+    name = "disk"
 
     def __init__(self, store: DiskStore, scheduler, runner,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
-        self.store, self.scheduler, self.runner = store, scheduler, runner
-        self.block_size = store.block_size
+        super().__init__(store, scheduler, runner)
         self.queue_bytes = queue_bytes
         self._writes: queue.Queue = queue.Queue()
-        self._reads: queue.Queue = queue.Queue()
-        self._finished: deque[LoadJob] = deque()
-        self._pending: dict[str, LoadJob] = {}
         self._queued_bytes = 0
         self._generation = 0  # a clear() drops what was queued before it
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._last_warning = 0.0
         # Counters (stats.extra kv_tier_*_disk and kv_integrity_failures_disk).
         self.num_written_blocks = 0
         self.num_dropped_blocks = 0
         self.num_errors = 0
-        self.num_loaded_blocks = 0  # adopted into the pool
-        self.num_loads = 0
-        self.load_seconds = 0.0
-        self.num_missed_blocks = 0  # planned but not loaded (refused, evicted, no room)
         scheduler.set_spill_capacity(4 * scheduler.num_total_blocks())
-        self._threads = [threading.Thread(target=self._write_loop, name="kv-disk-writer",
-                                          daemon=True),
-                         threading.Thread(target=self._read_loop, name="kv-disk-reader",
-                                          daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
+                                        daemon=True)
+        self._writer.start()
 
     def describe(self) -> str:
         store = self.store
@@ -149,111 +115,8 @@ class DiskTier:
                 with self._lock:
                     self._queued_bytes -= data.nbytes
 
-    def _warn(self, msg: str, *args) -> None:
-        now = time.monotonic()
-        if now - self._last_warning >= WARN_EVERY_S:
-            self._last_warning = now
-            logger.warning(msg, *args)
-
-    # ------------------------------------------------------------------ 2. plan
-    def plan(self, request_id: str, token_ids, seed: int) -> bool:
-        """A new prompt: True when blocks past the pool's run are on disk and are being read
-        (the caller queues it unschedulable until `land` makes it schedulable)."""
-        job = self._job(request_id, token_ids, seed)
-        if job is None:
-            return False
-        self._pending[request_id] = job
-        self._reads.put(job)
-        return True
-
-    def _job(self, request_id: str, token_ids, seed: int) -> LoadJob | None:
-        bs = self.block_size
-        token_ids = np.asarray(token_ids, dtype=np.int32)
-        max_hits = (len(token_ids) - 1) // bs  # the last token is always computed (P3)
-        if max_hits <= 0:
-            return None
-        keys = compute_block_keys(token_ids[:max_hits * bs], bs, seed)
-        held = self.scheduler.num_held_prefix_blocks(keys)
-        num = self.store.run_length(keys, held)
-        reserve = -(-len(token_ids) // bs) - held - num
-        num = min(num, self.scheduler.num_total_blocks() - held - reserve)
-        if num <= 0:
-            return None
-        return LoadJob(request_id, token_ids[:(held + num) * bs], int(seed), held,
-                       keys[held:held + num], reserve)
-
-    def _read_loop(self) -> None:
-        while True:
-            job = self._reads.get()
-            if job is None:
-                return
-            self._read(job)
-            self._finished.append(job)
-            job.done.set()
-            self._wake.set()
-
-    def _read(self, job: LoadJob) -> None:
-        t0 = time.perf_counter()
-        bs, first = self.block_size, job.first_block
-        tokens = job.token_ids[first * bs:].reshape(-1, bs)
-        try:
-            job.data = self.store.read(job.keys.tolist(), tokens)
-        except Exception as exc:  # a miss, never a failed request
-            logger.warning("KV disk tier: load for %s failed (%s): recomputing",
-                           job.request_id, exc)
-            job.data = np.empty((0, self.store.block_bytes), dtype=np.uint8)
-        job.seconds = time.perf_counter() - t0
-
-    # ------------------------------------------------------------------ 3. land
-    @property
-    def num_pending(self) -> int:
-        """Prompts waiting for their disk reads."""
-        return len(self._pending)
-
-    def land(self, wait_s: float = 0.0) -> None:
-        """Adopt every finished read and make its prompt schedulable; `wait_s`: block that
-        long for one when nothing has finished (an engine with nothing else to run)."""
-        if wait_s and self._pending and not self._finished:
-            self._wake.wait(wait_s)
-        self._wake.clear()
-        while self._finished:
-            job = self._finished.popleft()
-            if self._pending.get(job.request_id) is not job:
-                continue  # aborted meanwhile
-            del self._pending[job.request_id]
-            self._adopt(job)
-            self.scheduler.set_schedulable(job.request_id, True)
-
-    def load_now(self, token_ids, seed: int) -> None:
-        """Load a prompt's blocks past the pool's run at once (a completion engine's
-        admission, which must know before it allocates what it will not pull)."""
-        job = self._job("", token_ids, seed)
-        if job is not None:
-            self._read(job)
-            self._adopt(job)
-
-    def _adopt(self, job: LoadJob) -> None:
-        self.num_loads += 1
-        self.load_seconds += job.seconds
-        num = len(job.data)
-        self.num_missed_blocks += len(job.keys) - num
-        if num == 0:
-            return
-        t0 = time.perf_counter()
-        end = (job.first_block + num) * self.block_size
-        ids = self.scheduler.adopt_blocks(job.token_ids[:end], job.seed, job.first_block,
-                                          job.reserve)
+    def after_adopt(self) -> None:
         self.spill()  # the adoption may have evicted: those bytes leave before these land
-        ok = ids >= 0
-        if ok.any():
-            self.runner.write_blocks(ids[ok], job.data[:len(ids)][ok])
-        self.num_loaded_blocks += int(ok.sum())
-        self.num_missed_blocks += num - int(ok.sum())
-        self.load_seconds += time.perf_counter() - t0
-
-    def forget(self, request_id: str) -> None:
-        """An aborted request: its read, if any, is not adopted."""
-        self._pending.pop(request_id, None)
 
     # ------------------------------------------------------------------ reset, stats, events
     def clear(self) -> None:
@@ -270,11 +133,7 @@ class DiskTier:
         return {"kv_tier_blocks_disk": float(len(store.index)),
                 "kv_tier_bytes_disk": float(store.num_bytes),
                 "kv_tier_capacity_bytes_disk": float(store.budget_bytes),
-                "kv_tier_hit_tokens_disk": float(self.num_loaded_blocks * self.block_size),
-                "kv_tier_loaded_blocks_disk": float(self.num_loaded_blocks),
-                "kv_tier_missed_blocks_disk": float(self.num_missed_blocks),
-                "kv_tier_loads_disk": float(self.num_loads),
-                "kv_tier_load_seconds_disk": self.load_seconds,
+                **self.load_stats(),
                 "kv_tier_written_blocks_disk": float(self.num_written_blocks),
                 "kv_tier_dropped_blocks_disk": float(self.num_dropped_blocks
                                                      + self.scheduler.num_spills_dropped()),
@@ -296,9 +155,8 @@ class DiskTier:
     def close(self) -> None:
         self.flush()
         self._writes.put(None)
-        self._reads.put(None)
-        for t in self._threads:
-            t.join(timeout=5.0)
+        self._writer.join(timeout=5.0)
+        self.stop_reader()
         self.store._close_open()
 
 

@@ -39,6 +39,59 @@ logger = logging.getLogger(__name__)
 MAGIC = b"BATONKV1"
 RECORD = struct.Struct("<QQII")  # key, parent, checksum, block bytes; then the tokens
 SUFFIX = ".kvd"
+MAX_HEADER_BYTES = 1 << 16  # a fingerprint's msgpack is a few hundred bytes
+COLLISION = "tokens"  # check_record's reason for a key whose tokens are another prompt's
+
+
+def fingerprint_header(fingerprint: Fingerprint) -> bytes:
+    """MAGIC | u32 len | the fingerprint (msgpack): what opens a segment file, and every value
+    of the shared tier (baton/engine/kv_shared.py)."""
+    body = msgspec.msgpack.encode(fingerprint)
+    return MAGIC + struct.pack("<I", len(body)) + body
+
+
+def parse_fingerprint(body: bytes) -> Fingerprint | None:
+    try:
+        return msgspec.msgpack.decode(body, type=Fingerprint)
+    except msgspec.DecodeError:
+        return None
+
+
+def split_header(raw: bytes) -> tuple[Fingerprint | None, int]:
+    """The fingerprint a value opens with and where its record starts (None: no header)."""
+    if len(raw) < len(MAGIC) + 4 or raw[:len(MAGIC)] != MAGIC:
+        return None, 0
+    (size,) = struct.unpack_from("<I", raw, len(MAGIC))
+    end = len(MAGIC) + 4 + size
+    if size > MAX_HEADER_BYTES or end > len(raw):
+        return None, 0
+    return parse_fingerprint(raw[len(MAGIC) + 4:end]), end
+
+
+def encode_record(key: int, parent: int, tokens: np.ndarray, block: np.ndarray) -> bytes:
+    """One block: its key, its parent's key, the checksum of its bytes, its tokens, its bytes."""
+    return (RECORD.pack(key, parent, checksum(block), block.nbytes)
+            + np.ascontiguousarray(tokens, dtype="<i4").tobytes() + block.tobytes())
+
+
+def check_record(raw, key: int, tokens: np.ndarray, block_bytes: int) -> tuple[np.ndarray, str]:
+    """The block bytes of record `raw` for `key` and its `tokens`, and "" when every check
+    passes, else why not: "record header" (length, key, or a key that is not the chain hash
+    of its parent and tokens), COLLISION (another prompt's tokens), "checksum"."""
+    block_size = len(tokens)
+    if len(raw) != RECORD.size + 4 * block_size + block_bytes:
+        return np.empty(0, np.uint8), "record header"
+    got_key, parent, crc, nbytes = RECORD.unpack_from(raw)
+    held = np.frombuffer(raw, dtype="<i4", count=block_size, offset=RECORD.size)
+    block = np.frombuffer(raw, dtype=np.uint8, offset=RECORD.size + 4 * block_size)
+    chained = compute_block_keys(held, block_size, parent)
+    if got_key != key or nbytes != block_bytes or int(chained[0]) != key:
+        return block, "record header"
+    if not np.array_equal(held, tokens):
+        return block, COLLISION
+    if checksum(block) != crc:
+        return block, "checksum"
+    return block, ""
 
 
 @dataclass(eq=False)
@@ -83,8 +136,7 @@ class DiskStore:
 
     @staticmethod
     def _header(fingerprint: Fingerprint) -> bytes:
-        body = msgspec.msgpack.encode(fingerprint)
-        return MAGIC + struct.pack("<I", len(body)) + body
+        return fingerprint_header(fingerprint)
 
     @property
     def num_bytes(self) -> int:
@@ -144,10 +196,7 @@ class DiskStore:
         if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
             return None
         (size,) = struct.unpack("<I", head[len(MAGIC):])
-        try:
-            return msgspec.msgpack.decode(f.read(min(size, 1 << 16)), type=Fingerprint)
-        except msgspec.DecodeError:
-            return None
+        return parse_fingerprint(f.read(min(size, MAX_HEADER_BYTES)))
 
     # ------------------------------------------------------------------ look-ups
     def run_length(self, keys: Sequence[int], start: int) -> int:
@@ -178,10 +227,7 @@ class DiskStore:
             self._enforce_budget(len(part) * self.record_bytes)
             buf = bytearray()
             for i in part:
-                block = data[i]
-                buf += RECORD.pack(int(keys[i]), int(parents[i]), checksum(block), block.nbytes)
-                buf += np.ascontiguousarray(tokens[i], dtype="<i4").tobytes()
-                buf += block.tobytes()
+                buf += encode_record(int(keys[i]), int(parents[i]), tokens[i], data[i])
             try:
                 done = os.write(self._fd, buf)  # one write per batch: sequential on the device
             except OSError:
@@ -261,15 +307,19 @@ class DiskStore:
             self.remove_segment(seg)
 
     # ------------------------------------------------------------------ the reader's side
-    def read(self, keys: Sequence[int], tokens: np.ndarray) -> np.ndarray:
+    def read(self, keys: Sequence[int], tokens: np.ndarray,
+             deadline: float = float("inf")) -> np.ndarray:
         """Blocks for `keys` (their tokens `tokens[n, block_size]`), as far as every check
-        passes: uint8 `[r, block_bytes]`, r <= n. A block refused (bytes, producer, key or
-        tokens) is dropped from the index and counted; the run stops there."""
+        passes and time.monotonic() is before `deadline`: uint8 `[r, block_bytes]`, r <= n.
+        A block refused (bytes, producer, key or tokens) is dropped from the index and
+        counted; the run stops there."""
         out = np.empty((len(keys), self.block_bytes), dtype=np.uint8)
         fds: dict[Path, int] = {}
         n = 0
         try:
             for n, key in enumerate(keys):  # noqa: B007 (n is the run's length after a break)
+                if time.monotonic() > deadline:
+                    break
                 with self.lock:
                     entry = self.index.get(int(key))
                 if entry is None or not self._read_one(entry, int(key), tokens[n], out[n], fds):
@@ -301,16 +351,11 @@ class DiskStore:
         if len(raw) < self.record_bytes:
             self._refuse(entry, key, "torn record")
             return False
-        got_key, parent, crc, nbytes = RECORD.unpack_from(raw)
-        held = np.frombuffer(raw, dtype="<i4", count=self.block_size, offset=RECORD.size)
-        block = np.frombuffer(raw, dtype=np.uint8, offset=RECORD.size + 4 * self.block_size)
-        chained = compute_block_keys(held, self.block_size, parent)
-        if got_key != key or nbytes != self.block_bytes or int(chained[0]) != key:
-            self._refuse(entry, key, "record header")
-        elif not np.array_equal(held, tokens):
+        block, why = check_record(raw, key, tokens, self.block_bytes)
+        if why == COLLISION:
             self._forget(key, entry)  # a 64-bit key collision: not corrupt, just not ours
-        elif checksum(block) != crc:
-            self._refuse(entry, key, "checksum")
+        elif why:
+            self._refuse(entry, key, why)
         else:
             dst[:] = block
             with self.lock:

@@ -11,7 +11,8 @@ The life of a subscription, all on the service loop's thread:
 3. After every service-loop iteration `poll` drains the log: if any key entered or left the
    index, every subscriber gets one `KvEvents` delta with `seq + 1`. Each tier has its own
    fields: `stored`/`removed` the pool's, `disk_stored`/`disk_removed` the disk tier's (P10),
-   so the router can tell a block to reuse in place from one to load first. ZMQ keeps a connection's
+   `shared_stored`/`shared_removed` the shared tier's (P11: what this engine wrote there or
+   read from there), so the router can tell a block to reuse in place from one to load first. ZMQ keeps a connection's
    order, so a router that sees a gap lost a message (a full queue) and subscribes again.
 4. A log that overflowed between two drains (more than `capacity` changes) becomes a fresh
    snapshot to everyone. A subscriber that cannot be reached any more is dropped; the last one
@@ -45,11 +46,17 @@ class KvEventSource:
     seed: int
     num_total_blocks: int
     disk: object = None  # baton.engine.kv_disk.DiskTier (drain_events, keys), or None
+    shared: object = None  # baton.engine.kv_shared.SharedTier (the same), or None
 
     @property
     def num_disk_blocks(self) -> int:
         """Most keys the disk tier holds (0: no disk tier)."""
         return self.disk.store.capacity_blocks if self.disk is not None else 0
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Most shared keys this engine names (0: no shared tier)."""
+        return self.shared.store.capacity_blocks if self.shared is not None else 0
 
 
 def _pack(keys: np.ndarray) -> bytes:
@@ -92,25 +99,32 @@ class KvEventPublisher:
         ok, stored, removed = self.source.scheduler.drain_kv_events()
         disk = self.source.disk
         disk_stored, disk_removed = disk.drain_events() if disk is not None else ((), ())
+        shared = self.source.shared
+        shared_stored, shared_removed = shared.drain_events() if shared is not None else ((), ())
         if not ok:
             logger.debug("KV event log overflowed; sending a snapshot")
             self.seq += 1
             return self._snapshot(0)
-        if not (len(stored) or len(removed) or disk_stored or disk_removed):
+        if not (len(stored) or len(removed) or disk_stored or disk_removed or shared_stored
+                or shared_removed):
             return None
         self.seq += 1
         self.num_deltas += 1
         return KvEvents(self.instance_id, self.seq, stored=_pack(stored),
                         removed=_pack(removed), disk_stored=_pack(disk_stored),
-                        disk_removed=_pack(disk_removed))
+                        disk_removed=_pack(disk_removed), shared_stored=_pack(shared_stored),
+                        shared_removed=_pack(shared_removed))
 
     def _snapshot(self, nonce: int) -> KvEvents:
         # A subscribe does not move `seq`: the others' next delta must stay one past their last.
         self.num_snapshots += 1
         src = self.source
         disk = _pack(src.disk.keys()) if src.disk is not None else b""
+        shared = _pack(src.shared.keys()) if src.shared is not None else b""
         return KvEvents(self.instance_id, self.seq, is_snapshot=True,
                         stored=_pack(src.scheduler.prefix_cache_keys()), nonce=nonce,
                         block_size=src.block_size, seed=src.seed,
                         num_total_blocks=src.num_total_blocks, disk_stored=disk,
-                        num_disk_blocks=src.num_disk_blocks)
+                        num_disk_blocks=src.num_disk_blocks, shared_stored=shared,
+                        num_shared_blocks=src.num_shared_blocks,
+                        shared_tier=src.shared.store.tier_id if src.shared is not None else "")

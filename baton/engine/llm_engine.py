@@ -36,6 +36,7 @@ from baton.engine.input_processor import InputProcessor
 from baton.engine.kv_disk import DiskTier, open_disk_tier
 from baton.engine.kv_events import KvEventSource
 from baton.engine.kv_identity import kv_fingerprint
+from baton.engine.kv_shared import SharedTier, open_shared_tier
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig, kv_window
@@ -56,8 +57,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, loaded=None,
                  all_reduce_min: Callable[[int], int] | None = None,
-                 runner: Runner | None = None) -> None:
-        """`runner` runs the steps (a mock engine's, or a test's); without one the model of
+                 runner: Runner | None = None, shared_store=None) -> None:
+        """`shared_store`: the shared KV tier's client (a `baton.engine.kv_shared.BlockClient`,
+        baton/ops/kv_store.py's RedisKvStore; docs/scheduler.md P11), None = no shared tier.
+        `runner` runs the steps (a mock engine's, or a test's); without one the model of
         `config` is loaded (`loaded`, a `baton.model.loader.LoadedModel`, reuses one already
         loaded: tests, benchmarks; it must match `config`). Importing the engine core loads no
         torch: only building the default runner does. `all_reduce_min` joins a data-parallel
@@ -121,9 +124,21 @@ class LLMEngine:
             self.disk = open_disk_tier(config.kv_disk_dir, config.kv_disk_bytes,
                                        self.kv_fingerprint, self._block_bytes(), self.scheduler,
                                        self.runner)
-        if self.disk is not None:
+        # The shared cluster tier (P11); None = off.
+        self.shared: SharedTier | None = None
+        if shared_store is not None:
+            if not config.enable_prefix_caching:
+                raise ValueError("a shared KV tier (--kv-shared-tier) keeps prefix-cache blocks: "
+                                 "it needs prefix caching on")
+            self.shared = open_shared_tier(shared_store, self.kv_fingerprint,
+                                           self._block_bytes(), self.scheduler, self.runner)
+        if self._tiers():
             logger.info("KV tiers: pool %d blocks x %d bytes; %s", num_blocks,
-                        self._block_bytes(), self.disk.describe())
+                        self._block_bytes(), "; ".join(t.describe() for t in self._tiers()))
+
+    def _tiers(self) -> list:
+        """The tiers below the pool, in the order a prompt's blocks are looked up (P10, P11)."""
+        return [t for t in (self.disk, self.shared) if t is not None]
 
     @property
     def model_fingerprint(self) -> str:
@@ -222,19 +237,28 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.scheduler.num_total_blocks()
 
-    def reset_prefix_cache(self, pool_only: bool = False) -> bool:
+    def reset_prefix_cache(self, pool_only: bool = False, shared: bool = False) -> bool:
         """Forget every cached-free block (vLLM's reset_prefix_cache) and, unless
-        `pool_only`, every block of the disk tier; False, and nothing done, while a KV pull
-        into an allocated block could still be pending."""
+        `pool_only`, every block of the disk tier; `shared`: delete this fingerprint's blocks
+        from the shared tier too (every engine's: only when asked, P11). False, and nothing
+        done, while a KV pull into an allocated block could still be pending."""
+        if pool_only and shared:
+            raise ValueError("pool_only and shared contradict each other")
         if not self.scheduler.reset_prefix_cache():
             return False
         if self.disk is not None and not pool_only:
             self.disk.clear()
+        if self.shared is not None and shared:
+            self.shared.clear()
         return True
 
     def close(self) -> None:
         """With a disk tier: the pool's cached blocks go to disk too, and the writer finishes,
-        so that a restart (or the next role's engine, S41) finds them there (P10)."""
+        so that a restart (or the next role's engine, S41) finds them there (P10). The
+        shared tier's threads stop (its blocks stay in the store, P11)."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         if self.disk is None:
             return
         if self.scheduler.reset_prefix_cache(spill=True):
@@ -258,7 +282,7 @@ class LLMEngine:
     def kv_event_source(self) -> KvEventSource:
         """The prefix cache's keys for cache-aware routing (baton/engine/kv_events.py)."""
         return KvEventSource(self.scheduler, self.config.block_size, self.prefix_cache_seed,
-                             self.scheduler.num_total_blocks(), self.disk)
+                             self.scheduler.num_total_blocks(), self.disk, self.shared)
 
     def tier_stats(self) -> dict[str, float]:
         """Hits, bytes and load time per KV tier (`baton_kv_tier_*`): the pool's, and the
@@ -266,7 +290,9 @@ class LLMEngine:
         pool's hits are those that were not loaded."""
         cache = self.scheduler.prefix_cache_stats()
         disk = self.disk.stats() if self.disk is not None else {}
-        loaded = disk.get("kv_tier_hit_tokens_disk", 0.0)
+        disk.update(self.shared.stats() if self.shared is not None else {})
+        loaded = disk.get("kv_tier_hit_tokens_disk", 0.0) + disk.get("kv_tier_hit_tokens_shared",
+                                                                      0.0)
         return {"kv_tier_hit_tokens_pool": max(0.0, cache["hit_tokens"] - loaded),
                 "kv_tier_blocks_pool": float(self.scheduler.num_cached_blocks()),
                 "kv_tier_bytes_pool": float(self.scheduler.num_cached_blocks()
@@ -297,9 +323,9 @@ class LLMEngine:
         waiting for its remote KV; it joins `running` at `commit_prompted`. Returns the
         scheduler's allocation (status OK / LATER / NEVER, block ids, cached blocks)."""
         seed = self.request_key_seed(request_id, cache_salt, lora_name)
-        if self.disk is not None and len(block_keys):  # P10: what is on disk needs no pull
-            self.disk.load_now(prompt_token_ids + output_token_ids,
-                               self.prefix_cache_seed if seed is None else seed)
+        for tier in self._tiers() if len(block_keys) else ():  # P10, P11: loaded, not pulled
+            tier.load_now(prompt_token_ids + output_token_ids,
+                          self.prefix_cache_seed if seed is None else seed)
         alloc = self.scheduler.allocate_prompted(
             request_id, prompt_token_ids + output_token_ids, first_token,
             params.max_tokens - len(output_token_ids), **self.inputs.stop_options(params),
@@ -361,21 +387,27 @@ class LLMEngine:
         # Prompt logprobs need the logits of every prompt position: a cached prefix has none.
         seed = self.request_key_seed(request_id, cache_salt, lora_name)
         skip = params.prompt_logprobs >= 0
-        # P10: blocks of it on disk are read first; it waits (S15) until they are in the pool.
-        loading = self.disk is not None and not skip and self.disk.plan(
-            request_id, ids + outputs, self.prefix_cache_seed if seed is None else seed)
+        # P10, P11: blocks of it on disk (else in the shared tier) are read first; it waits
+        # (S15) until they are in the pool.
+        loading = self._plan_tiers(request_id, ids + outputs,
+                                   self.prefix_cache_seed if seed is None else seed, skip)
         try:
             seq_id = self.scheduler.add_sequence(
                 request_id, np.asarray(ids + outputs, dtype=np.int32),
                 params.max_tokens - len(outputs), **self.inputs.stop_options(params),
                 skip_prefix_cache=skip, key_seed=seed, schedulable=not loading)
         except Exception:
-            if loading:
-                self.disk.forget(request_id)
+            for tier in self._tiers():
+                tier.forget(request_id)
             raise
         self.track(request_id, ids, params, int(seq_id), token_ids=outputs)
         self._requests[request_id].lora_name = lora_name
         return request_id
+
+    def _plan_tiers(self, request_id: str, token_ids: list[int], seed: int, skip: bool) -> bool:
+        if self.shared is not None:
+            self.shared.remember(request_id, seed)  # what it computes is published (P11)
+        return not skip and any(t.plan(request_id, token_ids, seed) for t in self._tiers())
 
     def track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
               seq_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = (),
@@ -406,6 +438,8 @@ class LLMEngine:
     def untrack(self, request_id: str) -> None:
         """Forget a request the scheduler no longer holds (freed by its role)."""
         req = self._requests.pop(request_id, None)
+        if self.shared is not None:
+            self.shared.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
         if req is not None:
@@ -424,8 +458,8 @@ class LLMEngine:
         reqs = [self._requests[i] for i in ids if i in self._requests]
         for req in reqs:
             self.scheduler.abort_sequence(req.request_id)
-            if self.disk is not None:
-                self.disk.forget(req.request_id)
+            for tier in self._tiers():
+                tier.forget(req.request_id)
             self._pending.append(self._finish(req, "abort"))
         return bool(reqs)
 
@@ -439,10 +473,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> process_outputs round; what it produced, per request."""
         outputs, self._pending = self._pending, []
-        if self.disk is not None:  # P10: finished disk reads enter the pool before the admission
+        if self._tiers():  # P10, P11: finished reads enter the pool before the admission
+            num_loading = sum(t.num_pending for t in self._tiers())
             idle = (self.scheduler.num_running() == 0 and not outputs
-                    and self.scheduler.num_waiting() <= self.disk.num_pending)
-            self.disk.land(wait_s=0.002 if idle else 0.0)
+                    and self.scheduler.num_waiting() <= num_loading)
+            for tier in self._tiers():
+                tier.land(wait_s=0.002 if idle else 0.0)
         sched_out = self.scheduler.schedule()
         if self.disk is not None:
             self.disk.spill()  # blocks this schedule evicted, before the step rewrites them
@@ -485,6 +521,8 @@ class LLMEngine:
             kind = "prompt" if sched_out.prompt_run else "verify" if verified else "plain"
             self.speculator.costs.observe(kind, len(reqs), int(seqlens_q.sum()),
                                           time.perf_counter() - started)
+        if self.shared is not None and sched_out.prompt_run:
+            self.shared.publish(reqs, sched_out)  # P11: before the booking frees anything
         splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
         for req, prompt in zip(reqs, samples.prompt, strict=True):
             if prompt is not None:

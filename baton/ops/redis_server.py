@@ -57,7 +57,13 @@ def port_is_free(host: str, port: int) -> bool:
 class RedisServer:
     """A redis-server child process; `url` is ready once `start()` returns."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 10.0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 10.0,
+                 maxmemory_bytes: int = 0):
+        """`maxmemory_bytes` > 0: a cache (the shared KV tier's store) that holds at most that
+        and evicts the least recently used keys (allkeys-lru); 0: no limit (the registry)."""
+        if maxmemory_bytes < 0:
+            raise ValueError(f"maxmemory_bytes must be >= 0, got {maxmemory_bytes}")
+        self.maxmemory_bytes = maxmemory_bytes
         self.host = host
         self.port = port or free_port(host)
         self.start_timeout_s = start_timeout_s
@@ -88,6 +94,8 @@ class RedisServer:
             redis_server_binary(), conf, "--bind", self.host, "--port", str(self.port),
             "--save", "", "--appendonly", "no", "--dir", self._dir.name,
             "--protected-mode", "yes", "--loglevel", "warning",
+            *(["--maxmemory", str(self.maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
+              if self.maxmemory_bytes else []),
         ]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True

@@ -130,14 +130,22 @@ def read_password_file(path: str) -> str:
     return password
 
 
-def connect(url: str, password_file: str = ""):
+def connect(url: str, password_file: str = "", timeout_s: float = 2.0,
+            retries: int | None = None):
     """A redis-py client for `url` (redis://, rediss://, unix://) with the password of
-    `password_file` (default $BATON_REDIS_PASSWORD_FILE)."""
+    `password_file` (default $BATON_REDIS_PASSWORD_FILE); each attempt at most `timeout_s`,
+    `retries` more attempts after a failed one (None: redis-py's default, 3 with backoff)."""
     import redis
 
     password_file = password_file or os.environ.get(ENV_PASSWORD_FILE, "")
     extra = {"password": read_password_file(password_file)} if password_file else {}
-    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0, **extra)
+    if retries is not None:
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        extra["retry"] = Retry(NoBackoff(), retries)
+    return redis.Redis.from_url(url, socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s, **extra)
 
 
 class RedisRegistry:

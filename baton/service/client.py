@@ -76,9 +76,11 @@ class EngineClient:
     def stats(self, timeout_s: float = 5.0) -> EngineStats:
         return self._ask(StatsRequest, EngineStats, timeout_s)
 
-    def reset_prefix_cache(self, timeout_s: float = 5.0, pool_only: bool = False) -> ControlReply:
-        """Forget the engine's cached-free blocks, and its disk tier's unless `pool_only`."""
-        return self._ask(lambda nonce: ResetPrefixCache(nonce, pool_only), ControlReply,
+    def reset_prefix_cache(self, timeout_s: float = 5.0, pool_only: bool = False,
+                           shared: bool = False) -> ControlReply:
+        """Forget the engine's cached-free blocks, and its disk tier's unless `pool_only`;
+        `shared`: the shared tier's blocks of its fingerprint too."""
+        return self._ask(lambda nonce: ResetPrefixCache(nonce, pool_only, shared), ControlReply,
                          timeout_s)
 
     def change_role(self, role: str, timeout_s: float = 5.0) -> ControlReply:

@@ -82,7 +82,7 @@ class RoleWorker(Protocol):
     def has_pending(self) -> bool: ...  # waiting on others (KV pulls); the loop polls briefly
     def fill_stats(self, stats: EngineStats) -> None: ...
     def fill_record(self, record: EngineRecord) -> None: ...
-    def reset_prefix_cache(self, pool_only: bool = False) -> bool: ...
+    def reset_prefix_cache(self, pool_only: bool = False, shared: bool = False) -> bool: ...
     def load_lora(self, name: str, path: str) -> str: ...  # ValueError: refused, why
     def unload_lora(self, name: str) -> None: ...
     def close(self) -> None: ...
@@ -283,9 +283,12 @@ class EngineService:
         elif isinstance(msg, StatsRequest):
             self._send(identity, self.stats(msg.nonce))
         elif isinstance(msg, ResetPrefixCache):
-            ok = self.worker.reset_prefix_cache(msg.pool_only)
-            self._send(identity, ControlReply(msg.nonce, ok, "" if ok else
-                                              "KV pulls into cached blocks are in flight; retry"))
+            try:
+                ok = self.worker.reset_prefix_cache(msg.pool_only, msg.shared)
+                why = "" if ok else "KV pulls into cached blocks are in flight; retry"
+            except ValueError as exc:  # pool_only with shared
+                ok, why = False, str(exc)
+            self._send(identity, ControlReply(msg.nonce, ok, why))
         elif isinstance(msg, (LoadLoraAdapter, UnloadLoraAdapter)):
             self._send(identity, self._lora_control(msg))
         elif isinstance(msg, ChangeRole):

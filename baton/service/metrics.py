@@ -91,7 +91,7 @@ _AUTH_ENDPOINTS = [("engine", "auth_refused"), ("kv_side_channel", "kv_auth_refu
 _FAILED_PREFIX = "kv_failed_"  # the importer's per-reason failure counters, in stats.extra
 # stats.extra keys of KV integrity failures, one per where (baton_kv_integrity_failures_total).
 INTEGRITY_PREFIX = "kv_integrity_failures_"
-# Per KV tier (pool, disk): (family, help, counter or gauge, stats.extra key kv_tier_<name>_<tier>).
+# Per KV tier (pool, disk, shared): (family, help, counter or gauge, stats.extra key kv_tier_<name>_<tier>).
 TIER_PREFIX = "kv_tier_"
 _TIER_FAMILIES = [
     ("baton_kv_tier_hit_tokens", "Prompt tokens served from this KV tier instead of computed "
@@ -107,12 +107,16 @@ _TIER_FAMILIES = [
      "loaded_blocks"),
     ("baton_kv_tier_missed_blocks", "Blocks looked up in this tier but not loaded (refused, "
      "evicted meanwhile, no room): recomputed", True, "missed_blocks"),
-    ("baton_kv_tier_written_blocks", "Blocks evicted from the pool and written to this tier",
-     True, "written_blocks"),
-    ("baton_kv_tier_dropped_blocks", "Evicted blocks not written (writer behind, I/O error, "
-     "full disk): recomputed when needed", True, "dropped_blocks"),
+    ("baton_kv_tier_written_blocks", "Blocks written to this tier (disk: evicted from the "
+     "pool; shared: computed by a prompt step here)", True, "written_blocks"),
+    ("baton_kv_tier_dropped_blocks", "Blocks not written (writer behind, I/O error, full disk, "
+     "store down): recomputed when needed", True, "dropped_blocks"),
     ("baton_kv_tier_errors", "I/O errors of this tier (each a warning; requests recompute)",
      True, "errors"),
+    ("baton_kv_tier_timeouts", "Reads of this tier given up at its timeout: the prompt "
+     "computed", True, "timeouts"),
+    ("baton_kv_tier_up", "1 while this tier's store answers, 0 while it is down (prompts "
+     "recompute, it is retried)", False, "up"),
 ]
 
 

@@ -128,8 +128,8 @@ class EngineWorker:
             setattr(record, key, int(counts[key]))
         record.lora_adapters = self.engine.lora_adapters()
 
-    def reset_prefix_cache(self, pool_only: bool = False) -> bool:
-        return self.engine.reset_prefix_cache(pool_only)
+    def reset_prefix_cache(self, pool_only: bool = False, shared: bool = False) -> bool:
+        return self.engine.reset_prefix_cache(pool_only, shared)
 
     def load_lora(self, name: str, path: str) -> str:
         """ValueError naming the adapter when it does not load."""

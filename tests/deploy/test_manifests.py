@@ -403,6 +403,8 @@ def test_network_policies_confine_redis_engines_and_the_kv_path():
     engines = {"baton-prompt-engine", "baton-completion-engine"}
     redis = _policy_for("baton-redis")["spec"]["ingress"]
     assert [_peers(r) for r in redis] == [{"baton-router", *engines}]
+    kv_redis = _policy_for("baton-kv-redis")["spec"]["ingress"]
+    assert [_peers(r) for r in kv_redis] == [engines]
     for name in engines:
         rules = _policy_for(name)["spec"]["ingress"]
         open_ports = {p["port"] for r in rules if _peers(r) is None for p in r["ports"]}
@@ -415,10 +417,54 @@ def test_network_policies_confine_redis_engines_and_the_kv_path():
     assert [(_peers(r), [p["port"] for p in r["ports"]]) for r in router] == [(None, [8000])]
 
 
+def _engines() -> list[tuple[dict, dict]]:
+    return [(d, c) for d, c in baton_containers() if argv_of(c)[0] in ENGINE_COMMANDS]
+
+
+def test_every_engine_has_a_disk_tier_on_a_volume_of_its_own_pod():
+    """--kv-disk-dir is the mount of an emptyDir of the engine's pod (each pod its own folder),
+    sized at least the --kv-disk-bytes the engine may write there."""
+    from baton_cli.engine_args import parse_bytes
+
+    assert _engines()
+    for deployment, c in _engines():
+        args = parsed(c)
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert args.kv_disk_dir in mounts, (c["name"], args.kv_disk_dir)
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        volume = volumes[mounts[args.kv_disk_dir]]
+        assert "emptyDir" in volume, "a volume of the pod, not one shared among engines"
+        limit = parse_bytes(volume["emptyDir"]["sizeLimit"].removesuffix("i"))
+        assert limit >= args.kv_disk_bytes, (deployment["metadata"]["name"], limit)
+
+
+def test_every_engine_shares_the_kv_redis_which_evicts_by_itself():
+    """The engines agree on one --kv-shared-tier, the baton-kv-redis Service (not the
+    registry's Redis: its LRU would evict records), closed by the same Secret, with a maxmemory
+    below its container's memory limit and allkeys-lru eviction."""
+    urls = {parsed(c).kv_shared_tier for _, c in _engines()}
+    assert len(urls) == 1, f"engines disagree on the shared tier: {urls}"
+    url = urlparse(urls.pop())
+    (svc,) = [s for s in of_kind("Service") if s["metadata"]["name"] == "baton-kv-redis"]
+    assert (url.scheme, url.username, url.hostname, url.port) == (
+        "redis", "baton", "baton-kv-redis", svc["spec"]["ports"][0]["port"])
+    assert url.hostname != urlparse(parsed(_engines()[0][1]).redis_url).hostname
+    (redis,) = [d for d in of_kind("Deployment") if d["metadata"]["name"] == "baton-kv-redis"]
+    (c,) = redis["spec"]["template"]["spec"]["containers"]
+    script = " ".join(c["command"] + c["args"])
+    assert "user default off" in script and "user baton on >%s" in script
+    assert _secret_volumes(redis)["redis-auth"]["secretName"] == "baton-redis-auth"
+    assert "maxmemory-policy allkeys-lru" in script
+    maxmemory = re.search(r"maxmemory (\d+)gb", script)
+    assert maxmemory, "the store's size limit is its own"
+    limit = c["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(maxmemory.group(1)) < int(limit[:-2])
+
+
 def test_baton_containers_run_non_root_on_a_read_only_root():
     """Every Baton container runs as the image's non-root user with a read-only root file
     system, no privilege escalation and no capabilities; it writes only to emptyDir volumes
-    (/tmp and the load cache under the user's home)."""
+    (/tmp and the load cache under the user's home; an engine its disk tier too)."""
     for deployment, container in baton_containers():
         ctx = container["securityContext"]
         assert ctx["runAsNonRoot"] and ctx["runAsUser"] == 1000, deployment["metadata"]["name"]
@@ -427,5 +473,7 @@ def test_baton_containers_run_non_root_on_a_read_only_root():
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
         writable = {m["mountPath"] for m in container["volumeMounts"]
                     if not m.get("readOnly") and "emptyDir" in volumes[m["name"]]}
-        assert writable == {"/tmp", "/home/baton/.cache"}, deployment["metadata"]["name"]
+        disk = {parsed(container).kv_disk_dir} if argv_of(container)[0] in ENGINE_COMMANDS \
+            else set()
+        assert writable == {"/tmp", "/home/baton/.cache", *disk}, deployment["metadata"]["name"]
     assert "USER baton" in DOCKERFILE.read_text() and "--uid 1000" in DOCKERFILE.read_text()
