@@ -167,3 +167,52 @@ def test_baton_up_refuses_a_bad_api_keys_file_before_starting(tmp_path):
     keys.chmod(0o600)
     assert baton_main(["up", "--mock", PROFILE, "--api-keys-file", str(keys)]) == 2
     assert baton_main(["up", "--mock", PROFILE, "--cache-salt-per-key"]) == 2
+
+
+# 13 x "time" then "court": 14 prompt tokens in the router's tokenizer (SmolLM2), whose first
+# mock token is id 9, one of that tokenizer's special tokens: it decodes to no text.
+SPECIAL_FIRST = " ".join(["time"] * 13 + ["court"])
+
+
+@pytest.mark.slow
+def test_a_request_whose_only_token_decodes_to_no_text_is_served():
+    """The one failed request of 2,000 in bench/mock_fleet.py: max_tokens 1 and a mock token
+    that is a special id of the router's tokenizer (skipped in text). The router ends the stream
+    properly (finish_reason length, one completion token, no text); the benchmark's client
+    counted a stream without text as failed. It is a complete response, and its TTFT is the
+    chunk that finishes it."""
+    import asyncio
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import serve_bench as sb
+
+    from baton.perf.mock_runner import mock_token
+    from baton.workload.synthetic import RequestSpec
+    from router.text import TextStream, load_model_info
+
+    tok = load_model_info().tokenizer
+    ids = tok.encode(SPECIAL_FIRST)
+    first = mock_token(len(ids), ids[-1], 0, 49152)
+    assert TextStream(tok).add([first]) == "" and tok.decode([first]) == ""  # the premise
+
+    proc, port, _, err = _start(["--normal-engines", "1"])
+    try:
+        cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
+                             progress=False)
+
+        async def ask(max_tokens: int):
+            spec = RequestSpec(0, "short", SPECIAL_FIRST, 14, max_tokens)
+            async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
+
+        one = asyncio.run(ask(1))
+        assert one.ok, (one.error, "".join(err.lines[-20:]))
+        assert (one.text, one.output_tokens, one.prompt_tokens) == ("", 1, 14)
+        assert 0 < one.ttft_s <= one.e2e_s
+        two = asyncio.run(ask(2))  # the second token has text: TTFT at its chunk
+        assert two.ok and two.output_tokens == 2 and two.text, two.error
+    finally:
+        _stop(proc)
