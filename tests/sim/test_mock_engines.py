@@ -216,3 +216,76 @@ def test_a_request_whose_only_token_decodes_to_no_text_is_served():
         assert two.ok and two.output_tokens == 2 and two.text, two.error
     finally:
         _stop(proc)
+
+
+def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step(monkeypatch):
+    """The profile's step is forward + the engine's own work (docs/profile.md, measured outside
+    the runner's `execute`). A mock engine's core does that work for real around `execute`, so
+    the mock sleeps the forward's share only; the simulator's clock gets the whole step."""
+    import baton.perf.mock_runner as mr
+    from baton.engine import EngineConfig, LLMEngine
+    from baton.perf.profile import load
+    from baton.sampling.params import SamplingParams
+
+    prof = load(PROFILE)
+    slept, charged = [], []
+    monkeypatch.setattr(mr.time, "sleep", slept.append)
+    for on_step in (None, charged.append):
+        runner = mr.MockRunner(prof, 64, on_step=on_step)
+        engine = LLMEngine(EngineConfig(engine_type="normal", block_size=16, num_threads=1),
+                           runner=runner)
+        engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    assert len(slept) == len(charged) == 3  # a prefill step, two decode steps
+    own_s = (prof.step_overhead_ms + prof.sample_row_ms) / 1e3  # one sampled row a step
+    assert slept == pytest.approx([c - own_s for c in charged])
+    assert sum(charged) == pytest.approx(runner.busy_s)
+
+
+@pytest.mark.slow
+def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
+    """A mock completion engine's pull lands no sooner than the profile's transfer time (its
+    tiny pool moves in far less): a profile of 1.5 s a pull puts that gap between the prompt
+    engine's first token and the completion engine's second, as the simulator predicts."""
+    import asyncio
+    import json
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import serve_bench as sb
+
+    from baton.workload.synthetic import RequestSpec
+
+    slow = json.loads(Path(PROFILE).read_text())
+    slow["transfer"]["latency_ms"] = 1500.0
+    profile = tmp_path / "slow_pull.json"
+    profile.write_text(json.dumps(slow))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", str(profile),
+         "--no-cpu-pinning", "--prompt-engines", "1", "--completion-engines", "1", "--",
+         *ENGINE_FLAGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    try:
+        deadline = time.monotonic() + 60
+        while not any("Ctrl-C stops" in line for line in out.lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines[-40:])
+            time.sleep(0.2)
+        cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
+                             progress=False)
+
+        async def ask():
+            spec = RequestSpec(0, "short", " ".join(WORDS[:40]), 40, 3)
+            async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
+
+        res = asyncio.run(ask())
+        assert res.ok and res.output_tokens == 3, (res.error, "".join(err.lines[-20:]))
+        assert res.itl_s[0] > 1.0, res.itl_s  # the pull (1.5 s) between tokens 1 and 2
+        assert res.itl_s[1] < 1.0, res.itl_s  # then decode steps of the profile's ~16 ms
+    finally:
+        _stop(proc)
