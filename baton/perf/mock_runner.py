@@ -117,6 +117,7 @@ class MockRunner:
                 choice_params: Sequence[list[SamplingParams] | None] | None = None,
                 ) -> StepSamples:
         """Rows with params None (a prompt chunk that does not end its prompt) get a dummy 0."""
+        start = time.perf_counter()
         if prompt_spans is not None and any(s is not None for s in prompt_spans):
             raise ValueError("the mock runner computes no prompt logprobs")
         if allowed_tokens is not None and any(a is not None for a in allowed_tokens):
@@ -141,9 +142,11 @@ class MockRunner:
                                sched_out.seqlens_k, num_sampled) / 1e3
         self.num_steps += 1
         self.busy_s += seconds
-        if self.on_step is None:  # the engine's own share runs for real around this call
-            time.sleep(max(0.0, seconds - (prof.step_overhead_ms
-                                           + prof.sample_row_ms * num_sampled) / 1e3))
+        if self.on_step is None:
+            # The call takes the forward's predicted time, this mock's own work in it (the
+            # KV bytes, the tokens) included; the engine's own share runs for real around it.
+            forward_s = seconds - (prof.step_overhead_ms + prof.sample_row_ms * num_sampled) / 1e3
+            time.sleep(max(0.0, forward_s - (time.perf_counter() - start)))
         else:
             self.on_step(seconds)
         return StepSamples(token_ids=tokens, logprobs=np.zeros(n, dtype=np.float32),

@@ -239,7 +239,9 @@ def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step
             engine.step()
     assert len(slept) == len(charged) == 3  # a prefill step, two decode steps
     own_s = (prof.step_overhead_ms + prof.sample_row_ms) / 1e3  # one sampled row a step
-    assert slept == pytest.approx([c - own_s for c in charged])
+    # The forward's share, less what the mock's own work in the call took (microseconds here:
+    # no KV pool); never the engine's share, which its core spends for real.
+    assert all(0 < s <= c - own_s for s, c in zip(slept, charged, strict=True)), (slept, charged)
     assert sum(charged) == pytest.approx(runner.busy_s)
 
 
