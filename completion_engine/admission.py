@@ -14,10 +14,11 @@
 3. The importer's result: DONE (the pulled blocks verified against the prompt engine's
    checksums) -> `commit_prompted` (the sequence joins `prompted`, then `running` on the next
    decode step), on a mock engine not before the profile's transfer time since the pull
-   started (`min_pull_s`: its tiny pool moves in far less than the modelled KV); FAILED -> `free_prompted` (blocks back, none of them keyed), finish with
-   `kv_transfer_failed` and the importer's reason (peer gone, lease expired, timeout, checksum
-   or fingerprint mismatch...): the router migrates the request (a new prefill and pull), so
-   KV that is not what the prompt engine computed is never decoded.
+   started (`min_pull_s`: its tiny pool moves in far less than the modelled KV); FAILED ->
+   `free_prompted` (blocks back, none of them keyed), finish with `kv_transfer_failed` and the
+   importer's reason (peer gone, lease expired, timeout, checksum or fingerprint mismatch...):
+   the router migrates the request (a new prefill and pull), so KV that is not what the prompt
+   engine computed is never decoded.
 4. `abort`: in admission the request just leaves; during the pull the importer is told and the
    blocks are freed once its result arrives (never while a NIXL read may still write into
    them); after the commit the engine's own abort applies (the caller's business).
