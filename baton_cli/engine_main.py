@@ -93,9 +93,11 @@ def _prompt_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
 
 
 def _completion_worker(engine, args: argparse.Namespace, engine_id: str, metrics):
+    # A mock engine's pulls take the profile's transfer time (its tiny pool moves faster).
+    min_pull_s = engine.runner.pull_s if getattr(args, "mock", "") else None
     return CompletionWorker(engine, transfer_config(args, COMPLETION), engine_id,
                             on_pull_result=metrics.on_pull if metrics is not None else None,
-                            faults=FaultPlan.from_env())
+                            faults=FaultPlan.from_env(), min_pull_s=min_pull_s)
 
 
 # The one table of roles: each role's worker (normal_engine/, prompt_engine/, completion_engine/)

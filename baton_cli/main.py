@@ -23,7 +23,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "role": "baton_cli.engine_args:add_role_parser",
     "keys": "baton.ops.cluster_keys:add_generate_parser",
     "bench": "baton_cli.bench:add_parser",
-    "sim": "simulator.cli:add_parser",
+    "sim": "baton_cli.sim:add_parser",
     "plan": "simulator.plan:add_parser",
     "profile": "baton_cli.profile:add_parser",
     "router": "router.cli:add_parser",

@@ -117,8 +117,12 @@ def _chunk_text(chunk: dict, endpoint: str) -> str:
 
 
 async def _consume_stream(resp, cfg: BenchConfig, res: RequestResult, t0: float) -> None:
+    """A stream is complete when its choice's finish_reason arrives, with or without text: a
+    request's tokens may all decode to no text (special ids, skipped in the text), and the
+    first one then shows only in the chunk that finishes it (its TTFT)."""
     last = None
     num_chunks = 0
+    finished = False
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -135,7 +139,10 @@ async def _consume_stream(resp, cfg: BenchConfig, res: RequestResult, t0: float)
             res.output_tokens = usage.get("completion_tokens", 0)
             res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         text = _chunk_text(chunk, cfg.endpoint)
+        finished = finished or bool((chunk.get("choices") or [{}])[0].get("finish_reason"))
         if not text:
+            if finished and last is None:  # every token came out as no text: TTFT at the end
+                res.ttft_s, last = now - t0, now
             continue
         res.text += text
         num_chunks += 1
@@ -146,8 +153,9 @@ async def _consume_stream(resp, cfg: BenchConfig, res: RequestResult, t0: float)
         last = now
     res.e2e_s = time.perf_counter() - t0
     res.output_tokens = res.output_tokens or num_chunks  # no usage: one chunk ~ one token
-    if num_chunks == 0:
-        raise RuntimeError("stream ended without any text")
+    if not finished:
+        raise RuntimeError("stream ended before its finish_reason" if num_chunks
+                           else "stream ended without any text or finish_reason")
 
 
 async def send_request(client, cfg: BenchConfig, spec: RequestSpec, model: str,

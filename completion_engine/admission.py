@@ -13,10 +13,12 @@
    claimed and released).
 3. The importer's result: DONE (the pulled blocks verified against the prompt engine's
    checksums) -> `commit_prompted` (the sequence joins `prompted`, then `running` on the next
-   decode step); FAILED -> `free_prompted` (blocks back, none of them keyed), finish with
-   `kv_transfer_failed` and the importer's reason (peer gone, lease expired, timeout, checksum
-   or fingerprint mismatch...): the router migrates the request (a new prefill and pull), so
-   KV that is not what the prompt engine computed is never decoded.
+   decode step), on a mock engine not before the profile's transfer time since the pull
+   started (`min_pull_s`: its tiny pool moves in far less than the modelled KV); FAILED ->
+   `free_prompted` (blocks back, none of them keyed), finish with `kv_transfer_failed` and the
+   importer's reason (peer gone, lease expired, timeout, checksum or fingerprint mismatch...):
+   the router migrates the request (a new prefill and pull), so KV that is not what the prompt
+   engine computed is never decoded.
 4. `abort`: in admission the request just leaves; during the pull the importer is told and the
    blocks are freed once its result arrives (never while a NIXL read may still write into
    them); after the commit the engine's own abort applies (the caller's business).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +50,7 @@ from kv_transfer.pulls import TransferResult
 logger = logging.getLogger(__name__)
 
 PullObserver = Callable[[TransferResult], None]  # every collected pull result (metrics)
+MinPullTime = Callable[[int], float]  # blocks pulled -> seconds a pull takes at least (mock)
 
 
 @dataclass
@@ -130,9 +134,13 @@ class Admission:
 
     def __init__(self, engine: LLMEngine, kv_cache, transfer: TransferConfig,
                  fingerprint: kvproto.Fingerprint, engine_id: str,
-                 on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None):
+                 on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None,
+                 min_pull_s: MinPullTime | None = None):
         self.engine = engine
         self.on_pull_result = on_pull_result
+        self.min_pull_s = min_pull_s
+        self._ready_at: dict[str, float] = {}  # req_id -> monotonic time its pull may land
+        self._held: list[TransferResult] = []  # pulls done before their ready time
         self.importer = KVImporter(kv_cache, transfer, fingerprint, engine_id=engine_id,
                                    faults=faults)
         self.queue: collections.deque[_Admission] = collections.deque()
@@ -207,13 +215,32 @@ class Admission:
             hit = alloc.num_cached_blocks
             self.num_blocks_reused += hit - alloc.num_out_of_window_blocks
             self.num_blocks_pulled += len(alloc.block_ids) - hit
-            self.importer.start_pull(adm.handle, [int(b) for b in alloc.block_ids[hit:]],
-                                     first_block=hit)
+            block_ids = [int(b) for b in alloc.block_ids[hit:]]
+            if self.min_pull_s is not None:
+                self._ready_at[req.req_id] = time.monotonic() + self.min_pull_s(len(block_ids))
+            self.importer.start_pull(adm.handle, block_ids, first_block=hit)
         return alloc.status
+
+    def _landed(self) -> list[TransferResult]:
+        """The importer's results, a mock's done pulls held until their ready time (a failed
+        or aborted one lands at once)."""
+        results = self._held + self.importer.collect()
+        if self.min_pull_s is None:
+            return results
+        now, self._held, landed = time.monotonic(), [], []
+        for r in results:
+            adm = self.pulling.get(r.request_id)
+            if (r.state == TransferState.DONE and adm is not None and not adm.aborted
+                    and now < self._ready_at.get(r.request_id, 0.0)):
+                self._held.append(r)
+            else:
+                self._ready_at.pop(r.request_id, None)
+                landed.append(r)
+        return landed
 
     def _collect_pulls(self) -> list[TokenDelta]:
         deltas = []
-        for result in self.importer.collect():
+        for result in self._landed():
             if self.on_pull_result is not None:
                 self.on_pull_result(result)
             adm = self.pulling.pop(result.request_id, None)

@@ -20,7 +20,7 @@ from baton.ops.registry import EngineRecord
 from baton.protocol import EngineStats, GenerateRequest, TokenDelta
 from baton.service.metrics import INTEGRITY_PREFIX
 from baton.service.worker import EngineWorker, error_delta, to_sampling_params
-from completion_engine.admission import Admission, PullObserver
+from completion_engine.admission import Admission, MinPullTime, PullObserver
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import INTEGRITY_FAILURES
 from kv_transfer.integrity import FaultPlan
@@ -32,10 +32,13 @@ class CompletionWorker(EngineWorker):
     role = "completion"
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
-                 on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None):
+                 on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None,
+                 min_pull_s: MinPullTime | None = None):
+        """`min_pull_s`: a mock engine's (baton/perf/mock_runner.py `pull_s`): each pull
+        lands no sooner than the profile's transfer time for its blocks."""
         super().__init__(engine)
         self.admission = Admission(engine, engine.kv_cache, transfer, self.kv_fingerprint(),
-                                   engine_id, on_pull_result, faults)
+                                   engine_id, on_pull_result, faults, min_pull_s)
 
     def add_request(self, req: GenerateRequest) -> list[TokenDelta]:
         try:

@@ -38,8 +38,6 @@ from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.path import (
     COLOCATED,
-    DEFAULT_THRESHOLD,
-    DEFAULT_THRESHOLD_TOKENS,
     DISAGGREGATED,
     FALLBACK,
     ONLY_PATH,
@@ -47,8 +45,7 @@ from router.path import (
     PathChoice,
     PathPolicy,
     PathRequest,
-    PredictedPath,
-    ThresholdPath,
+    build_path_policy,
 )
 from router.selection import (
     DEFAULT_BLOCK_SIZE,
@@ -74,11 +71,8 @@ class NoEngineError(Exception):
 def make_path_policy(config: RouterConfig) -> PathPolicy:
     """The mixed fleet's path policy: the static threshold when one is given, else the
     profile's prediction, else the default threshold (router/path.py)."""
-    if config.pd_threshold_tokens is not None:
-        return ThresholdPath(config.pd_threshold_tokens)
-    if config.profile_path:
-        return PredictedPath(load_profile(config.profile_path), config.pd_handoff_ms)
-    return ThresholdPath(DEFAULT_THRESHOLD_TOKENS, DEFAULT_THRESHOLD)
+    profile = load_profile(config.profile_path) if config.profile_path else None
+    return build_path_policy(profile, config.pd_threshold_tokens, config.pd_handoff_ms)
 
 
 class EnginePool:

@@ -136,6 +136,17 @@ class ThresholdPath(PathPolicy):
         return PathChoice(path, self.reason)
 
 
+def build_path_policy(profile: Profile | None, threshold_tokens: int | None = None,
+                      handoff_ms: float = DEFAULT_HANDOFF_MS) -> PathPolicy:
+    """The mixed fleet's path policy, for the router and the simulator alike: the static
+    threshold when one is given, else the profile's prediction, else the default threshold."""
+    if threshold_tokens is not None:
+        return ThresholdPath(threshold_tokens)
+    if profile is not None:
+        return PredictedPath(profile, handoff_ms)
+    return ThresholdPath(DEFAULT_THRESHOLD_TOKENS, DEFAULT_THRESHOLD)
+
+
 class PredictedPath(PathPolicy):
     """The path of the lower predicted cost (the module docstring's formula)."""
 

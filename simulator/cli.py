@@ -5,7 +5,14 @@
         --label pd2x2 --results-dir bench/results
 
 Writes the same record and table as `baton bench` (serve_<label>_<time>.json) with a `fleet`
-section (per engine: busy time, pulled KV bytes, prefix-cache hit rate).
+section (per engine: busy time, pulled KV bytes, prefix-cache hit rate; the paths taken).
+
+A mixed fleet (`--normal-engines N` beside `--prompt-engines` and `--completion-engines`)
+chooses each request's path with the router's path policy (router/path.py): the profile's
+predicted costs, or `--pd-threshold-tokens N` as the router's flag.
+
+`--planner` needs a planner (planner/core.py, a floor above this one): the composition root
+builds it (baton_cli/sim.py) and hands `run` a factory; the simulator takes it by duck type.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import argparse
 import logging
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from baton.perf.profile import ProfileError
@@ -21,6 +29,7 @@ from baton.perf.profile import load as load_profile
 from baton.workload.args import add_workload_arguments, workload_from_args
 from baton.workload.results import format_table, parse_slos, write_result
 from baton.workload.trace import TraceError
+from router.path import DEFAULT_HANDOFF_MS
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +55,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV pulls over a link of this many Gbit/s (default: the profile's)")
     g.add_argument("--link-latency-ms", type=float, default=0.0,
                    help="with --link-gbit: the fixed time of one pull")
+    g = p.add_argument_group("path choice (router/path.py; a mixed fleet: normal engines "
+                             "beside prompt and completion engines)")
+    g.add_argument("--pd-threshold-tokens", type=int, default=None, metavar="N",
+                   help="a static rule, as the router's: disaggregated when a normal engine "
+                        "would prefill more than N prompt tokens (its cached prefix left out); "
+                        "default: the path of the lower predicted cost on --profile")
+    g.add_argument("--pd-handoff-ms", type=float, default=DEFAULT_HANDOFF_MS,
+                   help="the predicted disaggregated path's cost beyond the KV copy, ms "
+                        "(the router's flag)")
     g = p.add_argument_group("planner (planner/core.py; a prompt/completion fleet)")
     g.add_argument("--planner", choices=("off", "advise", "apply"), default="off",
                    help="advise: record its decisions; apply: also re-role engines (S41)")
@@ -103,12 +121,18 @@ def configs_from_args(args: argparse.Namespace):
     cfg = SimConfig(fleet=fleet, request_rate=args.request_rate,
                     num_requests=args.num_requests, slos_ms=parse_slos(args.goodput),
                     kv_overlap_weight=args.kv_overlap_weight, label=args.label,
-                    routing=args.routing)
+                    routing=args.routing, pd_threshold_tokens=args.pd_threshold_tokens,
+                    pd_handoff_ms=args.pd_handoff_ms)
     workload, trace = workload_from_args(args)
     return cfg, workload, trace
 
 
-def run(args: argparse.Namespace) -> int:
+# (the parsed flags, the profile, the run's config) -> a planner (planner/core.py's Planner)
+MakePlanner = Callable[[argparse.Namespace, object, object], object]
+
+
+def run(args: argparse.Namespace, make_planner: MakePlanner | None = None) -> int:
+    """`baton sim`; with `--planner advise|apply`, `make_planner` builds the planner."""
     from simulator.run import simulate
 
     try:
@@ -118,12 +142,9 @@ def run(args: argparse.Namespace) -> int:
         cfg, workload, trace = configs_from_args(args)
         planner = None
         if args.planner != "off":
-            from planner.core import Planner, PlannerConfig
-
-            planner = Planner(profile, PlannerConfig(
-                slos_ms=cfg.slos_ms, interval_s=args.planner_interval,
-                window_s=args.planner_window, cooldown_s=args.planner_cooldown,
-                apply=args.planner == "apply"), cfg.fleet)
+            if make_planner is None:
+                raise ValueError("--planner needs the planner: run it as `baton sim`")
+            planner = make_planner(args, profile, cfg)
         record = simulate(profile, cfg, workload, trace, planner=planner)
     except (ProfileError, TraceError, ValueError) as exc:
         print(f"baton sim: {exc}", file=sys.stderr)
@@ -133,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
                      for e in record["fleet"]["engines"][:16])
     print(f"busy: {busy}; simulated {record['fleet']['virtual_s']:.1f} s in "
           f"{record['sim_wall_s']:.1f} s")
+    if cfg.fleet.is_mixed:
+        print("paths: " + ", ".join(f"{p['path']} ({p['reason']}) {p['count']}"
+                                    for p in record["fleet"]["path_total"]))
     if "roles_over_time" in record["fleet"]:
         changes = [d for d in record["fleet"]["planner_decisions"] if d["action"] == "change"]
         print(f"planner ({args.planner}): {len(changes)} changes: " + ", ".join(
@@ -140,16 +164,4 @@ def run(args: argparse.Namespace) -> int:
     path = write_result(record, Path(args.results_dir))
     print(f"wrote {path}")
     return 0 if record["summary"]["num_completed"] else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="baton-sim")
-    add_parser(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(["sim", *(argv or sys.argv[1:])])
-    logging.basicConfig(level=logging.WARNING)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 

@@ -2,10 +2,14 @@
 
 A request's life in the simulator:
 1. It arrives at its workload time (a trace's timestamp, a Poisson draw, or, for a later turn of
-   a conversation, the end of the turn before). The router's own selection policy
-   (router/selection.py, the class the router runs) picks an engine of the first role (normal,
-   or prompt) from candidates carrying each engine's load and active blocks, over a `KeySets`
-   view of the keys each engine's KV events reported; `add_request` queues it.
+   a conversation, the end of the turn before). In a mixed fleet (normal engines beside prompt
+   and completion ones) the router's own path policy (router/path.py, the class the router
+   runs) first chooses its path, co-located or disaggregated, from the engine of each role the
+   selection policy would give it and the router's books of the work there (counted per path
+   and reason, as `baton_router_path_total`). The router's own selection policy
+   (router/selection.py, the class the router runs) picks an engine of the path's first role
+   (normal, or prompt) from candidates carrying each engine's load and active blocks, over a
+   `KeySets` view of the keys each engine's KV events reported; `add_request` queues it.
 2. An engine with work steps: `LLMEngine.step()` runs the real scheduler and the mock runner,
    which reports the profile's predicted step time; the step's outputs land that much later,
    when the engine may step again. Arrivals in between wait in `waiting`, as on a real engine.
@@ -36,6 +40,16 @@ from baton.sampling.params import SamplingParams
 from baton.workload.results import RequestResult
 from baton.workload.synthetic import RequestSpec
 from router.kv_index import RequestKeys
+from router.load import EngineWork, LegWork
+from router.path import (
+    COLOCATED,
+    DISAGGREGATED,
+    ONLY_PATH,
+    EngineView,
+    PathPolicy,
+    PathRequest,
+    build_path_policy,
+)
 from router.selection import Candidate, KeySets, SelectionPolicy
 
 logger = logging.getLogger(__name__)
@@ -58,9 +72,6 @@ class FleetConfig:
         if (self.num_prompt > 0) != (self.num_completion > 0):
             raise ValueError(f"a disaggregated fleet needs prompt and completion engines, got "
                              f"{self.num_prompt} prompt and {self.num_completion} completion")
-        if self.num_normal and self.num_prompt:
-            raise ValueError("a fleet of both normal and prompt/completion engines is not "
-                             "simulated yet (the router routes one way per deployment)")
         if not self.num_normal and not self.num_prompt:
             raise ValueError("the fleet has no engine")
         if self.num_blocks == 1:
@@ -69,6 +80,11 @@ class FleetConfig:
     @property
     def is_disaggregated(self) -> bool:
         return self.num_prompt > 0
+
+    @property
+    def is_mixed(self) -> bool:
+        """Normal engines beside prompt and completion ones: each request has two paths."""
+        return self.num_normal > 0 and self.num_prompt > 0
 
 
 class SimEngine:
@@ -85,6 +101,7 @@ class SimEngine:
         self.num_empty_in_row = 0  # steps in a row that ran nothing
         self.num_inflight = 0  # the router's books: its requests in flight here (the load)
         self.active_blocks = 0  # and the blocks they add (Choice.num_active_blocks)
+        self.work = EngineWork()  # and what they ask of it (router/load.py), for the path view
         self.admissions: deque[Handoff] = deque()  # COMPLETION: waiting for blocks (LATER)
         self.num_pulled_blocks = 0
         self.draining_to = ""  # a role change (S41) in progress: the role it becomes
@@ -163,6 +180,22 @@ class SimEngine:
         return Candidate(self.name, float(self.num_inflight), self.active_blocks,
                          self.sim.block_size)
 
+    def add_work(self, work: LegWork, sign: int) -> None:
+        """The router's books (router/load.py `LoadTracker._add_work`): one leg in or out."""
+        if work.num_prefill_tokens:
+            self.work.num_prefilling += sign
+            self.work.num_prefill_tokens += sign * work.num_prefill_tokens
+        self.work.num_context_tokens += sign * work.num_context_tokens
+
+    def view(self, num_overlap_blocks: int) -> EngineView:
+        """This engine as the router's path policy sees it (router/engine_pool.py `_view`):
+        its requests decoding, the prompts queued, their context, the request's cached blocks."""
+        return EngineView(num_running=self.num_inflight - self.work.num_prefilling,
+                          num_queued_prefills=self.work.num_prefilling,
+                          num_queued_tokens=self.work.num_prefill_tokens,
+                          num_context_tokens=self.work.num_context_tokens,
+                          num_overlap_blocks=num_overlap_blocks, block_size=self.sim.block_size)
+
 
 @dataclass
 class Flight:
@@ -175,6 +208,7 @@ class Flight:
     keys: RequestKeys  # its prompt's block keys, as the router computes them
     engine: SimEngine | None = None  # where it is now (the router's books)
     charged: int = 0  # active blocks charged to `engine`
+    work: LegWork = field(default_factory=LegWork)  # and the work charged there
     last_token_s: float = 0.0
     output_ids: list[int] = field(default_factory=list)
 
@@ -193,16 +227,22 @@ class Simulation:
 
     def __init__(self, profile: Profile, config: FleetConfig,
                  make_policy: Callable[[KeySets], SelectionPolicy],
-                 on_done: Callable[[Flight], None] | None = None, planner=None) -> None:
+                 on_done: Callable[[Flight], None] | None = None, planner=None,
+                 path_policy: PathPolicy | None = None) -> None:
+        """`path_policy`: a mixed fleet's (router/path.py); default the profile's prediction,
+        as the router's with `--profile`."""
         self.profile, self.config = profile, config
         self.now = 0.0
         self._queue: list = []
         self._seq = itertools.count()
         self.on_done = on_done
-        roles = ([(NORMAL, config.num_normal)] if config.num_normal else
-                 [(PROMPT, config.num_prompt), (COMPLETION, config.num_completion)])
+        roles = [(NORMAL, config.num_normal), (PROMPT, config.num_prompt),
+                 (COMPLETION, config.num_completion)]
         self.engines = {role: [SimEngine(self, f"{role}-{i}", role) for i in range(n)]
-                        for role, n in roles}
+                        for role, n in roles if n}
+        self.path_policy = path_policy or build_path_policy(profile)
+        self.path_counts: dict[tuple[str, str], int] = {}  # (path, reason) -> requests
+        self.kind_paths: dict[str, dict[str, int]] = {}  # request kind -> path -> requests
         self._by_name = {e.name: e for es in self.engines.values() for e in es}
         first = self.engines.get(NORMAL) or self.engines[PROMPT]
         self.block_size = profile.model.block_size
@@ -219,9 +259,9 @@ class Simulation:
         self.roles_over_time: list[dict] = []
         self.decisions: list[dict] = []
         if planner is not None:
-            if not config.is_disaggregated:
+            if not config.is_disaggregated or config.num_normal:
                 raise ValueError("the planner moves engines between prompt and completion: "
-                                 "start it on a prompt/completion fleet")
+                                 "start it on a prompt/completion fleet (no normal engines)")
             self._note_roles()
             self.at(planner.config.interval_s, self._plan)
 
@@ -281,25 +321,62 @@ class Simulation:
             fn(*args)
 
     # ------------------------------------------------------------------ routing
-    def _choose(self, role: str, flight: Flight) -> SimEngine:
-        # A draining engine (a role change) gets nothing new while another can take it.
+    def _select(self, role: str, flight: Flight):
+        """The engine of `role` the router's selection policy gives the request, and its
+        choice. A draining engine (a role change) gets nothing new while another can take it."""
         engines = [e for e in self.engines[role] if not e.draining_to] or self.engines[role]
         choice = self.policy.select(role, [e.candidate() for e in engines], flight.keys)
-        engine = self._by_name[choice.engine_id]
-        self._charge(flight, engine, choice.num_active_blocks)
+        return self._by_name[choice.engine_id], choice
+
+    def _choose(self, role: str, flight: Flight) -> SimEngine:
+        engine, choice = self._select(role, flight)
+        # The router's books of the leg (router/dispatch.py `_send`): what it prefills there,
+        # the tokens past its cached prefix (the last one always), and what it attends to.
+        num_tokens = len(flight.token_ids)
+        num_prefill = 0 if role == COMPLETION else max(
+            1, num_tokens - choice.num_overlap_blocks * self.block_size)
+        self._charge(flight, engine, choice.num_active_blocks, LegWork(num_prefill, num_tokens))
         return engine
 
-    def _charge(self, flight: Flight, engine: SimEngine, blocks: int) -> None:
+    def _choose_path(self, flight: Flight) -> str:
+        """The request's path (router/engine_pool.py `choose_path`), counted: with one kind of
+        engine there is one path; in a mixed fleet the path policy chooses."""
+        if not self.config.is_mixed:
+            choice_path = DISAGGREGATED if self.config.is_disaggregated else COLOCATED
+            reason = ONLY_PATH
+        else:
+            views = []
+            for role in (NORMAL, PROMPT, COMPLETION):
+                engine, choice = self._select(role, flight)
+                views.append(engine.view(choice.num_overlap_blocks))
+            choice = self.path_policy.choose(
+                PathRequest(len(flight.token_ids), flight.spec.max_tokens), *views)
+            choice_path, reason = choice.path, choice.reason
+        key = (choice_path, reason)
+        self.path_counts[key] = self.path_counts.get(key, 0) + 1
+        by_path = self.kind_paths.setdefault(flight.spec.kind, {})
+        by_path[choice_path] = by_path.get(choice_path, 0) + 1
+        return choice_path
+
+    def _charge(self, flight: Flight, engine: SimEngine, blocks: int, work: LegWork) -> None:
         self._uncharge(flight)
-        flight.engine, flight.charged = engine, blocks
+        flight.engine, flight.charged, flight.work = engine, blocks, work
         engine.num_inflight += 1
         engine.active_blocks += blocks
+        engine.add_work(work, +1)
+
+    def _prefilled(self, flight: Flight) -> None:
+        """Its first token is out: it leaves its engine's prefill queue (router/load.py)."""
+        if flight.engine is not None and flight.work.num_prefill_tokens:
+            flight.engine.add_work(LegWork(flight.work.num_prefill_tokens), -1)
+            flight.work.num_prefill_tokens = 0
 
     def _uncharge(self, flight: Flight) -> None:
         if flight.engine is not None:
             flight.engine.num_inflight -= 1
             flight.engine.active_blocks -= flight.charged
-            flight.engine, flight.charged = None, 0
+            flight.engine.add_work(flight.work, -1)
+            flight.engine, flight.charged, flight.work = None, 0, LegWork()
 
     # ------------------------------------------------------------------ requests
     def submit(self, spec: RequestSpec, token_ids: list[int], t: float) -> None:
@@ -314,7 +391,7 @@ class Simulation:
         flight = Flight(spec, token_ids, res, self.now, RequestKeys(token_ids))
         rid = f"r{spec.idx}"
         self.flights[rid] = flight
-        role = PROMPT if self.config.is_disaggregated else NORMAL
+        role = PROMPT if self._choose_path(flight) == DISAGGREGATED else NORMAL
         engine = self._choose(role, flight)
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
         try:
@@ -333,6 +410,7 @@ class Simulation:
             if not flight.output_ids:
                 res.ttft_s = self.now - flight.arrival_s
                 res.cached_tokens = out.num_cached_tokens
+                self._prefilled(flight)
             else:
                 res.itl_s.append(self.now - flight.last_token_s)
             flight.last_token_s = self.now
@@ -410,6 +488,12 @@ class Simulation:
                     f"{e.name}: {free} of {total} blocks free, unfinished " \
                     f"{e.engine.has_unfinished()} after the run"
                 assert e.num_inflight == 0 and e.active_blocks == 0, (e.name, e.num_inflight)
+                assert e.work == EngineWork(), (e.name, e.work)
+
+    def path_record(self) -> list[dict]:
+        """The paths taken, as the router's `baton_router_path_total{path,reason}`."""
+        return [{"path": path, "reason": reason, "count": n}
+                for (path, reason), n in sorted(self.path_counts.items())]
 
     def fleet_record(self) -> dict:
         """Per engine: busy time, steps, pulled KV (blocks, bytes), prefix cache hit rate."""
@@ -432,7 +516,10 @@ class Simulation:
                     "num_free_blocks": stats["num_free_blocks"],
                     "num_total_blocks": stats["num_total_blocks"]})
         record = {"engines": engines, "virtual_s": self.now,
-                  "pulled_kv_bytes": sum(e["pulled_kv_bytes"] for e in engines)}
+                  "pulled_kv_bytes": sum(e["pulled_kv_bytes"] for e in engines),
+                  "path_total": self.path_record(),
+                  "path_by_kind": {k: dict(sorted(v.items()))
+                                   for k, v in sorted(self.kind_paths.items())}}
         if self.planner is not None:
             self._note_roles()
             record["roles_over_time"] = self.roles_over_time

@@ -12,6 +12,7 @@ from baton.workload.results import RequestResult, summarize
 from baton.workload.synthetic import RequestSpec, WorkloadConfig
 from baton.workload.trace import TraceConfig
 from baton.workload.words import WordTokenizer
+from router.path import DEFAULT_HANDOFF_MS, PathPolicy, build_path_policy
 from router.selection import KeySets, LeastLoaded, OverlapMinusLoad, SelectionPolicy
 from simulator.fleet import FleetConfig, Flight, Simulation
 
@@ -27,6 +28,11 @@ class SimConfig:
     kv_overlap_weight: float = 1.0  # the policy's weight of a missing prompt block
     label: str = "sim"
     routing: str = "cache-aware"  # the router's --routing: which router/selection.py policy
+    # A mixed fleet's path policy (router/path.py), as the router's flags: a static threshold
+    # of uncached prompt tokens (None: the profile's predicted costs) and the prediction's
+    # fixed cost of the disaggregated path.
+    pd_threshold_tokens: int | None = None
+    pd_handoff_ms: float = DEFAULT_HANDOFF_MS
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
@@ -39,12 +45,25 @@ class SimConfig:
         if not 0 <= self.kv_overlap_weight < math.inf:
             raise ValueError(f"kv_overlap_weight must be >= 0 and finite, got "
                              f"{self.kv_overlap_weight}")
+        if not self.fleet.is_mixed and (self.pd_threshold_tokens is not None
+                                        or self.pd_handoff_ms != DEFAULT_HANDOFF_MS):
+            raise ValueError("pd_threshold_tokens and pd_handoff_ms choose a mixed fleet's "
+                             "path: give normal engines beside prompt and completion engines")
+        if self.pd_threshold_tokens is not None and self.pd_threshold_tokens < 0:
+            raise ValueError(f"pd_threshold_tokens must be >= 0, got {self.pd_threshold_tokens}")
+        if not 0 <= self.pd_handoff_ms < math.inf:
+            raise ValueError(f"pd_handoff_ms must be >= 0 and finite, got {self.pd_handoff_ms}")
 
     def make_policy(self, cache: KeySets) -> SelectionPolicy:
         """The policy the router builds for this `--routing` (router/engine_pool.py)."""
         if self.routing == "least-loaded":
             return LeastLoaded()
         return OverlapMinusLoad(cache, self.kv_overlap_weight)
+
+    def make_path_policy(self, profile: Profile) -> PathPolicy:
+        """The path policy the router builds for these flags, with `--profile` the profile the
+        fleet runs on (router/engine_pool.py `make_path_policy`)."""
+        return build_path_policy(profile, self.pd_threshold_tokens, self.pd_handoff_ms)
 
 
 def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig | None,
@@ -72,7 +91,8 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig | None,
             history = flight.token_ids + flight.output_ids + tok.encode(nxt.prompt)
             sim.submit(nxt, history, sim.now)
 
-    sim = Simulation(profile, cfg.fleet, cfg.make_policy, on_done, planner=planner)
+    sim = Simulation(profile, cfg.fleet, cfg.make_policy, on_done, planner=planner,
+                     path_policy=cfg.make_path_policy(profile))
     seed = workload.seed if workload is not None else 0
     for unit, t in zip(unit_list, unit_arrivals(unit_list, cfg.request_rate, seed),
                        strict=True):
@@ -85,7 +105,8 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig | None,
     bench = {"endpoint": "sim", "request_rate": "inf" if math.isinf(cfg.request_rate)
              else cfg.request_rate, "num_requests": len(specs), "slos_ms": cfg.slos_ms,
              "label": cfg.label, "kv_overlap_weight": cfg.kv_overlap_weight,
-             "routing": cfg.routing,
+             "routing": cfg.routing, "pd_threshold_tokens": cfg.pd_threshold_tokens,
+             "pd_handoff_ms": cfg.pd_handoff_ms,
              "fleet": asdict(cfg.fleet), "profile": profile.model.fingerprint}
     return {"label": cfg.label, "model": f"mock/{profile.model.name}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench": bench,

@@ -26,7 +26,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("baton.service",),
     ("normal_engine", "prompt_engine", "completion_engine", "router"),
     ("simulator",),
-    ("planner", "simulator.cli"),  # `baton sim --planner` wires the planner into a run
+    ("planner",),
     ("baton_cli",),
 ]
 PACKAGES = ("kv_transfer", "baton", "normal_engine", "prompt_engine", "completion_engine",

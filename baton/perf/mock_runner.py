@@ -3,8 +3,13 @@
 It fulfils `baton.engine.runner_api.Runner`: every sampled row gets a deterministic token (a
 hash of the row's prompt length, its last prompt token and its output position, never an EOS
 id), and each step costs what the profile predicts. Where that cost goes is the caller's
-choice: a mock engine process sleeps it (`on_step=None`), the simulator hands it to its
-virtual clock (`on_step=clock`). A mock engine process gets a tiny KV pool (`kv_pool=True`, a
+choice: the simulator hands the whole step's predicted time (forward and the engine's own work
+around it) to its virtual clock (`on_step=clock`), since its engine core's own work takes no
+virtual time; a mock engine process (`on_step=None`) sleeps the forward's share only, since its
+engine core does that work for real around this call (the profile measured it as the engine
+step's time outside the runner's `execute`: docs/profile.md), and a KV pull there takes at
+least the profile's transfer time (`pull_s`, held by the completion engine's admission). A
+mock engine process gets a tiny KV pool (`kv_pool=True`, a
 numpy array NIXL registers like a real one) that each step fills with bytes fixed by the token
 and its position, so a KV pull moves real bytes that a test can compare; the simulator's runner
 has none (no bytes move in virtual time).
@@ -90,6 +95,11 @@ class MockRunner:
     def num_blocks(self) -> int:
         return self._num_blocks
 
+    def pull_s(self, num_blocks: int) -> float:
+        """The profile's time of pulling `num_blocks` KV blocks: a mock completion engine's
+        pull takes at least this long (its tiny pool moves in far less)."""
+        return self.profile.transfer_ms(num_blocks) / 1e3
+
     def read_blocks(self, block_ids: np.ndarray) -> np.ndarray:
         assert self.kv_cache is not None, "the simulator's runner has no KV pool"
         return self.kv_cache.reshape(self._num_blocks, -1)[np.asarray(block_ids)]
@@ -107,6 +117,7 @@ class MockRunner:
                 choice_params: Sequence[list[SamplingParams] | None] | None = None,
                 ) -> StepSamples:
         """Rows with params None (a prompt chunk that does not end its prompt) get a dummy 0."""
+        start = time.perf_counter()
         if prompt_spans is not None and any(s is not None for s in prompt_spans):
             raise ValueError("the mock runner computes no prompt logprobs")
         if allowed_tokens is not None and any(a is not None for a in allowed_tokens):
@@ -126,12 +137,16 @@ class MockRunner:
             prompt = prompt_token_ids[i]
             tokens[i] = mock_token(len(prompt), prompt[-1] if len(prompt) else 0,
                                    len(output_token_ids[i]), vocab)
-        seconds = self.profile.step_ms(bool(sched_out.prompt_run), sched_out.seqlens_q,
-                                       sched_out.seqlens_k, num_sampled) / 1e3
+        prof = self.profile
+        seconds = prof.step_ms(bool(sched_out.prompt_run), sched_out.seqlens_q,
+                               sched_out.seqlens_k, num_sampled) / 1e3
         self.num_steps += 1
         self.busy_s += seconds
         if self.on_step is None:
-            time.sleep(seconds)
+            # The call takes the forward's predicted time, this mock's own work in it (the
+            # KV bytes, the tokens) included; the engine's own share runs for real around it.
+            forward_s = seconds - (prof.step_overhead_ms + prof.sample_row_ms * num_sampled) / 1e3
+            time.sleep(max(0.0, forward_s - (time.perf_counter() - start)))
         else:
             self.on_step(seconds)
         return StepSamples(token_ids=tokens, logprobs=np.zeros(n, dtype=np.float32),

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from serve_bench import BenchConfig, WorkloadConfig, _payload, build_workload  # noqa: E402
+from serve_bench import (  # noqa: E402
+    BenchConfig,
+    RequestSpec,
+    WorkloadConfig,
+    _payload,
+    build_workload,
+    send_request,
+)
 
 
 def test_multi_turn_conversations_share_one_system_prompt() -> None:
@@ -30,3 +41,24 @@ def test_shared_prefix_draws_from_a_few_system_prompts() -> None:
     assert all(s.conversation == -1 for s in specs)
     body = _payload(BenchConfig(endpoint="completions"), specs[0], "m", False)
     assert body["prompt"].startswith(specs[0].system) and body["prompt"].endswith(specs[0].prompt)
+
+
+def _served(chunks: list[dict]):
+    """One request through the client, answered by this SSE body (the client's rules only; the
+    whole path, a real router and mock engine: tests/sim/test_mock_engines.py)."""
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    async def ask():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport, base_url="http://bench") as client:
+            return await send_request(client, BenchConfig(endpoint="completions"),
+                                      RequestSpec(0, "short", "time", 1, 1), "m", True, 0.0)
+    return asyncio.run(ask())
+
+
+def test_a_finished_stream_without_text_is_complete_and_a_cut_one_is_not() -> None:
+    usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    done = _served([{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, usage])
+    assert done.ok and done.output_tokens == 1 and done.text == "" and done.ttft_s > 0
+    cut = _served([{"choices": [{"index": 0, "text": " word", "finish_reason": None}]}])
+    assert not cut.ok and "before its finish_reason" in cut.error

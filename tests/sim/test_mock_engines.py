@@ -167,3 +167,127 @@ def test_baton_up_refuses_a_bad_api_keys_file_before_starting(tmp_path):
     keys.chmod(0o600)
     assert baton_main(["up", "--mock", PROFILE, "--api-keys-file", str(keys)]) == 2
     assert baton_main(["up", "--mock", PROFILE, "--cache-salt-per-key"]) == 2
+
+
+# 13 x "time" then "court": 14 prompt tokens in the router's tokenizer (SmolLM2), whose first
+# mock token is id 9, one of that tokenizer's special tokens: it decodes to no text.
+SPECIAL_FIRST = " ".join(["time"] * 13 + ["court"])
+
+
+@pytest.mark.slow
+def test_a_request_whose_only_token_decodes_to_no_text_is_served():
+    """The one failed request of 2,000 in bench/mock_fleet.py: max_tokens 1 and a mock token
+    that is a special id of the router's tokenizer (skipped in text). The router ends the stream
+    properly (finish_reason length, one completion token, no text); the benchmark's client
+    counted a stream without text as failed. It is a complete response, and its TTFT is the
+    chunk that finishes it."""
+    import asyncio
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import serve_bench as sb
+
+    from baton.perf.mock_runner import mock_token
+    from baton.workload.synthetic import RequestSpec
+    from router.text import TextStream, load_model_info
+
+    tok = load_model_info().tokenizer
+    ids = tok.encode(SPECIAL_FIRST)
+    first = mock_token(len(ids), ids[-1], 0, 49152)
+    assert TextStream(tok).add([first]) == "" and tok.decode([first]) == ""  # the premise
+
+    proc, port, _, err = _start(["--normal-engines", "1"])
+    try:
+        cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
+                             progress=False)
+
+        async def ask(max_tokens: int):
+            spec = RequestSpec(0, "short", SPECIAL_FIRST, 14, max_tokens)
+            async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
+
+        one = asyncio.run(ask(1))
+        assert one.ok, (one.error, "".join(err.lines[-20:]))
+        assert (one.text, one.output_tokens, one.prompt_tokens) == ("", 1, 14)
+        assert 0 < one.ttft_s <= one.e2e_s
+        two = asyncio.run(ask(2))  # the second token has text: TTFT at its chunk
+        assert two.ok and two.output_tokens == 2 and two.text, two.error
+    finally:
+        _stop(proc)
+
+
+def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step(monkeypatch):
+    """The profile's step is forward + the engine's own work (docs/profile.md, measured outside
+    the runner's `execute`). A mock engine's core does that work for real around `execute`, so
+    the mock sleeps the forward's share only; the simulator's clock gets the whole step."""
+    import baton.perf.mock_runner as mr
+    from baton.engine import EngineConfig, LLMEngine
+    from baton.perf.profile import load
+    from baton.sampling.params import SamplingParams
+
+    prof = load(PROFILE)
+    slept, charged = [], []
+    monkeypatch.setattr(mr.time, "sleep", slept.append)
+    for on_step in (None, charged.append):
+        runner = mr.MockRunner(prof, 64, on_step=on_step)
+        engine = LLMEngine(EngineConfig(engine_type="normal", block_size=16, num_threads=1),
+                           runner=runner)
+        engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    assert len(slept) == len(charged) == 3  # a prefill step, two decode steps
+    own_s = (prof.step_overhead_ms + prof.sample_row_ms) / 1e3  # one sampled row a step
+    # The forward's share, less what the mock's own work in the call took (microseconds here:
+    # no KV pool); never the engine's share, which its core spends for real.
+    assert all(0 < s <= c - own_s for s, c in zip(slept, charged, strict=True)), (slept, charged)
+    assert sum(charged) == pytest.approx(runner.busy_s)
+
+
+@pytest.mark.slow
+def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
+    """A mock completion engine's pull lands no sooner than the profile's transfer time (its
+    tiny pool moves in far less): a profile of 1.5 s a pull puts that gap between the prompt
+    engine's first token and the completion engine's second, as the simulator predicts."""
+    import asyncio
+    import json
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import serve_bench as sb
+
+    from baton.workload.synthetic import RequestSpec
+
+    slow = json.loads(Path(PROFILE).read_text())
+    slow["transfer"]["latency_ms"] = 1500.0
+    profile = tmp_path / "slow_pull.json"
+    profile.write_text(json.dumps(slow))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", str(profile),
+         "--no-cpu-pinning", "--prompt-engines", "1", "--completion-engines", "1", "--",
+         *ENGINE_FLAGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    try:
+        deadline = time.monotonic() + 60
+        while not any("Ctrl-C stops" in line for line in out.lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines[-40:])
+            time.sleep(0.2)
+        cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
+                             progress=False)
+
+        async def ask():
+            spec = RequestSpec(0, "short", " ".join(WORDS[:40]), 40, 3)
+            async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
+
+        res = asyncio.run(ask())
+        assert res.ok and res.output_tokens == 3, (res.error, "".join(err.lines[-20:]))
+        assert res.itl_s[0] > 1.0, res.itl_s  # the pull (1.5 s) between tokens 1 and 2
+        assert res.itl_s[1] < 1.0, res.itl_s  # then decode steps of the profile's ~16 ms
+    finally:
+        _stop(proc)

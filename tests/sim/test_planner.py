@@ -200,6 +200,27 @@ def test_planner_flags_are_checked(capsys):
         PlannerConfig(slos_ms=SLOS, urgent_cooldown_s=-1)
 
 
+def test_baton_sim_planner_is_built_by_the_composition_root(tmp_path, capsys):
+    """`baton sim --planner` (baton_cli/sim.py builds the planner, so the simulator imports no
+    planner code); the simulator's own `run` without that factory refuses the flag."""
+    import argparse
+
+    from simulator import cli as sim_cli
+
+    argv = ["sim", "--profile", str(DATA / "profile_test.json"), "--num-requests", "12",
+            "--request-rate", "2", "--planner", "advise", "--engines", "2",
+            "--planner-interval", "2", "--goodput", "ttft:2000", "tpot:100",
+            "--label", "adv", "--results-dir", str(tmp_path)]
+    assert baton_main(argv) == 0
+    assert "planner (advise)" in capsys.readouterr().out
+    (path,) = tmp_path.glob("serve_adv_*.json")
+    assert "planner_decisions" in path.read_text()
+    parser = argparse.ArgumentParser()
+    sim_cli.add_parser(parser.add_subparsers())
+    assert sim_cli.run(parser.parse_args(argv)) == 2
+    assert "--planner needs the planner" in capsys.readouterr().err
+
+
 def test_a_planner_that_holds_scores_what_its_fixed_split_scores():
     # its periodic tick after the last request must not stretch the run's duration
     specs = _specs(["chat"])
