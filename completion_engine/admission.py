@@ -158,8 +158,7 @@ class Admission:
         outputs = engine.inputs.check_outputs(req.req_id, req.output_token_ids, params)
         # A prompt served by a LoRA adapter needs that adapter here (ValueError: refused).
         seed = engine.request_key_seed(req.req_id, req.cache_salt, req.lora_name)
-        seed = (engine.prefix_cache_seed if seed is None else seed) \
-            if engine.config.enable_prefix_caching else None
+        seed = engine.kv_keys.block_seed(seed) if engine.config.enable_prefix_caching else None
         handle = check_handle(req, engine.config.block_size, engine.model_config.vocab_size,
                               seed, engine.model_fingerprint)
         choices = check_choices(req, params, engine.model_config.vocab_size,

@@ -25,28 +25,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 
-from baton.engine.block_keys import key_seed, request_seed
 from baton.engine.choices import choice_id, choice_params, for_choice, plan_splits
 from baton.engine.config import ROLE_TYPES, EngineConfig
 from baton.engine.input_processor import InputProcessor
 from baton.engine.kv_disk import DiskTier, open_disk_tier
 from baton.engine.kv_events import KvEventSource
-from baton.engine.kv_identity import kv_fingerprint
+from baton.engine.kv_keys import KvKeys
 from baton.engine.kv_shared import SharedTier, open_shared_tier
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig, kv_window
 from baton.engine.speculation import Speculator, booked_tokens, draft_masks, row_drafts
-from baton.model.modes import check_dtype_name
-from baton.protocol import COMPLETION, MAX_CACHE_SALT_CHARS, NORMAL
+from baton.protocol import COMPLETION, NORMAL
 from baton.sampling.logprobs import PromptLogprobs, TopLogprobs
 from baton.sampling.params import SamplingParams
 from baton.sampling.samples import PromptSpan
-from kv_transfer.config import PoolSpec
 from kv_transfer.protocol import Fingerprint
 
 logger = logging.getLogger(__name__)
@@ -74,6 +70,7 @@ class LLMEngine:
         self.model_config, self.tokenizer = runner.config, runner.tokenizer
         self.inputs = InputProcessor(self.tokenizer, self.model_config)
         self.model_path = runner.model_path
+        self.kv_keys = KvKeys(config, runner)
         self.quantization = runner.quantization  # the mode it runs (auto resolved)
         logger.info("quantization %s (asked: %s), dtype %s", self.quantization,
                     config.quantization, config.dtype)
@@ -117,12 +114,11 @@ class LLMEngine:
         self.num_decode_steps = 0
         logger.info("engine: %s, model %s, %d KV blocks, max_model_len %d", config,
                     self.model_path, num_blocks, max_len)
-        self._fingerprint: Fingerprint | None = None
         # The local disk tier below the pool (P10); None = off, or its directory is unusable.
         self.disk: DiskTier | None = None
         if config.kv_disk_dir:
             self.disk = open_disk_tier(config.kv_disk_dir, config.kv_disk_bytes,
-                                       self.kv_fingerprint, self._block_bytes(), self.scheduler,
+                                       self.kv_fingerprint, self.kv_keys.block_bytes, self.scheduler,
                                        self.runner)
         # The shared cluster tier (P11); None = off.
         self.shared: SharedTier | None = None
@@ -131,75 +127,35 @@ class LLMEngine:
                 raise ValueError("a shared KV tier (--kv-shared-tier) keeps prefix-cache blocks: "
                                  "it needs prefix caching on")
             self.shared = open_shared_tier(shared_store, self.kv_fingerprint,
-                                           self._block_bytes(), self.scheduler, self.runner)
+                                           self.kv_keys.block_bytes, self.scheduler, self.runner)
         if self._tiers():
             logger.info("KV tiers: pool %d blocks x %d bytes; %s", num_blocks,
-                        self._block_bytes(), "; ".join(t.describe() for t in self._tiers()))
+                        self.kv_keys.block_bytes, "; ".join(t.describe() for t in self._tiers()))
 
     def _tiers(self) -> list:
         """The tiers below the pool, in the order a prompt's blocks are looked up (P10, P11)."""
         return [t for t in (self.disk, self.shared) if t is not None]
 
+    # ------------------------------------------------------------------ KV identity (kv_keys.py)
     @property
     def model_fingerprint(self) -> str:
-        """Model and KV layout identity: published in the registry, and the seed of the
-        prefix-cache key chain, so two engines agree on a block's key only when they would
-        agree on its bytes."""
-        # Quantized weights compute other K/V than the float ones (same layout, other bytes).
-        quant = "" if self.quantization == "none" else f"/{self.quantization}"
-        # The layout names the KV dtype; K/V computed in another dtype than they are stored
-        # in are other bytes again (fp32 math rounded to bf16 != bf16 math).
-        kv, compute = self.config.kv_cache_dtype, check_dtype_name(self.config.dtype)
-        compute = "" if kv in ("auto", compute) else f"/compute-{compute}"
-        return f"{Path(self.model_path).name}/{self.kv_spec.fingerprint()}{quant}{compute}"
+        return self.kv_keys.model_fingerprint
 
     @property
     def prefix_cache_seed(self) -> int:
-        return key_seed(self.model_fingerprint)
+        return self.kv_keys.prefix_cache_seed
 
     @property
     def kv_fingerprint(self) -> Fingerprint:
-        """Who computed this pool's blocks: what the hand-off's handshake and the disk tier
-        check before a block is used (kv_transfer/protocol.py)."""
-        if self._fingerprint is None:
-            self._fingerprint = kv_fingerprint(self.model_path, self.quantization, self.kv_spec,
-                                               self.prefix_cache_seed)
-        return self._fingerprint
-
-    def _block_bytes(self) -> int:
-        if self.runner.kv_cache is None:  # the simulator's runner: no bytes
-            return int(self.kv_spec.bytes_per_block)
-        return PoolSpec.of(self.runner.kv_cache).block_bytes
+        return self.kv_keys.fingerprint
 
     def request_key_seed(self, request_id: str, cache_salt: str,
                          lora_name: str = "") -> int | None:
-        """The key seed of a request with `cache_salt` and LoRA adapter `lora_name` (None: the
-        engine's own: no salt, the base model); ValueError for a salt longer than
-        MAX_CACHE_SALT_CHARS or an adapter not loaded here."""
-        lora_id = self.lora_id(request_id, lora_name)
-        if not cache_salt and not lora_id:
-            return None
-        if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"request {request_id!r}: cache_salt of {len(cache_salt)} "
-                             f"characters; at most {MAX_CACHE_SALT_CHARS}")
-        return request_seed(self.prefix_cache_seed, cache_salt, lora_id)
+        return self.kv_keys.request_key_seed(request_id, cache_salt, lora_name)
 
     # ------------------------------------------------------------------ LoRA adapters
     def lora_adapters(self) -> dict[str, str]:
-        """Loaded LoRA adapters: name -> id (the digest that keys their KV blocks)."""
-        lora = getattr(self.runner, "lora", None)
-        return lora.ids() if lora is not None else {}
-
-    def lora_id(self, request_id: str, lora_name: str) -> str:
-        """The id of adapter `lora_name` ("" for the base); ValueError naming the loaded ones
-        when it is not loaded here."""
-        if not lora_name:
-            return ""
-        ids = self.lora_adapters()
-        if lora_name not in ids:
-            raise ValueError(f"request {request_id!r}: LoRA adapter {lora_name!r} is not loaded "
-                             f"on this engine (loaded: {sorted(ids) or 'none'})")
-        return ids[lora_name]
+        return self.kv_keys.lora_adapters()
 
     def load_lora(self, name: str, path: str) -> str:
         """Load a PEFT LoRA adapter under `name`; its id. ValueError (baton.model.lora.LoraError)
@@ -296,9 +252,9 @@ class LLMEngine:
         return {"kv_tier_hit_tokens_pool": max(0.0, cache["hit_tokens"] - loaded),
                 "kv_tier_blocks_pool": float(self.scheduler.num_cached_blocks()),
                 "kv_tier_bytes_pool": float(self.scheduler.num_cached_blocks()
-                                            * self._block_bytes()),
+                                            * self.kv_keys.block_bytes),
                 "kv_tier_capacity_bytes_pool": float(self.scheduler.num_total_blocks()
-                                                     * self._block_bytes()),
+                                                     * self.kv_keys.block_bytes),
                 **disk}
 
     # ------------------------------------------------------------------ PROMPT: the hand-off
@@ -325,7 +281,7 @@ class LLMEngine:
         seed = self.request_key_seed(request_id, cache_salt, lora_name)
         for tier in self._tiers() if len(block_keys) else ():  # P10, P11: loaded, not pulled
             tier.load_now(prompt_token_ids + output_token_ids,
-                          self.prefix_cache_seed if seed is None else seed)
+                          self.kv_keys.block_seed(seed))
         alloc = self.scheduler.allocate_prompted(
             request_id, prompt_token_ids + output_token_ids, first_token,
             params.max_tokens - len(output_token_ids), **self.inputs.stop_options(params),
@@ -390,7 +346,7 @@ class LLMEngine:
         # P10, P11: blocks of it on disk (else in the shared tier) are read first; it waits
         # (S15) until they are in the pool.
         loading = self._plan_tiers(request_id, ids + outputs,
-                                   self.prefix_cache_seed if seed is None else seed, skip)
+                                   self.kv_keys.block_seed(seed), skip)
         try:
             seq_id = self.scheduler.add_sequence(
                 request_id, np.asarray(ids + outputs, dtype=np.int32),
