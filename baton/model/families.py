@@ -3,7 +3,7 @@ the config.json keys beyond the common ones, and the checkpoint's tensor names.
 
 Each family's module holds its math over the shared layers (`layers.py`); the loader reads the
 common config keys (`loader._hf_config`) and asks the family for the rest. Quantized modes
-(int8/int4) run only on the families whose layers they were built and gated for.
+(int8/int4) run on the families whose tiny checkpoint meets the quality gate.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ class Family:
     # config.json -> the ModelConfig fields this family adds; ValueError names what it refuses
     read_config: Callable[[dict], dict]
     load_weights: Callable[[DecoderModel, dict[str, torch.Tensor]], None]
-    # the quantized modes' kernels and gates cover this family (plain attention, SwiGLU, the
-    # Llama layer's four projections)
-    is_quantizable: bool = False
+    # the quantized modes (int8/int4) run this family: its tiny checkpoint meets Llama's gate
+    # (tests/model/test_families.py)
+    is_quantizable: bool = True
 
 
 def _llama_config(raw: dict) -> dict:
@@ -45,10 +45,9 @@ def _mistral_config(raw: dict) -> dict:
 
 
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family("Llama", llama.LlamaModel, _llama_config, llama.load_weights,
-                               is_quantizable=True),
+    "LlamaForCausalLM": Family("Llama", llama.LlamaModel, _llama_config, llama.load_weights),
     "MistralForCausalLM": Family("Mistral", llama.LlamaModel, _mistral_config,
-                                 llama.load_weights, is_quantizable=True),
+                                 llama.load_weights),
     "Qwen2ForCausalLM": Family("Qwen2", qwen.QwenModel, qwen.qwen2_config, llama.load_weights),
     "Qwen3ForCausalLM": Family("Qwen3", qwen.QwenModel, qwen.qwen3_config, llama.load_weights),
     "Phi3ForCausalLM": Family("Phi-3", phi3.Phi3Model, phi3.phi3_config, phi3.load_weights),
