@@ -6,6 +6,7 @@ quantized modes within Llama's quality gate."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from baton.model import ModelLoadError, load_model
 from baton.model.backends import CPUBackend
 from baton.sampling.params import SamplingParams
 
-from .reference import teacher_forced_top1
+from .reference import teacher_forced_top1_many
 from .tiny_gguf import write_family_gguf
 
 VOCAB = 2048  # the models' and the word-level tokenizer's
@@ -117,20 +118,30 @@ FAMILIES = {  # name -> transformers config class, model class, what differs fro
 class Checkpoint:
     folder: Path  # the HF folder transformers wrote
     model: torch.nn.Module  # transformers' model of it
-    expected: list[list[int]]  # its greedy tokens for `_prompts()`
+
+    @functools.cached_property
+    def expected(self) -> list[list[int]]:
+        """transformers' greedy tokens for `_prompts()`."""
+        return [_reference(self.model, p) for p in _prompts()]
+
+
+# Llama's own layer (quantizable since int4 shipped): the quantized modes' figure on a tiny
+# random checkpoint, against which each family's is measured.
+CONTROL = ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False))
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """family -> its `Checkpoint`, built once per module (every test of a family shares it)."""
+    """family (or "llama") -> its `Checkpoint`, built once per module (the family's tests share
+    it)."""
     built: dict[str, Checkpoint] = {}
 
     def get(family: str) -> Checkpoint:
         if family not in built:
-            config_class, model_class, overrides = FAMILIES[family]
+            config_class, model_class, overrides = {**FAMILIES, "llama": CONTROL}[family]
             folder = tmp_path_factory.mktemp(family)
-            model = _write(folder, config_class, model_class, **overrides)
-            built[family] = Checkpoint(folder, model, [_reference(model, p) for p in _prompts()])
+            built[family] = Checkpoint(folder, _write(folder, config_class, model_class,
+                                                      **overrides))
         return built[family]
     return get
 
@@ -152,30 +163,41 @@ def test_family_gguf_matches_transformers(family: str, checkpoint, tmp_path: Pat
     _check_family(path, ckpt.expected)
 
 
-def _random_sequences() -> list[list[int]]:
+def _gate(folder: Path) -> dict[str, tuple[float, float]]:
+    """mode -> (its teacher-forced top-1 agreement with the exact mode, with its own weights'
+    dense float math) over GATE_NUM_SEQS seeded random sequences, every row through the block
+    kernels in decode-sized chunks (Llama's measure, tests/model/test_quantization.py)."""
     gen = torch.Generator().manual_seed(11)
-    return [torch.randint(3, VOCAB, (GATE_SEQ_LEN,), generator=gen).tolist()
+    seqs = [torch.randint(3, VOCAB, (GATE_SEQ_LEN,), generator=gen).tolist()
             for _ in range(GATE_NUM_SEQS)]
+    exact = teacher_forced_top1_many(load_model(folder, device="cpu"), seqs, GATE_SEQ_LEN)
+    assert len(exact) >= 2000
+    out = {}
+    for mode in ("int8", "int4"):
+        loaded = load_model(folder, device="cpu", quantization=mode)
+        got = teacher_forced_top1_many(loaded, seqs, CHUNK, CPUBackend(kernel_rows="all"))
+        dense = teacher_forced_top1_many(loaded, seqs, GATE_SEQ_LEN)  # prefill rows: dense
+        out[mode] = (float((got == exact).float().mean()), float((got == dense).float().mean()))
+        print(f"{folder.name} {mode}: top-1 agreement {out[mode][0]:.4f} with exact, "
+              f"{out[mode][1]:.4f} with its dense weights, over {len(exact)} tokens")
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_gate(checkpoint) -> dict[str, tuple[float, float]]:
+    return _gate(checkpoint("llama").folder)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_quantized_modes_meet_llamas_gate(family: str, checkpoint) -> None:
-    """Llama's gate (tests/model/test_quantization.py): >= 98% teacher-forced top-1 agreement
-    with the exact mode over >= 2000 tokens, every row through the block kernels in decode-sized
-    chunks; here over seeded random token sequences (the tiny vocabulary has no text)."""
-    folder = checkpoint(family).folder
-    exact = load_model(folder, device="cpu")
-    sequences = _random_sequences()
-    want = torch.cat([teacher_forced_top1(exact, s) for s in sequences])
-    assert len(want) >= 2000
-    for mode in ("int8", "int4"):
-        loaded = load_model(folder, device="cpu", quantization=mode)
-        got = torch.cat([teacher_forced_top1(loaded, s, chunk=CHUNK,
-                                             backend=CPUBackend(kernel_rows="all"))
-                         for s in sequences])
-        agreement = float((got == want).float().mean())
-        print(f"{family} {mode}: top-1 agreement {agreement:.4f} over {len(want)} tokens")
-        assert agreement >= 0.98, (mode, agreement)
+def test_family_quantized_modes_meet_llamas_gate(family: str, checkpoint, llama_gate) -> None:
+    """On SmolLM2 the gate is >= 98% agreement with the exact mode; a tiny random checkpoint
+    is far more sensitive to its weights' rounding (Llama's own layer: ~94% int8, ~40% int4),
+    so here each family's agreement with the exact mode is at least the tiny Llama's less 3
+    points, and the kernels agree >= 98% with the same blocks' dense float math (what is the
+    family's own: fused parts, biases, norms, experts)."""
+    for mode, (vs_exact, vs_dense) in _gate(checkpoint(family).folder).items():
+        assert vs_dense >= 0.98, (mode, vs_dense)
+        assert vs_exact >= llama_gate[mode][0] - 0.03, (mode, vs_exact, llama_gate[mode][0])
 
 
 def test_unsupported_gguf_architecture_lists_the_supported(tmp_path: Path) -> None:
