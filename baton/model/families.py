@@ -3,7 +3,8 @@ the config.json keys beyond the common ones, and the checkpoint's tensor names.
 
 Each family's module holds its math over the shared layers (`layers.py`); the loader reads the
 common config keys (`loader._hf_config`) and asks the family for the rest. Quantized modes
-(int8/int4) run on the families whose tiny checkpoint meets the quality gate.
+(int8/int4) run every family: `quant.quantize_model` takes each layer's fused projections and
+a sparse layer's experts (the gate per family: tests/model/test_families.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ class Family:
     # config.json -> the ModelConfig fields this family adds; ValueError names what it refuses
     read_config: Callable[[dict], dict]
     load_weights: Callable[[DecoderModel, dict[str, torch.Tensor]], None]
-    # the quantized modes (int8/int4) run this family: its tiny checkpoint meets Llama's gate
-    # (tests/model/test_families.py)
-    is_quantizable: bool = True
 
 
 def _llama_config(raw: dict) -> dict:

@@ -91,10 +91,6 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
            tokenizer: Tokenizer, device: torch.device, quantization: str = "none",
            stored: dict[str, Blocks] | None = None) -> LoadedModel:
     family = FAMILIES[config.architecture]
-    if quantization != "none" and not family.is_quantizable:
-        raise ModelLoadError(path, f"quantization {quantization!r} is not supported for "
-                             f"{family.name} (its int8/int4 quality gate is not met); use "
-                             "quantization 'none'")
     with torch.device("meta"):
         model = family.model_class(config)
     model = model.to_empty(device=device)

@@ -200,6 +200,27 @@ def test_family_quantized_modes_meet_llamas_gate(family: str, checkpoint, llama_
         assert vs_exact >= llama_gate[mode][0] - 0.03, (mode, vs_exact, llama_gate[mode][0])
 
 
+def test_quantized_experts_through_the_engine_and_the_load_cache(checkpoint,
+                                                                 tmp_path: Path) -> None:
+    """int4 Qwen3-MoE (each expert a block weight) through `LLMEngine`: a load-cache miss and
+    then a hit decode the fresh load's tokens."""
+    folder = checkpoint("qwen3_moe").folder
+
+    def greedy(cache_dir: Path | None) -> tuple[list[list[int]], str]:
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", quantization="int4",
+                                        num_blocks=64, block_size=16, max_num_batched_tokens=32,
+                                        load_cache_dir=cache_dir and str(cache_dir)))
+        outs = engine.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NUM_NEW,
+                                                          ignore_eos=True))
+        return [o.token_ids for o in outs], engine.runner.startup["load cache"]
+
+    want, off = greedy(None)
+    first, miss = greedy(tmp_path)
+    got, hit = greedy(tmp_path)
+    assert (off, miss, hit) == ("off", "miss", "hit")
+    assert first == want and got == want
+
+
 def test_unsupported_gguf_architecture_lists_the_supported(tmp_path: Path) -> None:
     import gguf
 
