@@ -1,5 +1,6 @@
-"""The model families Baton runs from a Hugging Face folder: architecture name -> model class,
-the config.json keys beyond the common ones, and the checkpoint's tensor names.
+"""The model families Baton runs from a Hugging Face folder (or a GGUF file, `gguf_layout.py`):
+architecture name -> model class, the config.json keys beyond the common ones, and the
+checkpoint's tensor names.
 
 Each family's module holds its math over the shared layers (`layers.py`); the loader reads the
 common config keys (`loader._hf_config`) and asks the family for the rest. Quantized modes

@@ -5,6 +5,10 @@
     int8: every layer weight in Q8_0 blocks: 32 int8 codes, fp16 scale
     both: the vocabulary projection in Q8_0 blocks
 
+A layer weight is each of a layer's four fused projections (q|k|v, o, gate|up, down; Phi-3's
+fused tensors as stored) of every family, and each expert's gate|up and down of a sparse layer
+(one block weight per expert, the router in floats).
+
 A GGUF file's Q4_0 / Q4_1 / Q8_0 tensors are kept as the bytes it stores: nothing is rounded a
 second time (their dequantized values are exactly the exact mode's weights). Any other tensor
 (F32, F16, Q6_K, ...; every tensor of a safetensors checkpoint) is quantized from its float
