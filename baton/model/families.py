@@ -1,9 +1,11 @@
-"""The model families Baton runs from a Hugging Face folder: architecture name -> model class,
-the config.json keys beyond the common ones, and the checkpoint's tensor names.
+"""The model families Baton runs from a Hugging Face folder (or a GGUF file, `gguf_layout.py`):
+architecture name -> model class, the config.json keys beyond the common ones, and the
+checkpoint's tensor names.
 
 Each family's module holds its math over the shared layers (`layers.py`); the loader reads the
 common config keys (`loader._hf_config`) and asks the family for the rest. Quantized modes
-(int8/int4) run only on the families whose layers they were built and gated for.
+(int8/int4) run every family: `quant.quantize_model` takes each layer's fused projections and
+a sparse layer's experts (the gate per family: tests/model/test_families.py).
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ class Family:
     # config.json -> the ModelConfig fields this family adds; ValueError names what it refuses
     read_config: Callable[[dict], dict]
     load_weights: Callable[[DecoderModel, dict[str, torch.Tensor]], None]
-    # the quantized modes' kernels and gates cover this family (plain attention, SwiGLU, the
-    # Llama layer's four projections)
-    is_quantizable: bool = False
 
 
 def _llama_config(raw: dict) -> dict:
@@ -45,10 +44,9 @@ def _mistral_config(raw: dict) -> dict:
 
 
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family("Llama", llama.LlamaModel, _llama_config, llama.load_weights,
-                               is_quantizable=True),
+    "LlamaForCausalLM": Family("Llama", llama.LlamaModel, _llama_config, llama.load_weights),
     "MistralForCausalLM": Family("Mistral", llama.LlamaModel, _mistral_config,
-                                 llama.load_weights, is_quantizable=True),
+                                 llama.load_weights),
     "Qwen2ForCausalLM": Family("Qwen2", qwen.QwenModel, qwen.qwen2_config, llama.load_weights),
     "Qwen3ForCausalLM": Family("Qwen3", qwen.QwenModel, qwen.qwen3_config, llama.load_weights),
     "Phi3ForCausalLM": Family("Phi-3", phi3.Phi3Model, phi3.phi3_config, phi3.load_weights),

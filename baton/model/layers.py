@@ -154,7 +154,8 @@ class SparseMoE(nn.Module):
     """Top-k routed experts (Qwen3-MoE / Mixtral): softmax over every expert's router logit in
     fp32, the k largest, renormalised to sum 1 when `norm_topk_prob`; each token's output is
     the weighted sum of its experts' SwiGLU MLPs. Experts run one GEMM pair each over the
-    tokens routed to them."""
+    tokens routed to them; in the quantized modes `gate_up` and `down` are lists of one block
+    weight per expert (`quant.quantize_model`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -109,6 +109,9 @@ def _entries(model: nn.Module) -> tuple[list[list], dict[str, torch.Tensor]]:
             tensors[names[ident]] = t.cpu().contiguous()
         return names[ident]
 
+    def quant_entry(q: QuantizedWeight) -> list:
+        return [q.kind, list(q.shape), name_of(q.blocks), name_of(q.dense)]
+
     entries = []
     for mod_name, mod in model.named_modules():
         for attr, p in mod._parameters.items():
@@ -119,8 +122,9 @@ def _entries(model: nn.Module) -> tuple[list[list], dict[str, torch.Tensor]]:
                 entries.append(["buffer", mod_name, attr, name_of(b)])
         for attr, v in vars(mod).items():
             if isinstance(v, QuantizedWeight):
-                entries.append(["quant", mod_name, attr, v.kind, list(v.shape),
-                                name_of(v.blocks), name_of(v.dense)])
+                entries.append(["quant", mod_name, attr, *quant_entry(v)])
+            elif isinstance(v, list) and v and all(isinstance(q, QuantizedWeight) for q in v):
+                entries.append(["quants", mod_name, attr, [quant_entry(q) for q in v]])  # experts
     return entries, tensors
 
 
@@ -175,11 +179,14 @@ def _place(model: nn.Module, entry: list, tensors: dict[str, torch.Tensor],
         mod._parameters[attr] = nn.Parameter(tensors[entry[3]].to(device), requires_grad=False)
     elif kind == "buffer":
         mod._buffers[attr] = tensors[entry[3]].to(device)
-    elif kind == "quant":
-        qkind, shape, blocks, dense = entry[3:]
+    elif kind in ("quant", "quants"):
         if attr in mod._parameters:
             delattr(mod, attr)  # a Parameter slot refuses a non-Parameter value
-        setattr(mod, attr, QuantizedWeight(qkind, tensors[blocks], tensors[dense], tuple(shape)))
+
+        def quant(qkind: str, shape: list, blocks: str, dense: str) -> QuantizedWeight:
+            return QuantizedWeight(qkind, tensors[blocks], tensors[dense], tuple(shape))
+        setattr(mod, attr, quant(*entry[3:]) if kind == "quant" else
+                [quant(*e) for e in entry[3]])
     else:
         raise CacheMiss(f"unknown entry kind {kind!r}")
 
@@ -207,7 +214,7 @@ def restore(file: Path, key: dict, device: torch.device, path: str | None = None
         cls = getattr(importlib.import_module(module_name), qualname)
         with torch.device("meta"):
             model = cls(config)
-        if any(e[0] == "quant" for e in meta["entries"]):
+        if any(e[0] in ("quant", "quants") for e in meta["entries"]):
             kernels()  # the ops QuantizedWeight.matmul calls
         for entry in meta["entries"]:
             _place(model, entry, tensors, device)

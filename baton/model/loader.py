@@ -1,4 +1,4 @@
-"""Load a model from a GGUF file (Llama) or a Hugging Face folder (config.json + safetensors) of
+"""Load a model from a GGUF file (the families of `gguf_layout.ARCHS`) or a Hugging Face folder (config.json + safetensors) of
 any family in `families.FAMILIES`.
 
 Nothing is ever downloaded: the default model is the SmolLM2-135M-Instruct GGUF that ships inside
@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from baton.model import gguf_layout
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.families import FAMILIES, Family
 from baton.model.layers import DecoderModel
@@ -42,21 +42,6 @@ logger = logging.getLogger(__name__)
 
 # What `gguf.quants.dequantize` turns into floats and we have checked against the reference.
 _GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
-_GGUF_ARCHS = {"llama"}
-_GGUF_NAMES = [  # GGUF tensor name pattern -> HF name
-    (r"token_embd\.weight", "model.embed_tokens.weight"),
-    (r"output_norm\.weight", "model.norm.weight"),
-    (r"output\.weight", "lm_head.weight"),
-    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
-    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
-    (r"blk\.(\d+)\.attn_q\.weight", r"model.layers.\1.self_attn.q_proj.weight"),
-    (r"blk\.(\d+)\.attn_k\.weight", r"model.layers.\1.self_attn.k_proj.weight"),
-    (r"blk\.(\d+)\.attn_v\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
-    (r"blk\.(\d+)\.attn_output\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
-    (r"blk\.(\d+)\.ffn_gate\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
-    (r"blk\.(\d+)\.ffn_up\.weight", r"model.layers.\1.mlp.up_proj.weight"),
-    (r"blk\.(\d+)\.ffn_down\.weight", r"model.layers.\1.mlp.down_proj.weight"),
-]
 
 
 @dataclass
@@ -105,13 +90,7 @@ def load_model(path: str | os.PathLike | None = None, dtype: str | torch.dtype =
 def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
            tokenizer: Tokenizer, device: torch.device, quantization: str = "none",
            stored: dict[str, Blocks] | None = None) -> LoadedModel:
-    family = FAMILIES[config.architecture] if config.architecture in FAMILIES else \
-        FAMILIES["LlamaForCausalLM"]  # a GGUF "llama"
-    if quantization != "none" and (not family.is_quantizable or config.layer_windows):
-        raise ModelLoadError(path, f"quantization {quantization!r} is not supported for "
-                             f"{family.name}{' with a sliding window' * bool(config.layer_windows)}"
-                             " (the int8/int4 kernels are gated on Llama-style layers with full "
-                             "attention); use quantization 'none'")
+    family = FAMILIES[config.architecture]
     with torch.device("meta"):
         model = family.model_class(config)
     model = model.to_empty(device=device)
@@ -121,7 +100,10 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
         raise ModelLoadError(path, f"missing tensor {e.args[0]}") from None
     except ValueError as e:
         raise ModelLoadError(path, str(e)) from None
-    quantize_model(model, quantization, weights, stored or {})
+    try:
+        quantize_model(model, quantization, weights, stored or {})
+    except ValueError as e:  # a width the 32-value blocks do not divide
+        raise ModelLoadError(path, f"quantization {quantization!r}: {e}") from None
     model.eval()
     logger.info("loaded %s: %d layers, hidden %d, heads %d/%d, vocab %d, %s on %s", path,
                 config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
@@ -134,18 +116,21 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
 
 def _gguf_config(path: Path, reader, dtype: torch.dtype) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ModelLoadError(path, f"unsupported architecture {arch!r} (supported: llama)")
+    if arch not in gguf_layout.ARCHS:
+        raise ModelLoadError(path, f"unsupported GGUF architecture {arch!r} (supported: "
+                             f"{', '.join(gguf_layout.ARCHS)})")
     g = lambda key, default=None: gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
     names = {t.name for t in reader.tensors}
-    heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
     eos = [gguf_field(reader, k) for k in ("tokenizer.ggml.eos_token_id",
                                            "tokenizer.ggml.eot_token_id")]
     vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     try:
+        num_layers = int(g("block_count"))
+        heads = int(g("attention.head_count"))
+        hidden = int(g("embedding_length"))
+        extras = gguf_layout.EXTRAS[arch](g, names, num_layers)
         return ModelConfig(
-            num_layers=int(g("block_count")), hidden_size=hidden,
+            num_layers=num_layers, hidden_size=hidden,
             intermediate_size=int(g("feed_forward_length")), num_heads=heads,
             num_kv_heads=int(g("attention.head_count_kv", heads)),
             head_dim=int(g("attention.key_length", g("rope.dimension_count", hidden // heads))),
@@ -155,7 +140,7 @@ def _gguf_config(path: Path, reader, dtype: torch.dtype) -> ModelConfig:
             max_position=int(g("context_length", 4096)),
             bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-            dtype=dtype, architecture=arch)
+            dtype=dtype, architecture=gguf_layout.ARCHS[arch], **extras)
     except (TypeError, ValueError) as e:
         raise ModelLoadError(path, f"bad model metadata: {e}") from None
 
@@ -173,10 +158,10 @@ def _gguf_weights(path: Path, reader, config: ModelConfig, stored: dict[str, Blo
     second rounding)."""
     from gguf.quants import dequantize
 
+    arch = gguf_field(reader, "general.architecture")
     weights = {}
     for t in reader.tensors:
-        hf_name = next((re.sub(pat + "$", rep, t.name) for pat, rep in _GGUF_NAMES
-                        if re.fullmatch(pat, t.name)), None)
+        hf_name = gguf_layout.hf_name(arch, t.name)
         if hf_name is None:
             continue  # e.g. rope_freqs: recomputed from the header
         if t.tensor_type.name not in _GGUF_TYPES:
@@ -184,8 +169,8 @@ def _gguf_weights(path: Path, reader, config: ModelConfig, stored: dict[str, Blo
                                  f"{t.tensor_type.name} (supported: {sorted(_GGUF_TYPES)})")
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        heads = config.num_heads if ".attn_q." in t.name else \
-            config.num_kv_heads if ".attn_k." in t.name else 0
+        heads = 0 if arch not in gguf_layout.PERMUTED_QK else config.num_heads \
+            if ".attn_q." in t.name else config.num_kv_heads if ".attn_k." in t.name else 0
         if heads:
             w = unpermute_qk(w, heads)
         if quantization == "int8" and t.tensor_type.name in ("Q4_0", "Q4_1"):
@@ -194,14 +179,15 @@ def _gguf_weights(path: Path, reader, config: ModelConfig, stored: dict[str, Blo
             # twice int4's bytes.
             raise ModelLoadError(path, f"tensor {t.name} is {t.tensor_type.name}: int8 would "
                                  "round its 4-bit weights again; use --quantization int4")
-        if stored is not None and t.tensor_type.name in BLOCK_KINDS and \
+        if stored is not None and t.tensor_type.name in BLOCK_KINDS and w.ndim == 2 and \
                 (t.name.startswith("blk.") or hf_name in HEAD_NAMES):
             b = Blocks(t.tensor_type.name, np.array(t.data).reshape(w.shape[0], -1))
             stored[hf_name] = b.rows_permuted(unpermute_qk(np.arange(w.shape[0]), heads)) \
                 if heads else b
         # F32 tensors come back as read-only views of the memory-mapped file: copy those.
         w = np.ascontiguousarray(w) if w.flags.writeable else np.array(w)
-        weights[hf_name] = torch.from_numpy(w)
+        if not gguf_layout.split_experts(weights, hf_name, torch.from_numpy(w)):
+            weights[hf_name] = torch.from_numpy(w)
     return weights
 
 

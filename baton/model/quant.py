@@ -5,6 +5,10 @@
     int8: every layer weight in Q8_0 blocks: 32 int8 codes, fp16 scale
     both: the vocabulary projection in Q8_0 blocks
 
+A layer weight is each of a layer's four fused projections (q|k|v, o, gate|up, down; Phi-3's
+fused tensors as stored) of every family, and each expert's gate|up and down of a sparse layer
+(one block weight per expert, the router in floats).
+
 A GGUF file's Q4_0 / Q4_1 / Q8_0 tensors are kept as the bytes it stores: nothing is rounded a
 second time (their dequantized values are exactly the exact mode's weights). Any other tensor
 (F32, F16, Q6_K, ...; every tensor of a safetensors checkpoint) is quantized from its float
@@ -209,26 +213,64 @@ def _layer_blocks(name: str, quantization: str, weights: dict[str, torch.Tensor]
     return b if b is not None and b.kind in kinds else Blocks.of_float(weights[name], kinds[0])
 
 
+_FUSED_NAMES = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}  # Phi-3's
+
+
+def _fused_blocks(layer: torch.nn.Module, i: int, attr: str, quantization: str,
+                  weights: dict[str, torch.Tensor], stored: dict[str, Blocks],
+                  ) -> tuple[Blocks, int, bool]:
+    """(blocks, tensors taken as stored, all of it as stored) of `layer.attr`: from its HF parts
+    where the checkpoint names them (each part as a GGUF file stores it, else from its floats),
+    else from the one fused tensor (Phi-3's qkv_proj, gate_up_proj) or the loaded values (the
+    blocks of a row are those of its part: quantizing the fused rows is the same)."""
+    names = [f"model.layers.{i}.{p}.weight" for p in _LAYER_WEIGHTS[attr]]
+    if all(n in weights or n in stored for n in names):
+        blocks = [_layer_blocks(n, quantization, weights, stored) for n in names]
+        as_stored = [b is stored.get(n) for b, n in zip(blocks, names, strict=True)]
+        return Blocks.cat(blocks), sum(as_stored), all(as_stored)
+    b = stored.get(f"model.layers.{i}.{_FUSED_NAMES.get(attr, '?')}.weight")
+    if b is not None and b.kind in _LAYER_KIND[quantization]:
+        return b, 1, True
+    return Blocks.of_float(getattr(layer, attr).data, _LAYER_KIND[quantization][0]), 0, False
+
+
+def _quantize_experts(moe: torch.nn.Module, quantization: str, dtype: torch.dtype) -> int:
+    """A sparse layer's expert weights -> one QuantizedWeight per expert (the router stays in
+    floats: a few rows); the bytes they take."""
+    kind = _LAYER_KIND[quantization][0]
+    nbytes = 0
+    for attr in ("gate_up", "down"):
+        experts = [QuantizedWeight.of(Blocks.of_float(w, kind), dtype) for w in getattr(moe, attr)]
+        nbytes += sum(q.nbytes for q in experts)
+        _replace(moe, attr, experts)
+    return nbytes
+
+
 def quantize_model(model: torch.nn.Module, quantization: str,
                    weights: dict[str, torch.Tensor], stored: dict[str, Blocks]) -> None:
-    """Replace every layer's projections and the vocabulary projection of a loaded `LlamaModel`
-    by block weights. `weights`: the checkpoint's HF-named float tensors; `stored`: HF name ->
-    the blocks a GGUF file stores, taken in place of quantizing the float values again."""
+    """Replace every layer's projections, its experts (a sparse layer) and the vocabulary
+    projection of a loaded `DecoderModel` by block weights. `weights`: the checkpoint's
+    HF-named float tensors; `stored`: HF name -> the blocks a GGUF file stores, taken in place
+    of quantizing the float values again."""
     if quantization == "none":
         return
     dtype = model.config.dtype
     float_bytes = quant_bytes = 0
     kept = 0
     for i, layer in enumerate(model.layers):
-        for attr, parts in _LAYER_WEIGHTS.items():
-            names = [f"model.layers.{i}.{p}.weight" for p in parts]
-            blocks = [_layer_blocks(n, quantization, weights, stored) for n in names]
-            as_stored = [b is stored.get(n) for b, n in zip(blocks, names, strict=True)]
-            kept += sum(as_stored)
+        if getattr(layer, "moe", None) is not None:
+            float_bytes += sum(p.numel() * 4 for p in (layer.moe.gate_up, layer.moe.down))
+            quant_bytes += _quantize_experts(layer.moe, quantization, dtype)
+        for attr in _LAYER_WEIGHTS:
+            if not hasattr(layer, attr):
+                continue  # a sparse layer has no dense MLP
+            blocks, num_stored, is_stored = _fused_blocks(layer, i, attr, quantization, weights,
+                                                          stored)
+            kept += num_stored
             float_bytes += getattr(layer, attr).numel() * 4
             # All parts as stored: the layer's float weight holds the blocks' values already.
-            dense = getattr(layer, attr).data if all(as_stored) else None
-            q = QuantizedWeight.of(Blocks.cat(blocks), dtype, dense)
+            dense = getattr(layer, attr).data if is_stored else None
+            q = QuantizedWeight.of(blocks, dtype, dense)
             quant_bytes += q.nbytes
             _replace(layer, attr, q)
     head_name = HEAD_NAMES[0] if model.lm_head is not None else HEAD_NAMES[1]

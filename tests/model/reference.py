@@ -161,21 +161,35 @@ def teacher_forced_top1(loaded, tokens: list[int], chunk: int = 512, backend=Non
     """The model's top-1 prediction after every prefix of `tokens` (teacher forcing: the text,
     not the model's own output, is fed back), as one sequence prefilled in chunks over a paged
     pool: int64 [len(tokens) - 1]."""
+    return teacher_forced_top1_many(loaded, [tokens], chunk, backend)
+
+
+def teacher_forced_top1_many(loaded, sequences: list[list[int]], chunk: int = 512,
+                             backend=None) -> torch.Tensor:
+    """`teacher_forced_top1` of several sequences of one length, side by side in each step (a
+    chunk of each): their predictions one sequence after another."""
     from baton.model.backends import StepBatch
     from baton.model.runner import ModelRunner
 
-    num_blocks = -(-len(tokens) // BLOCK_SIZE)
-    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=num_blocks + 1, backend=backend)
-    table = torch.arange(1, num_blocks + 1)[None]
+    length = len(sequences[0])
+    assert all(len(s) == length for s in sequences)
+    num_blocks = -(-length // BLOCK_SIZE)
+    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=len(sequences) * num_blocks + 1,
+                         backend=backend)
+    table = torch.arange(1, len(sequences) * num_blocks + 1).view(len(sequences), num_blocks)
     out = []
-    for start in range(0, len(tokens), chunk):
-        end = min(start + chunk, len(tokens))
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
         pos = torch.arange(start, end)
-        batch = StepBatch(torch.tensor(tokens[start:end]), pos, pos + BLOCK_SIZE, table,
-                          np.array([end - start]), np.array([end]), None)
+        slots = torch.cat([row[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+                           for row in table])
+        n = len(sequences)
+        batch = StepBatch(torch.tensor([t for s in sequences for t in s[start:end]]),
+                          pos.repeat(n), slots, table, np.full(n, end - start),
+                          np.full(n, end), None)
         meta = runner.backend.prepare(batch, runner.kv_cache, loaded.config.dtype)
-        logits = runner.model(batch.input_ids, pos, runner.kv_cache, meta, runner.backend,
-                              logit_rows=torch.arange(end - start))
+        logits = runner.model(batch.input_ids, batch.positions, runner.kv_cache, meta,
+                              runner.backend, logit_rows=torch.arange(n * (end - start)))
         runner.backend.finish_step(meta)
-        out.append(logits.argmax(-1))
-    return torch.cat(out)[:-1]
+        out.append(logits.argmax(-1).view(n, -1))
+    return torch.cat(out, dim=1)[:, :-1].reshape(-1)
