@@ -24,6 +24,7 @@ Writes bench/results/llamacpp_compare.json and .md. State the machine's load wit
 (the table has it, per workload).
 
     LLAMA_SERVER=/path/to/llama-server python bench/llamacpp_compare.py --repeats 3
+    python bench/llamacpp_compare.py --baton-only     # Baton's rows only (no llama.cpp here)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -81,9 +83,10 @@ class CompareConfig:
     port: int = 8140  # servers take port, port + 1, ...
     up_timeout_s: float = 300.0
     results_dir: Path = sb.RESULTS_DIR
+    baton_only: bool = False  # no llama.cpp server: Baton's rows and targets only
 
     def __post_init__(self) -> None:
-        if not self.llama_server or not Path(self.llama_server).is_file():
+        if not self.baton_only and not Path(self.llama_server or "missing").is_file():
             raise ValueError(f"llama_server {self.llama_server!r} is not a file (set "
                              "LLAMA_SERVER or --llama-server)")
         if not self.cores or not set(self.cores) <= set(os.sched_getaffinity(0)):
@@ -120,6 +123,8 @@ def server_plan(cfg: CompareConfig) -> dict[str, tuple[str, list[str]]]:
     threads = ["--num-threads", str(cfg.threads)]
     plan = {"Baton off": ("baton", threads)}
     plan.update({f"Baton {m}": ("baton", [*threads, "--speculative", m]) for m in BATON_SPEC})
+    if cfg.baton_only:
+        return plan
     plan["llama.cpp"] = ("llama", ["--parallel", str(cfg.c32), "-c", str(1024 * cfg.c32)])
     plan.update({f"llama.cpp {t}": ("llama", ["--parallel", "1", "-c", "4096", "--spec-type", t])
                  for t in cfg.spec_types})
@@ -213,7 +218,7 @@ def greedy_check(servers: dict[str, sc.BatonUp], models: dict[str, str],
 def random_prompt(num_words: int, seed: int) -> str:
     import numpy as np
 
-    words = sb.WORDS.split()
+    words = list(sb.WORDS)
     return " ".join(np.random.default_rng(seed).choice(words, num_words).tolist())
 
 
@@ -238,7 +243,7 @@ def run_rounds(cfg: CompareConfig, servers, models) -> dict:
     """Every repeat: copy, random, fixed c1, fixed c32, each over its servers in turn."""
     copy_names = [n for n in servers]
     baton = [n for n in servers if n.startswith("Baton")]
-    fixed = ["Baton off", "llama.cpp"]
+    fixed = [n for n in ("Baton off", "llama.cpp") if n in servers]
     copy: dict = {}
     rand: dict = {}
     fixed_rows: dict = {}
@@ -276,6 +281,7 @@ def summarize(raw: dict) -> dict:
             for (p, n), runs in raw["copy"].items()}
     rand = {n: tpot_ms(runs) for (_, n), runs in raw["random"].items()}
     fixed = {}
+    high = max(conc for _, conc in raw["fixed"])  # --c32
     for (name, conc), rows in raw["fixed"].items():
         fixed[f"{name}|c{conc}"] = {"tpot_p50_ms": spread([r["tpot_p50_ms"] for r in rows]),
                                     "out_tok_s": spread([r["out_tok_s"] for r in rows])}
@@ -288,21 +294,24 @@ def summarize(raw: dict) -> dict:
     best_llama = min(llama_spec, key=llama_spec.get) if llama_spec else "llama.cpp"
     best_baton = min((n for n in copy_p50 if n.startswith("Baton ") and n != "Baton off"),
                      key=copy_p50.get)
-    c32 = fixed["Baton off|c32"]["out_tok_s"]["p50"] / fixed["llama.cpp|c32"]["out_tok_s"]["p50"]
     targets = {
         "copy: Baton best spec / Baton off (<= 0.8)":
             copy_p50[best_baton] / copy_p50["Baton off"],
-        "copy: Baton best spec / llama.cpp best (<= 0.9)":
-            copy_p50[best_baton] / min(copy_p50["llama.cpp"], copy_p50[best_llama]),
         **{f"random: Baton {m} / off (<= 1.05)": rand[f"Baton {m}"]["p50"] /
-           rand["Baton off"]["p50"] for m in BATON_SPEC if f"Baton {m}" in rand},
-        "fixed c1 TPOT: Baton / llama.cpp (<= 1.0)":
-            fixed["Baton off|c1"]["tpot_p50_ms"]["p50"] /
-            fixed["llama.cpp|c1"]["tpot_p50_ms"]["p50"],
-        "fixed c32 tok/s: Baton / llama.cpp (>= 1.5)": c32,
-    }
+           rand["Baton off"]["p50"] for m in BATON_SPEC if f"Baton {m}" in rand}}
+    if "llama.cpp" in copy_p50:
+        llama_best = min(copy_p50["llama.cpp"], copy_p50.get(best_llama, math.inf))
+        targets.update({
+            "copy: Baton best spec / llama.cpp best (<= 0.9)": copy_p50[best_baton] / llama_best,
+            "fixed c1 TPOT: Baton / llama.cpp (<= 1.0)":
+                fixed["Baton off|c1"]["tpot_p50_ms"]["p50"] /
+                fixed["llama.cpp|c1"]["tpot_p50_ms"]["p50"],
+            f"fixed c{high} tok/s: Baton / llama.cpp (>= 1.5)":
+                fixed[f"Baton off|c{high}"]["out_tok_s"]["p50"] /
+                fixed[f"llama.cpp|c{high}"]["out_tok_s"]["p50"]})
     return {"copy": copy, "copy_p50_ms": copy_p50, "best_baton_spec": best_baton,
-            "best_llama_spec": best_llama, "random": rand, "fixed": fixed, "targets": targets,
+            "best_llama_spec": best_llama, "random": rand, "fixed": fixed, "high": high,
+            "targets": targets,
             "loads": raw["loads"]}
 
 
@@ -321,10 +330,11 @@ def markdown(summary: dict, check: dict) -> str:
     for name, s in summary["random"].items():
         lines.append(f"| random (T=1) | {name} | {cell(s)} | "
                      f"{s['p50'] / summary['random']['Baton off']['p50']:.2f}x | - |")
-    lines += ["", "| fixed 256/128 | server | c1 TPOT p50 ms (min-max) | c32 out tok/s "
+    high = summary["high"]
+    lines += ["", f"| fixed 256/128 | server | c1 TPOT p50 ms (min-max) | c{high} out tok/s "
               "(min-max) |", "|---|---|---|---|"]
-    for name in ("Baton off", "llama.cpp"):
-        c1, c32 = summary["fixed"][f"{name}|c1"], summary["fixed"][f"{name}|c32"]
+    for name in [n for n in ("Baton off", "llama.cpp") if f"{n}|c1" in summary["fixed"]]:
+        c1, c32 = summary["fixed"][f"{name}|c1"], summary["fixed"][f"{name}|c{high}"]
         lines.append(f"| | {name} | {cell(c1['tpot_p50_ms'])} | {cell(c32['out_tok_s'])} |")
     lines += ["", "| target | measured |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in summary["targets"].items()]
@@ -352,13 +362,15 @@ def parse_args(argv: list[str] | None) -> CompareConfig:
     p.add_argument("--spec-types", default=",".join(LLAMA_SPEC_TYPES))
     p.add_argument("--port", type=int, default=d["port"].default)
     p.add_argument("--results-dir", default=str(sb.RESULTS_DIR))
+    p.add_argument("--baton-only", action="store_true",
+                   help="no llama.cpp server: Baton's rows and the targets without llama.cpp")
     a = p.parse_args(argv)
     cores = [int(c) for c in a.cores.split(",") if c] or sorted(os.sched_getaffinity(0))
     return CompareConfig(llama_server=a.llama_server, cores=cores, threads=a.threads,
                          repeats=a.repeats, copy_tokens=a.copy_tokens,
                          fixed_c1_requests=a.fixed_c1_requests, c32=a.c32,
                          spec_types=[t for t in a.spec_types.split(",") if t], port=a.port,
-                         results_dir=Path(a.results_dir))
+                         results_dir=Path(a.results_dir), baton_only=a.baton_only)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         raw = run_rounds(cfg, servers, models)
     finally:
         stop_servers(servers)
+    name = "llamacpp_compare_baton_only" if cfg.baton_only else "llamacpp_compare"
+    raw_record = {part: {"|".join(map(str, k)): v for k, v in raw[part].items()}
+                  for part in ("copy", "random", "fixed")}
+    (cfg.results_dir / f"{name}_raw.json").write_text(json.dumps(raw_record))  # if what follows fails
     summary = summarize(raw)
     table = markdown(summary, check)
     record = {"config": {**cfg.__dict__, "llama_server": Path(cfg.llama_server).name,
@@ -392,12 +408,12 @@ def main(argv: list[str] | None = None) -> int:
               "cpu_count": os.cpu_count(), "load_start": load_start,
               "load_end": os.getloadavg(), "wall_s": time.monotonic() - t0,
               "greedy_check": check, "summary": summary,
-              "raw": {part: {"|".join(k): v for k, v in raw[part].items()}
-                      for part in ("copy", "random", "fixed")}}
-    (cfg.results_dir / "llamacpp_compare.json").write_text(json.dumps(record, indent=1))
-    (cfg.results_dir / "llamacpp_compare.md").write_text(table + "\n")
+              "raw": raw_record}
+    (cfg.results_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
+    (cfg.results_dir / f"{name}_raw.json").unlink()
+    (cfg.results_dir / f"{name}.md").write_text(table + "\n")
     print(table)
-    print(f"wall {time.monotonic() - t0:.0f} s; wrote {cfg.results_dir / 'llamacpp_compare.json'}")
+    print(f"wall {time.monotonic() - t0:.0f} s; wrote {cfg.results_dir / name}.json and .md")
     return 0
 
 

@@ -14,8 +14,9 @@ A decode step's life with it on (docs/scheduler.md S3, "In-flight steps"):
 Two beats only where N+1 cannot depend on more than N's sampled tokens: a step runs one beat
 (booked before the next is scheduled) when it is a prompt step (n > 1 choices split there, a
 prompt may hand off), verifies drafts, has a grammar-constrained row (the next mask needs this
-token consumed), or has a request that may speculate (its drafts are proposed from the tokens
-booked, and a row scheduled after an unbooked verify step would start at an unknown position).
+token consumed), has a request that may speculate (its drafts are proposed from the tokens
+booked, and a row scheduled after an unbooked verify step would start at an unknown
+position), or has a row at the model length (it has no next position).
 Plain decode steps beside them run two beats again once those finish.
 """
 
@@ -120,6 +121,9 @@ class TwoBeat:
     def can_overlap(self, launch: StepLaunch) -> bool:
         """Whether the next step may be scheduled before this one is booked."""
         if launch.sched_out.prompt_run or launch.verified:
+            return False
+        # A row at the model length has no next position (S38 would refuse the next step).
+        if int(np.asarray(launch.sched_out.seqlens_k).max()) >= self.engine.max_model_len:
             return False
         speculating = self.engine.speculator is not None
         return not any(r.matcher is not None or (speculating and r.params.speculative)

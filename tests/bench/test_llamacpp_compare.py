@@ -72,3 +72,16 @@ def test_plan_and_bad_config(tmp_path: Path) -> None:
         lc.CompareConfig(llama_server=str(exe), spec_types=["eagle"])
     with pytest.raises(ValueError, match="repeats"):
         lc.CompareConfig(llama_server=str(exe), repeats=0)
+
+
+def test_baton_only_has_the_targets_without_llama_cpp(tmp_path: Path) -> None:
+    raw = canned()
+    raw["copy"] = {k: v for k, v in raw["copy"].items() if k[1].startswith("Baton")}
+    raw["fixed"] = {k: v for k, v in raw["fixed"].items() if k[0] == "Baton off"}
+    s = lc.summarize(raw)
+    assert sorted(s["targets"]) == ["copy: Baton best spec / Baton off (<= 0.8)",
+                                    "random: Baton ngram / off (<= 1.05)",
+                                    "random: Baton suffix / off (<= 1.05)"]
+    assert "| | Baton off |" in lc.markdown(s, {"ref_words": 1, "shared_words": {}})
+    cfg = lc.CompareConfig(baton_only=True)
+    assert list(lc.server_plan(cfg)) == ["Baton off", "Baton ngram", "Baton suffix"]

@@ -99,6 +99,32 @@ def test_abort_mid_stream_and_close(engines, prompts) -> None:
     assert all(not t.is_alive() for t in engine.pipeline._pool._threads)
 
 
+@pytest.mark.slow
+def test_speculating_rows_run_one_beat_beside_two_beat_opt_outs(engines, prompts) -> None:
+    """--speculative with --async-scheduling: a batch with a speculating request runs one beat
+    (its drafts verified), a batch of opt-outs two beats; both give the plain tokens."""
+    plain, _ = engines
+    spec = make_engine(async_scheduling=True, speculative="ngram", num_speculative_tokens=4,
+                       speculative_disable_by_batch_size=1000)
+    copy = baton_model().tokenizer.encode(LONG_TEXT[:200] + " " + LONG_TEXT[:100])
+    for opt_in in (True, False):
+        params = SamplingParams(temperature=0, max_tokens=12, speculative=opt_in)
+        beats, verified = spec.pipeline.num_two_beat_steps, spec.speculator.stats.num_accepted
+        assert run(spec, [copy, prompts[1]], [params] * 2) == \
+            run(plain, [copy, prompts[1]], [params] * 2)
+        assert (spec.pipeline.num_two_beat_steps > beats) != opt_in
+        assert (spec.speculator.stats.num_accepted > verified) == opt_in
+
+
+@pytest.mark.slow
+def test_a_request_runs_to_the_model_length(prompts) -> None:
+    """The step whose row reaches the model length runs one beat: no row past it (S38)."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    got = [run(make_engine(max_model_len=len(prompts[1]) + 6, async_scheduling=mode),
+               prompts[1:2], [params])[(0, 0)] for mode in (False, True)]
+    assert got[0] == got[1] and got[0][2] == "length"
+
+
 def disaggregated(completion: LLMEngine, prompt_engine: LLMEngine, prompts, params):
     """Each prompt prefilled on `prompt_engine`, its KV copied into `completion`'s blocks, then
     decoded there: tokens per prompt (the prompt engine's first, then the completion's)."""
