@@ -338,8 +338,10 @@ def markdown(summary: dict, check: dict) -> str:
         lines.append(f"| | {name} | {cell(c1['tpot_p50_ms'])} | {cell(c32['out_tok_s'])} |")
     lines += ["", "| target | measured |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in summary["targets"].items()]
-    lines += ["", f"Best Baton speculation: {summary['best_baton_spec']}; best llama.cpp "
-              f"--spec-type: {summary['best_llama_spec']}. Load average (1 min) at the start of "
+    llama = (f"; best llama.cpp --spec-type: {summary['best_llama_spec']}"
+             if "llama.cpp" in summary["copy_p50_ms"] else "")
+    lines += ["", f"Best Baton speculation: {summary['best_baton_spec']}{llama}. Load average "
+              "(1 min) at the start of "
               f"each repeat's copy part: {', '.join(f'{x:.1f}' for x in loads['copy'])}; at the "
               f"end {loads['end'][0]:.1f}.",
               f"Greedy check ({check['ref_words']} words of Baton off): words shared from the "

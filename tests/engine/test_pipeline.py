@@ -109,11 +109,11 @@ def test_speculating_rows_run_one_beat_beside_two_beat_opt_outs(engines, prompts
     copy = baton_model().tokenizer.encode(LONG_TEXT[:200] + " " + LONG_TEXT[:100])
     for opt_in in (True, False):
         params = SamplingParams(temperature=0, max_tokens=12, speculative=opt_in)
-        beats, verified = spec.pipeline.num_two_beat_steps, spec.speculator.stats.num_accepted
+        beats, verified = spec.pipeline.num_two_beat_steps, spec.speculator.stats.num_verify_rows
         assert run(spec, [copy, prompts[1]], [params] * 2) == \
             run(plain, [copy, prompts[1]], [params] * 2)
         assert (spec.pipeline.num_two_beat_steps > beats) != opt_in
-        assert (spec.speculator.stats.num_accepted > verified) == opt_in
+        assert (spec.speculator.stats.num_verify_rows > verified) == opt_in
 
 
 @pytest.mark.slow
