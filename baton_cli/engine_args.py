@@ -185,6 +185,10 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                         help="0 = a batch drafts only where the engine's measured step times "
                              "say verifying pays (the default); N = a batch of N or more rows "
                              "never drafts, a smaller one always does (vLLM's name)")
+        sp.add_argument("--async-scheduling", action="store_true",
+                        help="the two-beat pipeline: schedule a plain decode step and build "
+                             "its inputs while the step before it runs, and book that one "
+                             "meanwhile (README: The two-beat pipeline; off by default)")
     if role in (NORMAL, PROMPT):
         m.add_argument("--data-parallel-size", type=int, default=1,
                        help="ranks, one scheduler each, voting on the step type over gloo")

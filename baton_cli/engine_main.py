@@ -65,8 +65,10 @@ def kv_disk_dir(args: argparse.Namespace) -> str:
 
 # The prefill cadence flags (NORMAL engines only): EngineConfig fields of the same names.
 CADENCE = ("prefill_attempt_interval", "prefill_any_attempt_interval", "prefill_min_decode_steps")
-# The speculative decoding flags (engines that decode): EngineConfig fields of the same names.
-SPECULATION = ("speculative", "num_speculative_tokens", "speculative_disable_by_batch_size")
+# The flags of the engines that decode (speculative decoding, the two-beat pipeline):
+# EngineConfig fields of the same names.
+SPECULATION = ("speculative", "num_speculative_tokens", "speculative_disable_by_batch_size",
+               "async_scheduling")
 
 
 def transfer_config(args: argparse.Namespace, role: str) -> TransferConfig:

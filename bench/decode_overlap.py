@@ -11,7 +11,13 @@ its backend's `prepare`: what cannot overlap), the backend's input preparation, 
 and the rest (scheduler, booking, outputs); "hideable" = step - model, the pipeline's ceiling.
 Each repeat runs c1 then cN (interleaved); the table gives medians over every decode step.
 
+`--pipeline` measures the pipeline itself instead (`EngineConfig.async_scheduling`): two
+engines over the same loaded weights, off and on, each repeat running c1 then cN on each in
+turn (interleaved); per request TPOT = (last token's time - first's) / (tokens - 1), and
+the batch's output tokens per second; the outputs must be equal (greedy), checked every run.
+
     python bench/decode_overlap.py --repeats 3
+    python bench/decode_overlap.py --pipeline --repeats 5
 
 Writes bench/results/decode_overlap.json. State the machine's load (`uptime`) with any figure.
 """
@@ -58,6 +64,71 @@ def run(engine, prompts, params, clocks: dict[str, list[float]]) -> list[dict[st
     return steps
 
 
+def timed_batch(engine, prompts, params) -> tuple[list[float], float, list[list[int]]]:
+    """(TPOT per request, output tok/s of the batch, tokens per request) of `prompts` at once."""
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    times: dict[str, list[float]] = {rid: [] for rid in ids}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.new_token_ids:
+                times[out.request_id].append(now)
+                tokens[out.request_id].extend(out.new_token_ids)
+    seconds = time.perf_counter() - start
+    tpot = [(t[-1] - t[0]) / (len(tokens[rid]) - 1) for rid, t in times.items()]
+    return tpot, sum(map(len, tokens.values())) / seconds, [tokens[rid] for rid in ids]
+
+
+def pipeline_part(args, loaded, prompts, params) -> dict:
+    """TPOT and tok/s with the two-beat pipeline off and on, c1 and cN, interleaved."""
+    from baton.engine import EngineConfig, LLMEngine
+
+    engines = {mode: LLMEngine(EngineConfig(quantization=args.quantization,
+                                            num_threads=args.threads, num_blocks=1024,
+                                            async_scheduling=mode == "on"), loaded=loaded)
+               for mode in ("off", "on")}
+    for engine in engines.values():  # warm-up
+        timed_batch(engine, prompts[:1], params)
+    tpot: dict[tuple[int, str], list[float]] = {}
+    tok_s: dict[tuple[int, str], list[float]] = {}
+    for rep in range(args.repeats):
+        for num in (1, args.concurrency):
+            want = None
+            modes = ("off", "on") if rep % 2 == 0 else ("on", "off")
+            for mode in modes:
+                t, rate, tokens = timed_batch(engines[mode], prompts[:num], params)
+                tpot.setdefault((num, mode), []).append(statistics.median(t))
+                tok_s.setdefault((num, mode), []).append(rate)
+                if want is not None and tokens != want:
+                    raise SystemExit(f"c{num}: the pipeline changed the output")
+                want = tokens
+    rows = []
+    for num in (1, args.concurrency):
+        row = {"concurrency": num}
+        for mode in ("off", "on"):
+            ms = [1e3 * x for x in tpot[(num, mode)]]
+            row[f"tpot_{mode}_ms"] = ms
+            row[f"tok_s_{mode}"] = tok_s[(num, mode)]
+        row["tpot_ratio_on_off"] = (statistics.median(row["tpot_on_ms"]) /
+                                    statistics.median(row["tpot_off_ms"]))
+        rows.append(row)
+    print(f"{'conc':>4} {'TPOT off p50 (min-max) ms':>26} {'TPOT on p50 (min-max) ms':>26} "
+          f"{'on/off':>7} {'tok/s off':>10} {'tok/s on':>9}")
+    for r in rows:
+        off, on = r["tpot_off_ms"], r["tpot_on_ms"]
+        print(f"{r['concurrency']:4d} {statistics.median(off):9.2f} ({min(off):6.2f}-"
+              f"{max(off):6.2f}) {statistics.median(on):12.2f} ({min(on):6.2f}-{max(on):6.2f}) "
+              f"{r['tpot_ratio_on_off']:7.3f} {statistics.median(r['tok_s_off']):10.1f} "
+              f"{statistics.median(r['tok_s_on']):9.1f}")
+    steps = engines["on"].pipeline.num_two_beat_steps
+    for engine in engines.values():
+        engine.close()
+    return {"rows": rows, "num_two_beat_steps": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -66,9 +137,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
-                                         "decode_overlap.json"))
+    ap.add_argument("--pipeline", action="store_true",
+                    help="measure the two-beat pipeline off and on (TPOT, tok/s)")
+    ap.add_argument("--out", default="")
     args = ap.parse_args()
+    args.out = args.out or str(Path(__file__).parent / "results" / (
+        "decode_overlap_pipeline.json" if args.pipeline else "decode_overlap.json"))
 
     import numpy as np
     import torch
@@ -91,6 +165,15 @@ def main() -> None:
                for _ in range(args.concurrency)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     load_start = os.getloadavg()
+    if args.pipeline:
+        result = {"config": {**vars(args), "out": Path(args.out).name},
+                  "load_avg_start": load_start,
+                  **pipeline_part(args, loaded, prompts, params),
+                  "load_avg_end": os.getloadavg()}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}; load average at the start {load_start[0]:.2f}, "
+              f"at the end {os.getloadavg()[0]:.2f}")
+        return
     run(engine, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), clocks)  # warm-up
     per: dict[int, list[dict[str, float]]] = {1: [], args.concurrency: []}
     for _ in range(args.repeats):

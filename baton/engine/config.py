@@ -94,6 +94,11 @@ class EngineConfig:
     kv_disk_dir: str = ""
     # Most bytes of files in kv_disk_dir; the least recently used files go first.
     kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES
+    # The two-beat pipeline (baton/engine/pipeline.py, docs/scheduler.md S3): a plain decode
+    # step's successor is scheduled and its inputs built while its forward runs on a worker
+    # thread, and it is booked while the successor runs. Off by default: README, "The two-beat
+    # pipeline", has the measurements. Refused on a prompt engine (no decode steps).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -118,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_disk_bytes must be > 0, got {self.kv_disk_bytes}")
         if self.num_blocks == 1:
             raise ValueError("EngineConfig.num_blocks must be 0 (auto) or >= 2, got 1")
+        if self.async_scheduling and self.engine_type == PROMPT:
+            raise ValueError("EngineConfig.async_scheduling=True on a prompt engine: it runs no "
+                             "decode step to overlap (use it on the engines that decode)")
 
     def _check_speculative(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:

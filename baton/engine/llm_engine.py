@@ -23,7 +23,6 @@ Outputs are token ids; text is the router's business (and `generate`'s, offline)
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -35,6 +34,7 @@ from baton.engine.kv_disk import DiskTier, open_disk_tier
 from baton.engine.kv_events import KvEventSource
 from baton.engine.kv_keys import KvKeys
 from baton.engine.kv_shared import SharedTier, open_shared_tier
+from baton.engine.pipeline import StepLaunch, TwoBeat, fill_placeholders
 from baton.engine.request import CompletionOutput, Request, RequestOutput
 from baton.engine.runner_api import Runner
 from baton.engine.scheduler import AllocStatus, Scheduler, SchedulerConfig, kv_window
@@ -99,6 +99,8 @@ class LLMEngine:
                                       disable_by_batch_size=config.speculative_disable_by_batch_size)
                            if config.num_draft_tokens else None)
         self.max_model_len = max_len
+        # --async-scheduling: steps on a forward thread, one ahead where they may (pipeline.py)
+        self.pipeline = TwoBeat(self) if config.async_scheduling else None
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
         self._families: dict[str, set[str]] = {}  # n > 1: request id -> its choices' ids
@@ -210,8 +212,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """With a disk tier: the pool's cached blocks go to disk too, and the writer finishes,
-        so that a restart (or the next role's engine, S41) finds them there (P10). The
-        shared tier's threads stop (its blocks stay in the store, P11)."""
+        so that a restart (or the next role's engine, S41) finds them there (P10). With
+        the two-beat pipeline, the step in flight is booked and its thread stopped first.
+        The shared tier's threads stop (its blocks stay in the store, P11)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.shared is not None:
             self.shared.close()
             self.shared = None
@@ -316,7 +321,8 @@ class LLMEngine:
         (COMPLETION) or has been handed off (PROMPT) need no step."""
         sched = self.scheduler
         return (bool(self._pending) or sched.num_waiting() > 0 or sched.num_running() > 0
-                or sched.num_prompted() > 0)
+                or sched.num_prompted() > 0
+                or (self.pipeline is not None and self.pipeline.in_flight))
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
@@ -427,8 +433,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One schedule -> run -> process_outputs round; what it produced, per request."""
+        """One schedule -> run -> process_outputs round; what it produced, per request. With
+        `async_scheduling`, the two-beat pipeline's round (baton/engine/pipeline.py)."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
         outputs, self._pending = self._pending, []
+        launch = self._launch(self._schedule(outputs))
+        if launch is not None:
+            outputs += self._book(launch, *launch.run(self.runner))
+        return outputs
+
+    def _schedule(self, outputs: list[RequestOutput]):
+        """The scheduler's next step (the tiers around it); the last outputs of the
+        requests it dropped go to `outputs`."""
         if self._tiers():  # P10, P11: finished reads enter the pool before the admission
             num_loading = sum(t.num_pending for t in self._tiers())
             idle = (self.scheduler.num_running() == 0 and not outputs
@@ -441,6 +458,13 @@ class LLMEngine:
         for request_id, reason in [*sched_out.ignored, *sched_out.finished]:
             if request_id in self._requests:
                 outputs.append(self._finish(self._requests[request_id], reason))
+        return sched_out
+
+    def _launch(self, sched_out, after: tuple[StepLaunch, np.ndarray] | None = None
+                ) -> StepLaunch | None:
+        """A scheduled step's runner arguments; None for an empty step. `after`: the step
+        still in flight and its sampled tokens (two-beat), which fill this step's -1 input
+        ids and count among the outputs its rows sample after."""
         seq_ids = np.array(sched_out.seq_ids, copy=True)
         if sched_out.prompt_run:
             self.num_prompt_steps += 1
@@ -448,7 +472,7 @@ class LLMEngine:
         else:
             self.num_decode_steps += 1
         if len(seq_ids) == 0:
-            return outputs
+            return None
         reqs = [self._by_seq[int(s)] for s in seq_ids]
         seqlens_q, seqlens_k = np.asarray(sched_out.seqlens_q), np.asarray(sched_out.seqlens_k)
         if sched_out.prompt_run:
@@ -456,27 +480,37 @@ class LLMEngine:
             self.num_prompt_tokens += int(seqlens_q.sum())
             self.num_recomputed += sum(1 for r, q in zip(reqs, seqlens_q, strict=True)
                                        if len(r.token_ids) > r.num_given and q > 1)
+        run_out, so_far = sched_out, [r.token_ids for r in reqs]
+        if after is not None:  # the outputs a row samples after: its booked ones and N's token
+            run_out, filled = fill_placeholders(sched_out, seq_ids, *after)
+            so_far = [[*r.token_ids, filled[int(s)]] if int(s) in filled else list(r.token_ids)
+                      for r, s in zip(reqs, seq_ids, strict=True)]
         # Only a row whose context is complete is sampled: a non-final prompt chunk is not. A
         # decode row's context runs past the request's tokens by its drafts (q - 1).
         drafted = 0 if sched_out.prompt_run else seqlens_q - 1
-        complete = [int(k) == r.num_tokens
-                    for r, k in zip(reqs, seqlens_k - drafted, strict=True)]
+        complete = [int(k) == len(r.prompt_token_ids) + len(t)
+                    for r, t, k in zip(reqs, so_far, seqlens_k - drafted, strict=True)]
         spans = (self._prompt_spans(reqs, seqlens_q, seqlens_k) if sched_out.prompt_run
                  else None)
         verified = not sched_out.prompt_run and int(seqlens_q.max()) > 1
-        started = time.perf_counter()
-        samples = self.runner.execute(
-            sched_out, seq_ids,
-            [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
-            [r.prompt_token_ids for r in reqs], [r.token_ids for r in reqs], spans,
-            self._allowed_tokens(reqs, complete, row_drafts(sched_out) if verified else None),
-            choice_params(reqs, complete),
-            **({"lora_names": [r.lora_name for r in reqs]}
-               if any(r.lora_name for r in reqs) else {}))
+        args = (run_out, seq_ids,
+                [r.params if c else None for r, c in zip(reqs, complete, strict=True)],
+                [r.prompt_token_ids for r in reqs], so_far, spans,
+                self._allowed_tokens(reqs, complete, row_drafts(sched_out) if verified else None),
+                choice_params(reqs, complete))
+        kwargs = ({"lora_names": [r.lora_name for r in reqs]}
+                  if any(r.lora_name for r in reqs) else {})
+        return StepLaunch(sched_out, seq_ids, reqs, seqlens_q, verified, args, kwargs)
+
+    def _book(self, launch: StepLaunch, samples, seconds: float) -> list[RequestOutput]:
+        """Book a step the runner ran: tokens, stops, hand-offs, n > 1 splits, next drafts. A
+        request finished or aborted while its step was in flight (two-beat) gets nothing."""
+        sched_out, reqs, seqlens_q = launch.sched_out, launch.reqs, launch.seqlens_q
+        outputs: list[RequestOutput] = []
         if self.speculator is not None:  # the cost model's measurements (speculation.py)
-            kind = "prompt" if sched_out.prompt_run else "verify" if verified else "plain"
-            self.speculator.costs.observe(kind, len(reqs), int(seqlens_q.sum()),
-                                          time.perf_counter() - started)
+            kind = ("prompt" if sched_out.prompt_run else "verify" if launch.verified
+                    else "plain")
+            self.speculator.costs.observe(kind, len(reqs), int(seqlens_q.sum()), seconds)
         if self.shared is not None and sched_out.prompt_run:
             self.shared.publish(reqs, sched_out)  # P11: before the booking frees anything
         splits = plan_splits(reqs, samples, self.model_config.eos_token_ids, self.max_model_len)
@@ -487,7 +521,7 @@ class LLMEngine:
         result = self.scheduler.process_outputs(sched_out, samples.token_ids)
         accepted_counts = np.asarray(result.num_accepted)
         for i, (req, accepted) in enumerate(zip(reqs, accepted_counts, strict=True)):
-            if accepted > 0:
+            if accepted > 0 and self._requests.get(req.request_id) is req:
                 tokens, logprobs = booked_tokens(samples, i, int(accepted))
                 outputs.append(self._append(req, tokens, logprobs, samples.top[i]))
                 if req.matcher is not None:
@@ -663,6 +697,8 @@ class LLMEngine:
         reqs = {rid: self._requests[rid] for rid in ids}
         while any(r.finish_reason is None for r in reqs.values()):
             self.step()
+        if self.pipeline is not None:
+            self.pipeline.drain()  # the finished rows' wasted step: its blocks return (S8)
         return [CompletionOutput(rid, r.prompt_token_ids, list(r.token_ids),
                                  self.tokenizer.decode(r.token_ids), r.finish_reason,
                                  list(r.logprobs) if r.params.logprobs else None,
