@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kv_disk_tier import timed_turn  # bench/kv_disk_tier.py: the same one-request timing
+
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_shared_tier.json"
 
 
@@ -170,19 +172,6 @@ def store_throughput(args, block_values: list[bytes]) -> dict:
 
 
 # ---------------------------------------------------------------------- TTFT with a shared hit
-def timed_turn(engine, prompt: list[int], params) -> tuple[float, list[int], int]:
-    t0 = time.perf_counter()
-    rid = engine.add_request(None, prompt, params)
-    ttft, tokens, cached = None, [], 0
-    while True:
-        for out in engine.step():
-            if out.request_id != rid:
-                continue
-            if out.new_token_ids and ttft is None:
-                ttft, cached = time.perf_counter() - t0, out.num_cached_tokens or 0
-            tokens.extend(out.new_token_ids)
-            if out.finished:
-                return ttft, tokens, cached
 
 
 def shared_hit_ttft(args, loaded, store) -> dict:
