@@ -19,7 +19,8 @@ A speculating request's life, step by step:
    rejected -> the number kept plus one.
 4. The batch decides (`propose_batch`): a verified step of B rows and D drafts must give more
    tokens per second than a plain step of B rows, by the engine's own running averages of both
-   step kinds at those sizes (`StepCosts`); where it would not, no row drafts that step.
+   step kinds at those sizes (`StepCosts`) and each row's expected kept drafts from its own
+   request's recent acceptance; where it would not, no row drafts that step.
 A grammar-constrained request drafts only the prefix its matcher accepts (checked without
 advancing it), and its verified positions each get the mask after the drafts before them.
 The choices of an n > 1 request draft once they are split (each its own sequence); the row
@@ -42,6 +43,11 @@ from baton.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
+# A verified row's weight in its request's acceptance, one row later: about the last ten rows
+# count. An engine-wide rate would let the copy-heavy requests of an hour ago vouch for a
+# sampled stream that keeps none of its drafts.
+_ACCEPTANCE_DECAY = 0.9
+
 
 @dataclass
 class _Drafting:
@@ -51,6 +57,15 @@ class _Drafting:
     history: list[int]
     num_prompt: int
     k: int  # draft length for its next step (adaptive)
+    # Its own recent drafts and accepted ones, each verified row's weight decaying by
+    # _ACCEPTANCE_DECAY: what `expected_kept` judges its next row by.
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+    def acceptance(self) -> float:
+        """A draft's chance to be kept after the one before it was: its recent rate, with a
+        prior of one kept in two."""
+        return (self.accepted + 1.0) / (self.drafted + 2.0)
 
 
 @dataclass
@@ -124,19 +139,19 @@ class Speculator:
             pays = num_rows < self.disable_by_batch_size
         else:
             pays = self.costs.pays(num_rows, sum(len(row) for row in drafts.values()),
-                                   sum(self.expected_kept(len(row)) for row in drafts.values()))
+                                   sum(self.expected_kept(len(row), request_id)
+                                       for request_id, row in drafts.items()))
         if pays:
             return drafts
         self.stats.num_skipped_batches += 1
         return {}
 
-    def expected_kept(self, num_drafts: int) -> float:
-        """Drafts a row of `num_drafts` keeps on average: the sum of each position's
-        acceptance so far (a draft is kept only after the one before it), with a prior of
-        one kept in two."""
-        stats = self.stats
-        return sum((stats.accepted_per_pos[j] + 1) / (stats.drafted_per_pos[j] + 2)
-                   for j in range(min(num_drafts, self.max_k)))
+    def expected_kept(self, num_drafts: int, request_id: str) -> float:
+        """Drafts the request's next row of `num_drafts` keeps on average, by its own recent
+        acceptance a: a + a^2 + ... (a draft is kept only after the one before it)."""
+        state = self._drafting.get(request_id)
+        a = state.acceptance() if state is not None else 0.5
+        return sum(a ** (j + 1) for j in range(min(num_drafts, self.max_k)))
 
     def record_step(self, request_ids: Sequence[str], seqlens_q: np.ndarray,
                     token_ids: np.ndarray) -> None:
@@ -160,6 +175,11 @@ class Speculator:
         if state is not None:
             state.k = min(self.max_k, state.k + 1 if num_accepted == num_drafts
                           else num_accepted + 1)
+            # A row stops at its first rejection: it tried num_accepted + 1 drafts (all of
+            # them when every one was kept).
+            tried = min(num_drafts, num_accepted + 1)
+            state.drafted = state.drafted * _ACCEPTANCE_DECAY + tried
+            state.accepted = state.accepted * _ACCEPTANCE_DECAY + num_accepted
 
     def forget(self, request_id: str) -> None:
         self._drafting.pop(request_id, None)

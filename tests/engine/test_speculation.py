@@ -19,6 +19,7 @@ from baton.engine.request import Request
 from baton.engine.speculation import Speculator, StepCosts
 from baton.model.sampler import Sampler, sample_verified
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 # ---------------------------------------------------------------- the proposer (no model)
 
@@ -110,6 +111,29 @@ def test_a_batch_over_the_break_even_point_drafts_nothing() -> None:
     assert len(fixed.propose_batch(reqs[:7], 7)) == 7
 
 
+def test_each_row_is_judged_by_its_own_requests_acceptance() -> None:
+    """A request that kept every draft does not vouch for one that keeps none: one row at
+    10 ms plain and 12 ms verified with one draft pays for the first (a draft kept nearly
+    always), not for the second (kept about one time in nine after ten rejected rows)."""
+    costs = StepCosts(min_samples=1)
+    for kind in ("plain", "plain"):
+        costs.observe(kind, 1, 1, 0.010)
+    costs.observe("verify", 1, 2, 0.012)
+    spec = Speculator("suffix", 1, costs)
+    loop = [1, 2, 3, 1, 2, 3, 1, 2]
+    good, bad = (Request(name, loop, SamplingParams(max_tokens=500)) for name in "gb")
+    for req, kept in ((good, 1), (bad, 0)):
+        assert spec.propose(req)  # it has a draft to offer, and a state to learn in
+        for _ in range(10):
+            spec.record(req.request_id, 1, kept)
+    assert spec.expected_kept(1, "g") > 0.85 and spec.expected_kept(1, "b") < 0.15
+    assert spec.propose_batch([good], 1) == {"g": [3]}
+    assert spec.propose_batch([bad], 1) == {}
+    assert spec.expected_kept(1, "new") == 0.5  # a request with no history: one in two
+    spec.record("b", 1, 1)  # it keeps drafts again: its rate climbs back
+    assert spec.expected_kept(1, "b") > 0.15
+
+
 def test_a_refused_size_is_probed_again() -> None:
     """Verified steps are measured `min_samples` times before they can be refused; a refused
     size is measured afresh every `probe_interval` refusals (its old samples dropped)."""
@@ -199,7 +223,7 @@ COPY_PROMPT_TEXT = LONG_TEXT[:700] + " " + LONG_TEXT[:160]
 
 
 def make_engine(**overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"num_blocks": 96, **overrides}), loaded=baton_model())
+    return LLMEngine(engine_config(**{"num_blocks": 96, **overrides}), loaded=baton_model())
 
 
 def speculating(method: str = "ngram", **overrides) -> LLMEngine:
