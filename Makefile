@@ -35,7 +35,7 @@ build: install
 # and waiting on engines, so two workers on two cores overlap it; TEST_WORKERS=0 runs in one
 # process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install
 	$(PY) -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS)
 

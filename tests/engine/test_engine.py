@@ -15,6 +15,7 @@ from model.reference import (
 
 from baton.engine import EngineConfig, LLMEngine
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def make_engine(**overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"num_blocks": 128, **overrides}), loaded=baton_model())
+    return LLMEngine(engine_config(**{"num_blocks": 128, **overrides}), loaded=baton_model())
 
 
 @pytest.fixture(scope="module")

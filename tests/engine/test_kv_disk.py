@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from model.reference import baton_model, prompt_of_length
 
-from baton.engine import AllocStatus, EngineConfig, LLMEngine, kv_disk_store
+from baton.engine import AllocStatus, LLMEngine, kv_disk_store
 from baton.engine.block_keys import compute_block_keys
 from baton.engine.kv_disk_store import MAGIC
 from baton.sampling.params import SamplingParams
 from kv_transfer.protocol import Fingerprint
+from tests.threads import engine_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 pytestmark = pytest.mark.slow
@@ -28,15 +29,15 @@ NUM_A_BLOCKS = (len(A) - 1) // BS
 
 
 def make_engine(disk_dir, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"num_blocks": NUM_BLOCKS, "block_size": BS,
-                                     "kv_disk_dir": str(disk_dir), **overrides}),
+    return LLMEngine(engine_config(**{"num_blocks": NUM_BLOCKS, "block_size": BS,
+                                      "kv_disk_dir": str(disk_dir), **overrides}),
                      loaded=baton_model())
 
 
 @pytest.fixture(scope="module")
 def cold_a() -> list[int]:
-    engine = LLMEngine(EngineConfig(num_blocks=NUM_BLOCKS, block_size=BS,
-                                    enable_prefix_caching=False), loaded=baton_model())
+    engine = LLMEngine(engine_config(num_blocks=NUM_BLOCKS, block_size=BS,
+                                     enable_prefix_caching=False), loaded=baton_model())
     return engine.generate(A, GREEDY)[0].token_ids
 
 

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from model.reference import baton_model, prompt_of_length
 
-from baton.engine import EngineConfig, LLMEngine, kv_shared
+from baton.engine import LLMEngine, kv_shared
 from baton.engine.kv_disk_store import fingerprint_header, split_header
 from baton.engine.kv_events import KvEventPublisher
 from baton.ops.kv_store import RedisKvStore
@@ -21,6 +21,7 @@ from baton.ops.redis_server import RedisServer
 from baton.ops.registry import connect
 from baton.protocol import unpack_keys
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 pytestmark = pytest.mark.slow
@@ -44,14 +45,14 @@ def store(server):
 
 
 def make_engine(store, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"num_blocks": NUM_BLOCKS, "block_size": BS, **overrides}),
+    return LLMEngine(engine_config(**{"num_blocks": NUM_BLOCKS, "block_size": BS, **overrides}),
                      loaded=baton_model(), shared_store=store)
 
 
 @pytest.fixture(scope="module")
 def cold_a() -> list[int]:
-    engine = LLMEngine(EngineConfig(num_blocks=NUM_BLOCKS, block_size=BS,
-                                    enable_prefix_caching=False), loaded=baton_model())
+    engine = LLMEngine(engine_config(num_blocks=NUM_BLOCKS, block_size=BS,
+                                     enable_prefix_caching=False), loaded=baton_model())
     return engine.generate(A, GREEDY)[0].token_ids
 
 

@@ -8,15 +8,16 @@ import pytest
 import torch
 from model.reference import baton_model, prompt_of_length, reference_model
 
-from baton.engine import EngineConfig, LLMEngine, RequestOutput
+from baton.engine import LLMEngine, RequestOutput
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
 
 
 def _engine(**overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"num_blocks": 64, **overrides}), loaded=baton_model())
+    return LLMEngine(engine_config(**{"num_blocks": 64, **overrides}), loaded=baton_model())
 
 
 def _run(engine: LLMEngine, ids: list[int], params: SamplingParams) -> list[RequestOutput]:

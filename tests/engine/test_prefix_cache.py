@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 from model.reference import baton_model, prompt_of_length
 
-from baton.engine import EngineConfig, LLMEngine
+from baton.engine import LLMEngine
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 pytestmark = pytest.mark.slow
 
 
 def make_engine(**overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"num_blocks": 64, "enable_prefix_caching": True,
-                                     **overrides}), loaded=baton_model())
+    return LLMEngine(engine_config(**{"num_blocks": 64, "enable_prefix_caching": True,
+                                      **overrides}), loaded=baton_model())
 
 
 @pytest.fixture(scope="module")

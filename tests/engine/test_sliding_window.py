@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from baton.engine import EngineConfig, LLMEngine
+from baton.engine import LLMEngine
 from baton.sampling.params import SamplingParams
 from tests.model.test_families import VOCAB, _reference, _write
+from tests.threads import engine_config
 
 BLOCK, WINDOW = 4, 12  # three blocks
 NUM_NEW = 12
@@ -21,8 +22,8 @@ PROMPT_LENS = (40, 27, 9)  # two past the window (one in chunks), one inside it
 def test_s42_long_prompt_decodes_exactly_in_fewer_blocks(tmp_path: Path) -> None:
     ref = _write(tmp_path, "MistralConfig", "MistralForCausalLM", sliding_window=WINDOW,
                  tie_word_embeddings=False)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", num_blocks=64,
-                                    block_size=BLOCK, max_num_batched_tokens=32))
+    engine = LLMEngine(engine_config(model=str(tmp_path), device="cpu", num_blocks=64,
+                                     block_size=BLOCK, max_num_batched_tokens=32))
     assert engine.scheduler.config.sliding_window == WINDOW
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
@@ -60,8 +61,8 @@ def test_s42_verified_drafts_over_released_blocks_stay_exact(tmp_path: Path) -> 
     verified on the way (a repeated prompt makes the proposer find matches)."""
     ref = _write(tmp_path, "MistralConfig", "MistralForCausalLM", sliding_window=WINDOW,
                  tie_word_embeddings=False)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", num_blocks=64,
-                                    block_size=BLOCK, speculative="ngram"))
+    engine = LLMEngine(engine_config(model=str(tmp_path), device="cpu", num_blocks=64,
+                                     block_size=BLOCK, speculative="ngram"))
     gen = torch.Generator().manual_seed(12)
     prompt = torch.randint(3, VOCAB, (6,), generator=gen).tolist() * 6  # 36 tokens
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)

@@ -11,8 +11,9 @@ import llguidance
 import pytest
 from model.reference import baton_model, prompt_of_length
 
-from baton.engine import EngineConfig, LLMEngine
+from baton.engine import LLMEngine
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def _engine(**overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"num_blocks": 64, **overrides}), loaded=baton_model())
+    return LLMEngine(engine_config(**{"num_blocks": 64, **overrides}), loaded=baton_model())
 
 
 def test_json_schema_and_regex_outputs_follow_their_grammars() -> None:

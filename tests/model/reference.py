@@ -5,16 +5,22 @@ scheduler's part (block allocator + flat batches) for phase-1 tests."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tests.threads import TEST_THREADS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(2)
+torch.set_num_threads(TEST_THREADS)  # its share of the cores (tests/threads.py)
 
 BLOCK_SIZE = 16
 LONG_TEXT = (
@@ -43,14 +49,47 @@ def baton_model(dtype: str = "float32"):
 
 @functools.cache
 def reference_model():
+    """transformers' own model of the default GGUF. Its GGUF reading takes ~25 s here (the
+    `gguf` reader's field parsing and a tensor-name map rebuilt per tensor; the dequantization
+    is 3 s of it), and several test processes need the model, so the first one saves what
+    transformers read as a plain checkpoint (`save_pretrained`, fp32 safetensors: the same
+    numbers) under the user's cache, keyed by the GGUF file and the transformers version;
+    the others load that in a second or two."""
+    import transformers
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     from baton.model import default_model_path
 
     path = Path(default_model_path())
+    stat = path.stat()
+    key = hashlib.blake2b(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
+                          f"{transformers.__version__}".encode(), digest_size=8).hexdigest()
+    saved = Path.home() / ".cache" / "baton" / "test-reference" / key
+    if (saved / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
-    return model.eval()
+                                                 dtype=torch.float32).eval()
+    partial = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_mkdirs(saved.parent)))
+    try:
+        # save_pretrained refuses a model read from GGUF (its config says "quantized"): the
+        # config without that, and the weights as read (shared tensors once).
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (partial / "config.json").write_text(json.dumps(config))
+        save_model(model, str(partial / "model.safetensors"))
+        model.generation_config.save_pretrained(partial)  # its EOS, as read from the GGUF
+        os.replace(partial, saved)  # whole or not at all; another process may have won
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return model
+
+
+def _mkdirs(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @functools.cache

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.engine import EngineConfig, LLMEngine
+from baton.engine import LLMEngine
 from baton.model import ModelLoadError, load_model
 from baton.model.backends import CPUBackend
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 from .reference import teacher_forced_top1_many
 from .tiny_gguf import write_family_gguf
@@ -89,8 +90,8 @@ def _reference(model, prompt: list[int]) -> list[int]:
 
 
 def _check_family(model_path: Path, expected: list[list[int]]) -> list:
-    engine = LLMEngine(EngineConfig(model=str(model_path), device="cpu", num_blocks=64,
-                                    block_size=16, max_num_batched_tokens=32))
+    engine = LLMEngine(engine_config(model=str(model_path), device="cpu", num_blocks=64,
+                                     block_size=16, max_num_batched_tokens=32))
     outs = engine.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NUM_NEW,
                                                       ignore_eos=True))
     assert [out.token_ids for out in outs] == expected
@@ -207,9 +208,9 @@ def test_quantized_experts_through_the_engine_and_the_load_cache(checkpoint,
     folder = checkpoint("qwen3_moe").folder
 
     def greedy(cache_dir: Path | None) -> tuple[list[list[int]], str]:
-        engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", quantization="int4",
-                                        num_blocks=64, block_size=16, max_num_batched_tokens=32,
-                                        load_cache_dir=cache_dir and str(cache_dir)))
+        engine = LLMEngine(engine_config(model=str(folder), device="cpu", quantization="int4",
+                                         num_blocks=64, block_size=16, max_num_batched_tokens=32,
+                                         load_cache_dir=cache_dir and str(cache_dir)))
         outs = engine.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NUM_NEW,
                                                           ignore_eos=True))
         return [o.token_ids for o in outs], engine.runner.startup["load cache"]

@@ -19,6 +19,7 @@ from baton.model.load_cache import load_with_cache
 from baton.model.loader import load_model
 from baton.model.quant import QuantizedWeight
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 from .tiny_gguf import write_tiny_gguf
 
@@ -181,8 +182,8 @@ def test_default_model_cached_greedy_is_fresh_greedy(tmp_path: Path) -> None:
 
 
 def _greedy_default(cache_dir: Path | None) -> tuple[list, str]:
-    engine = LLMEngine(EngineConfig(device="cpu", quantization="auto", num_blocks=64,
-                                    num_threads=2, load_cache_dir=cache_dir and str(cache_dir)))
+    engine = LLMEngine(engine_config(device="cpu", quantization="auto", num_blocks=64,
+                                     load_cache_dir=cache_dir and str(cache_dir)))
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                for p in ("What is the capital of France?", "Count to five.")]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.engine import EngineConfig, LLMEngine
+from baton.engine import LLMEngine
 from baton.model.lora import LoraError, read_adapter
 from baton.sampling.params import SamplingParams
 from tests.model.lora_files import write_adapter
 from tests.model.test_families import VOCAB, _reference
+from tests.threads import engine_config
 
 NUM_NEW = 12
 
@@ -39,8 +40,8 @@ def tiny(lora_folders):
 
 
 def _engine(base: Path, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(base), device="cpu", num_blocks=64, block_size=8,
-                                  max_num_batched_tokens=128, **overrides))
+    return LLMEngine(engine_config(model=str(base), device="cpu", num_blocks=64, block_size=8,
+                                   max_num_batched_tokens=128, **overrides))
 
 
 def _prompts(n: int) -> list[list[int]]:

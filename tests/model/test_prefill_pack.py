@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from baton.engine import EngineConfig, LLMEngine
+from baton.engine import LLMEngine
 from baton.model.backends import cpu_prefill as cp
 from baton.sampling.params import SamplingParams
+from tests.threads import engine_config
 
 from .reference import baton_model, prompt_of_length
 
@@ -74,7 +75,7 @@ def test_the_long_chunk_runs_alone() -> None:
 def test_prefilled_together_equals_alone() -> None:
     """Two prompts behind cached prefixes and one without, prefilled in one step (the first two in one packed
     call, the third alone): each one's greedy tokens equal its own run's; every block comes back."""
-    engine = LLMEngine(EngineConfig(num_blocks=48, enable_prefix_caching=True),
+    engine = LLMEngine(engine_config(num_blocks=48, enable_prefix_caching=True),
                        loaded=baton_model())
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     base = prompt_of_length(120)

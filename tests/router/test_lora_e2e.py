@@ -22,6 +22,7 @@ from router.config import RouterConfig
 from router.text import load_model_info
 from tests.cluster import EngineProcess, start_all, wait_whole
 from tests.router.conftest import serve_router
+from tests.threads import engine_config
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +40,11 @@ def folders(lora_folders) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def expected(folders) -> dict[str, list[int]]:
     """Greedy tokens of PROMPT under each adapter ("" = the base), from an in-process engine."""
-    from baton.engine import EngineConfig, LLMEngine
+    from baton.engine import LLMEngine
     from baton.sampling.params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(folders["base"]), device="cpu", num_blocks=64,
-                                    block_size=8))
+    engine = LLMEngine(engine_config(model=str(folders["base"]), device="cpu", num_blocks=64,
+                                     block_size=8))
     for name in ("alpha", "beta"):
         engine.load_lora(name, str(folders[name]))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
