@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -102,22 +101,6 @@ class CompareConfig:
 
 
 # --------------------------------------------------------------------------- servers
-class Llama(sc.BatonUp):
-    """llama-server as a child process group (BatonUp's readiness wait and stop)."""
-
-    def __init__(self, cfg: CompareConfig, model_path: str, port: int, args: list[str],
-                 log_path: Path) -> None:
-        argv = [cfg.llama_server, "-m", model_path, "-t", str(cfg.threads), "-tb",
-                str(cfg.threads), *args, "--host", "127.0.0.1", "--port", str(port)]
-        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(cfg.llama_server).parent)}
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log = log_path.open("w")
-        logger.info("starting %s (log %s)", " ".join(argv), log_path)
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        self._wait_ready(cfg.up_timeout_s)
-
-
 def server_plan(cfg: CompareConfig) -> dict[str, tuple[str, list[str]]]:
     """name -> (kind, args): `baton up`'s engine args or llama-server's extra args."""
     threads = ["--num-threads", str(cfg.threads)]
@@ -138,7 +121,9 @@ def start_servers(cfg: CompareConfig, model_path: str) -> dict[str, sc.BatonUp]:
             port = cfg.port + i
             log = cfg.results_dir / f"llamacpp_compare_{name.replace(' ', '_')}.log"
             if kind == "llama":
-                servers[name] = Llama(cfg, model_path, port, args, log)
+                threads = ["-t", str(cfg.threads), "-tb", str(cfg.threads)]
+                servers[name] = pc.LlamaServer(cfg.llama_server, model_path, [*threads, *args],
+                                               port, log, cfg.up_timeout_s)
             else:
                 up = sc.CompareConfig(port=port, up_timeout_s=cfg.up_timeout_s,
                                       engine_args=args, results_dir=cfg.results_dir)
@@ -376,19 +361,11 @@ def parse_args(argv: list[str] | None) -> CompareConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        cfg = parse_args(argv)
-    except ValueError as exc:
-        print(f"llamacpp_compare: {exc}", file=sys.stderr)
+    started = pc.start_main("llamacpp_compare", parse_args, argv)
+    if started is None:
         return 2
-    from baton.model_files import default_model_path
-
+    cfg, model_path, t0 = started
     os.sched_setaffinity(0, cfg.cores)  # every server started below inherits the core set
-    model_path = default_model_path()
-    cfg.results_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
     load_start = os.getloadavg()
     servers = start_servers(cfg, model_path)
     try:

@@ -25,8 +25,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - sibling scripts, not a package
@@ -86,24 +88,26 @@ class PeerConfig:
 
 # --------------------------------------------------------------------------- servers
 class LlamaServer(sc.BatonUp):
-    """llama.cpp's server as a child process group; BatonUp's readiness wait and stop."""
+    """llama.cpp's server (binary `llama_server`) as a child process group; BatonUp's
+    readiness wait and stop (llamacpp_compare starts it too)."""
 
-    def __init__(self, cfg: PeerConfig, model_path: str, log_path: Path) -> None:
-        argv = [cfg.llama_server, "-m", model_path, *cfg.llama_args, "--host", "127.0.0.1",
-                "--port", str(cfg.port)]
-        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(cfg.llama_server).parent)}
-        self.base_url = f"http://127.0.0.1:{cfg.port}"
+    def __init__(self, llama_server: str, model_path: str, args: list[str], port: int,
+                 log_path: Path, up_timeout_s: float) -> None:
+        argv = [llama_server, "-m", model_path, *args, "--host", "127.0.0.1", "--port", str(port)]
+        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(llama_server).parent)}
+        self.base_url = f"http://127.0.0.1:{port}"
         self.log = log_path.open("w")
         logger.info("starting %s (log %s)", " ".join(argv), log_path)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        self._wait_ready(cfg.up_timeout_s)
+        self._wait_ready(up_timeout_s)
 
 
 def start_server(setup: str, mode: str, cfg: PeerConfig, model_path: str) -> sc.BatonUp:
     log = cfg.results_dir / f"peer_compare_{setup}{'_' + mode if mode else ''}.log"
     if setup == LLAMA:
-        return LlamaServer(cfg, model_path, log)
+        return LlamaServer(cfg.llama_server, model_path, cfg.llama_args, cfg.port, log,
+                           cfg.up_timeout_s)
     up_cfg = sc.CompareConfig(port=cfg.port, up_timeout_s=cfg.up_timeout_s,
                               engine_args=MODES[mode][0], results_dir=cfg.results_dir)
     return sc.BatonUp(setup, up_cfg, log)
@@ -273,19 +277,30 @@ def write_results(cfg: PeerConfig, model_path: str, rows: list[dict],
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def start_main(prog: str, parse: Callable[[list[str] | None], Any],
+               argv: list[str] | None) -> tuple[Any, str, float] | None:
+    """What a comparison's main() starts with (this one's, llamacpp_compare's): logging, the
+    parsed config (None when it is bad: the error is printed, exit 2), the default model's
+    path, the config's results folder made, the start time."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        cfg = parse_args(argv)
+        cfg = parse(argv)
     except ValueError as exc:
-        print(f"peer_compare: {exc}", file=sys.stderr)
-        return 2
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
     from baton.model_files import default_model_path
 
     model_path = default_model_path()
     cfg.results_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
+    return cfg, model_path, time.monotonic()
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = start_main("peer_compare", parse_args, argv)
+    if started is None:
+        return 2
+    cfg, model_path, t0 = started
     servers = ([(LLAMA, "")] if cfg.llama_server else []) + \
         [(setup, mode) for mode in cfg.modes for setup in cfg.setups]
     rows: list[dict] = []

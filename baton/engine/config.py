@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.engine.proposers import SPECULATIVE_METHODS
-from baton.engine.scheduler import EngineType
+from baton.engine.scheduler import EngineType, SchedulerConfig
 from baton.model.modes import check_dtype_name, check_kv_cache_dtype, check_quantization
-from baton.protocol import NORMAL, PROMPT, ROLES
+from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 
 # Each role runs the scheduler in the mode of the same name.
 # Drafts per step when speculating and num_speculative_tokens is 0.
@@ -154,3 +154,22 @@ class EngineConfig:
         if self.speculative == "off":
             return 0
         return self.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
+
+    def scheduler_config(self, num_blocks: int, max_model_len: int, prefix_cache_seed: int,
+                         sliding_window: int) -> SchedulerConfig:
+        """The scheduler's part of this config, for a pool of `num_blocks`."""
+        return SchedulerConfig(
+            engine_type=ROLE_TYPES[self.engine_type], num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+            # A completion engine cannot recompute (it has no prefill path): a preempted
+            # request finishes with insufficient_system_resource instead.
+            stop_preempted_request=self.engine_type == COMPLETION, watermark=self.watermark,
+            prefill_attempt_interval=self.prefill_attempt_interval,
+            prefill_any_attempt_interval=self.prefill_any_attempt_interval,
+            prefill_min_decode_steps=self.prefill_min_decode_steps,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_cache_seed=prefix_cache_seed,
+            num_speculative_tokens=self.num_draft_tokens,
+            sliding_window=sliding_window)

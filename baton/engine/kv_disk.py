@@ -17,8 +17,6 @@ A keyed block's life across the two tiers, all on the engine's thread but the tw
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from pathlib import Path
 
@@ -34,27 +32,16 @@ DEFAULT_QUEUE_BYTES = 256 << 20
 
 
 class DiskTier(TierLoader):
-    """One engine's disk tier: its store, its writer thread, the spills; the reader and the
-    load path are TierLoader's."""
+    """One engine's disk tier: its store and the spills; the reader, the writer's queue and
+    the load path are TierLoader's."""
 
     name = "disk"
 
     def __init__(self, store: DiskStore, scheduler, runner,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
-        super().__init__(store, scheduler, runner)
-        self.queue_bytes = queue_bytes
-        self._writes: queue.Queue = queue.Queue()
-        self._queued_bytes = 0
-        self._generation = 0  # a clear() drops what was queued before it
-        self._lock = threading.Lock()
-        # Counters (stats.extra kv_tier_*_disk and kv_integrity_failures_disk).
-        self.num_written_blocks = 0
-        self.num_dropped_blocks = 0
-        self.num_errors = 0
+        self.num_errors = 0  # failed writes (stats.extra kv_tier_errors_disk)
         scheduler.set_spill_capacity(4 * scheduler.num_total_blocks())
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
-                                        daemon=True)
-        self._writer.start()
+        super().__init__(store, scheduler, runner, queue_bytes)
 
     def describe(self) -> str:
         store = self.store
@@ -82,52 +69,21 @@ class DiskTier(TierLoader):
         if not len(keys):
             return
         keep = np.fromiter((not self.store.has(int(k)) for k in keys), bool, len(keys))
-        if not keep.any():
-            return
-        keys, parents, ids, tokens = keys[keep], parents[keep], ids[keep], tokens[keep]
-        nbytes = len(ids) * self.store.block_bytes
-        with self._lock:
-            if self._queued_bytes + nbytes > self.queue_bytes:
-                self.num_dropped_blocks += len(ids)
-                return
-            self._queued_bytes += nbytes
-        data = self.runner.read_blocks(ids)
-        self._writes.put((self._generation, keys.copy(), parents.copy(), tokens.copy(), data))
+        if keep.any():
+            super()._queue(keys[keep], parents[keep], ids[keep], tokens[keep])
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            if item == "clear":
-                self.store.clear()
-                continue
-            generation, keys, parents, tokens, data = item
-            try:
-                if generation == self._generation:
-                    self.num_written_blocks += self.store.append(keys, parents, tokens, data)
-            except OSError as exc:
-                self.num_errors += 1
-                self.num_dropped_blocks += len(keys)
-                self._warn("KV disk tier: writing %d blocks failed (%s); they will be "
-                           "recomputed when needed", len(keys), exc)
-            finally:
-                with self._lock:
-                    self._queued_bytes -= data.nbytes
+    def _write(self, keys, parents, tokens, data) -> int:
+        return self.store.append(keys, parents, tokens, data)
+
+    def _write_failed(self, exc: OSError, num_blocks: int) -> None:
+        self.num_errors += 1
+        self._warn("KV disk tier: writing %d blocks failed (%s); they will be recomputed when "
+                   "needed", num_blocks, exc)
 
     def after_adopt(self) -> None:
         self.spill()  # the adoption may have evicted: those bytes leave before these land
 
-    # ------------------------------------------------------------------ reset, stats, events
-    def clear(self) -> None:
-        """Forget every block on disk now; the writer deletes the files."""
-        self._generation += 1
-        with self.store.lock:
-            for key in self.store.index:
-                self.store._note(key, stored=False)
-            self.store.index.clear()
-        self._writes.put("clear")
-
+    # ------------------------------------------------------------------ stats, close
     def stats(self) -> dict[str, float]:
         store = self.store
         return {"kv_tier_blocks_disk": float(len(store.index)),
@@ -140,23 +96,8 @@ class DiskTier(TierLoader):
                 "kv_tier_errors_disk": float(self.num_errors),
                 "kv_integrity_failures_disk": float(store.num_integrity_failures)}
 
-    def drain_events(self) -> tuple[list[int], list[int]]:
-        return self.store.drain_events()
-
-    def keys(self) -> list[int]:
-        return self.store.keys()
-
-    def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until the writer has written what was queued (tests, benchmarks, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while (self._queued_bytes or not self._writes.empty()) and time.monotonic() < deadline:
-            time.sleep(0.005)
-
     def close(self) -> None:
-        self.flush()
-        self._writes.put(None)
-        self._writer.join(timeout=5.0)
-        self.stop_reader()
+        super().close()
         self.store._close_open()
 
 

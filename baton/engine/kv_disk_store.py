@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 
 from baton.engine.block_keys import compute_block_keys
+from baton.engine.kv_tier import KeyLedger
 from kv_transfer.integrity import checksum, fingerprint_mismatch
 from kv_transfer.protocol import Fingerprint
 
@@ -131,8 +132,7 @@ class DiskStore:
         self._fd = -1
         self._serial = 0
         self.num_integrity_failures = 0
-        self._stored: set[int] = set()  # keys that entered / left since the last drain
-        self._removed: set[int] = set()
+        self.events = KeyLedger(self.lock)  # keys that entered / left since the last drain
 
     @staticmethod
     def _header(fingerprint: Fingerprint) -> bytes:
@@ -157,7 +157,7 @@ class DiskStore:
         found = sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in found:
             self._scan(path)
-        self._stored.clear()  # the snapshot names them; nothing "entered" since
+        self.events.drain()  # the snapshot names them; nothing "entered" since
         self._enforce_budget(0)
 
     def _scan(self, path: Path) -> None:
@@ -244,7 +244,7 @@ class DiskStore:
                     if key not in self.index:
                         self.index[key] = Entry(seg, seg.nbytes + j * self.record_bytes)
                         seg.keys.append(key)
-                        self._note(key, stored=True)
+                        self.events.note(key, stored=True)
                 seg.nbytes += len(buf)
                 seg.last_used = time.time()
             written += len(part)
@@ -293,13 +293,20 @@ class DiskStore:
                 entry = self.index.get(key)
                 if entry is not None and entry.segment is seg:
                     del self.index[key]
-                    self._note(key, stored=False)
+                    self.events.note(key, stored=False)
             if seg is self._open:
                 self._close_open()
         try:
             seg.path.unlink(missing_ok=True)
         except OSError as exc:
             logger.warning("KV disk tier: cannot delete %s: %s", seg.path, exc)
+
+    def forget_all(self) -> None:
+        """Index nothing any more (the writer deletes the files next: `clear`)."""
+        with self.lock:
+            for key in self.index:
+                self.events.note(key, stored=False)
+            self.index.clear()
 
     def clear(self) -> None:
         """Every file goes (the writer's open one too: call on the writer's thread)."""
@@ -377,21 +384,9 @@ class DiskStore:
         with self.lock:
             if self.index.get(key) == entry:
                 del self.index[key]
-                self._note(key, stored=False)
+                self.events.note(key, stored=False)
 
     # ------------------------------------------------------------------ KV events
-    def _note(self, key: int, stored: bool) -> None:  # under the lock
-        (self._stored if stored else self._removed).add(key)
-        (self._removed if stored else self._stored).discard(key)
-
-    def drain_events(self) -> tuple[list[int], list[int]]:
-        """Keys that entered and left the tier since the last drain (net)."""
-        with self.lock:
-            stored, removed = sorted(self._stored), sorted(self._removed)
-            self._stored.clear()
-            self._removed.clear()
-        return stored, removed
-
     def keys(self) -> list[int]:
         with self.lock:
             return list(self.index)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -47,7 +46,7 @@ from baton.engine.kv_disk_store import (
     fingerprint_header,
     split_header,
 )
-from baton.engine.kv_tier import TierLoader
+from baton.engine.kv_tier import KeyLedger, TierLoader
 from kv_transfer.integrity import fingerprint_mismatch
 from kv_transfer.protocol import Fingerprint
 
@@ -105,8 +104,7 @@ class SharedBlocks:
         self.num_integrity_failures = 0
         self.lock = threading.Lock()
         self.known: OrderedDict[int, None] = OrderedDict()  # least recently used first
-        self._stored: set[int] = set()
-        self._removed: set[int] = set()
+        self.events = KeyLedger(self.lock)
 
     def name(self, key: int) -> str:
         return f"{self.prefix}{key:016x}"
@@ -200,12 +198,21 @@ class SharedBlocks:
         return len(todo)
 
     def forget_all(self) -> None:
-        """Know nothing of the store any more (its blocks are being deleted)."""
+        """Know nothing of the store any more (the writer deletes its blocks next: `clear`)."""
         with self.lock:
             for key in self.known:
-                self._removed.add(key)
-                self._stored.discard(key)
+                self.events.note(key, stored=False)
             self.known.clear()
+
+    def clear(self) -> None:
+        """Delete this fingerprint's blocks from the store, every engine's (on the writer's
+        thread; only when asked: `/reset_prefix_cache?shared=true`)."""
+        try:
+            num = self.client.delete_prefix(self.prefix)
+            logger.info("KV shared tier %s: deleted %d blocks of %s*", self.client.url, num,
+                        self.prefix)
+        except OSError as exc:
+            self.down(exc)
 
     # ------------------------------------------------------------------ KV events
     def _note(self, key: int, stored: bool) -> None:
@@ -213,23 +220,13 @@ class SharedBlocks:
             if stored:
                 self.known[key] = None
                 self.known.move_to_end(key)
-                self._stored.add(key)
-                self._removed.discard(key)
+                self.events.note(key, stored=True)
                 while len(self.known) > self.capacity_blocks:
                     old, _ = self.known.popitem(last=False)
-                    self._removed.add(old)
-                    self._stored.discard(old)
+                    self.events.note(old, stored=False)
             elif key in self.known:
                 del self.known[key]
-                self._removed.add(key)
-                self._stored.discard(key)
-
-    def drain_events(self) -> tuple[list[int], list[int]]:
-        with self.lock:
-            stored, removed = sorted(self._stored), sorted(self._removed)
-            self._stored.clear()
-            self._removed.clear()
-        return stored, removed
+                self.events.note(key, stored=False)
 
     def keys(self) -> list[int]:
         with self.lock:
@@ -237,27 +234,19 @@ class SharedBlocks:
 
 
 class SharedTier(TierLoader):
-    """One engine's view of the shared tier: its writer thread, the publishing, the reader
-    and the load path (TierLoader's)."""
+    """One engine's view of the shared tier: the publishing and the store's retries; the
+    reader, the writer's queue and the load path are TierLoader's."""
 
     name = "shared"
+    writer_tick_s = 1.0  # a store that is down is retried even with nothing to write
 
     def __init__(self, store: SharedBlocks, scheduler, runner,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
         self.timeout_s = store.client.timeout_s
-        super().__init__(store, scheduler, runner)
-        self.queue_bytes = queue_bytes
-        self._writes: queue.Queue = queue.Queue()
-        self._queued_bytes = 0
-        self._lock = threading.Lock()
         self._seeds: dict[str, int] = {}  # request id -> its key seed (block 0's parent)
-        self._generation = 0  # a clear() drops what was queued before it
-        self.num_written_blocks = 0
-        self.num_dropped_blocks = 0
+        self._last_try = time.monotonic()  # the last ping of a store that is down
         store.read_capacity()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-shared-writer",
-                                        daemon=True)
-        self._writer.start()
+        super().__init__(store, scheduler, runner, queue_bytes)
 
     def describe(self) -> str:
         store = self.store
@@ -306,67 +295,24 @@ class SharedTier(TierLoader):
                 self._queue(keys[todo], np.asarray(parents, dtype=np.uint64), table[todo],
                             tokens[todo])
 
-    def _queue(self, keys, parents, ids, tokens) -> None:
-        nbytes = len(ids) * self.store.block_bytes
-        with self._lock:
-            if self._queued_bytes + nbytes > self.queue_bytes:
-                self.num_dropped_blocks += len(ids)
-                return
-            self._queued_bytes += nbytes
-        data = self.runner.read_blocks(ids)
-        self._writes.put((self._generation, keys.copy(), parents, tokens.copy(), data))
+    def _write(self, keys, parents, tokens, data) -> int:
+        if not self.store.is_up:
+            self.num_dropped_blocks += len(keys)
+            return 0
+        return self.store.write(keys, parents, tokens, data)
 
-    def _write_loop(self) -> None:
-        last_try = time.monotonic()
-        while True:
-            try:
-                item = self._writes.get(timeout=1.0)
-            except queue.Empty:
-                item = ()
-            if item is None:
-                return
-            store = self.store
-            if not store.is_up and time.monotonic() - last_try >= RETRY_S:
-                last_try = time.monotonic()
-                if store.try_up():
-                    store.read_capacity()
-            if not item:
-                continue
-            if item == "clear":
-                self._clear_store()
-                continue
-            generation, keys, parents, tokens, data = item
-            try:
-                if generation != self._generation:
-                    pass  # queued before a clear
-                elif store.is_up:
-                    self.num_written_blocks += store.write(keys, parents, tokens, data)
-                else:
-                    self.num_dropped_blocks += len(keys)
-            except OSError as exc:
-                store.down(exc)
-                last_try = time.monotonic()
-                self.num_dropped_blocks += len(keys)
-            finally:
-                with self._lock:
-                    self._queued_bytes -= data.nbytes
+    def _write_failed(self, exc: OSError, num_blocks: int) -> None:
+        self.store.down(exc)
+        self._last_try = time.monotonic()
 
-    def _clear_store(self) -> None:
-        try:
-            num = self.store.client.delete_prefix(self.store.prefix)
-            logger.info("KV shared tier %s: deleted %d blocks of %s*", self.store.client.url,
-                        num, self.store.prefix)
-        except OSError as exc:
-            self.store.down(exc)
+    def _between_writes(self) -> None:
+        store = self.store
+        if not store.is_up and time.monotonic() - self._last_try >= RETRY_S:
+            self._last_try = time.monotonic()
+            if store.try_up():
+                store.read_capacity()
 
-    # ------------------------------------------------------------------ reset, stats, events
-    def clear(self) -> None:
-        """Delete this fingerprint's blocks from the store, every engine's (an explicit
-        `/reset_prefix_cache?shared=true`); the writer does it."""
-        self._generation += 1
-        self.store.forget_all()
-        self._writes.put("clear")
-
+    # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:
         store = self.store
         return {"kv_tier_blocks_shared": float(len(store.known)),
@@ -379,25 +325,6 @@ class SharedTier(TierLoader):
                 "kv_tier_timeouts_shared": float(self.num_timeouts),
                 "kv_tier_up_shared": float(store.is_up),
                 "kv_integrity_failures_shared": float(store.num_integrity_failures)}
-
-    def drain_events(self) -> tuple[list[int], list[int]]:
-        return self.store.drain_events()
-
-    def keys(self) -> list[int]:
-        return self.store.keys()
-
-    def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until the writer has written what was queued (tests, benchmarks, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while (self._queued_bytes or not self._writes.empty()) and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-    def close(self) -> None:
-        """Stop both threads (the store's client is its owner's to close)."""
-        self.flush(timeout_s=min(10.0, 2 * self.timeout_s))
-        self._writes.put(None)
-        self._writer.join(timeout=5.0)
-        self.stop_reader()
 
 
 def open_shared_tier(client: BlockClient, fingerprint: Fingerprint, block_bytes: int,

@@ -1,9 +1,11 @@
-"""What every KV tier below the pool shares (docs/scheduler.md P10, P11): the load path.
+"""What every KV tier below the pool shares (docs/scheduler.md P10, P11): the load path, the
+write queue and the KV events' ledger.
 
 A tier (the disk's, kv_disk.py; the shared cluster store's, kv_shared.py) has a store that
-answers `run_length(keys, start)` (how many of a chain's blocks it may hold) and
-`read(keys, tokens)` (the verified run of them), and a writer thread of its own. This base
-gives it the rest, on the engine's thread but for its reader thread:
+answers `run_length(keys, start)` (how many of a chain's blocks it may hold), `read(keys,
+tokens)` (the verified run of them), `keys()`, `forget_all()` and `clear()`, and keeps its KV
+events in a `KeyLedger`. This base gives it the rest, on the engine's thread but for its reader
+and writer threads:
 
 1. Plan: a new prompt whose full blocks past the pool's run may be in the tier (`plan`) is
    queued unschedulable (S15: it holds the head of `waiting`) and its blocks go to the reader
@@ -16,6 +18,10 @@ gives it the rest, on the engine's thread but for its reader thread:
    pins the run: the blocks it finds need no pull.
 3. Any failure (a refused block, an I/O error, a store that is down, no room in the pool) is
    a miss: the prompt computes what it did not get; never a failed request.
+4. Write: blocks a tier keeps (the disk's spills, the shared tier's published blocks) are
+   copied out of the pool (`Runner.read_blocks`) into a queue bounded in bytes (past it they
+   are dropped, counted: the step loop never waits on a store); the writer thread hands each
+   batch to the subclass's `_write`. `clear()` drops what was queued before it.
 """
 
 from __future__ import annotations
@@ -50,13 +56,39 @@ class LoadJob:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+class KeyLedger:
+    """A tier's KV events: the keys that entered and left it since the last drain (net),
+    guarded by its store's lock."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self._stored: set[int] = set()
+        self._removed: set[int] = set()
+
+    def note(self, key: int, stored: bool) -> None:
+        """`key` entered (`stored`) or left the tier; the caller holds the lock."""
+        (self._stored if stored else self._removed).add(key)
+        (self._removed if stored else self._stored).discard(key)
+
+    def drain(self) -> tuple[list[int], list[int]]:
+        """(entered, left) since the last drain, each sorted."""
+        with self.lock:
+            stored, removed = sorted(self._stored), sorted(self._removed)
+            self._stored.clear()
+            self._removed.clear()
+        return stored, removed
+
+
 class TierLoader:
-    """A tier's reader thread and its engine glue; a subclass adds the store's writer."""
+    """A tier's reader and writer threads and its engine glue; a subclass says how a batch is
+    written (`_write`) and what its engine does with the tier (spill, publish)."""
 
-    name = ""  # the tier's label: stats keys kv_tier_*_<name>, warnings
+    name = ""  # the tier's label: stats keys kv_tier_*_<name>, warnings, thread names
     timeout_s = float("inf")  # most seconds a prompt waits for this tier's read
+    writer_tick_s: float | None = None  # the writer wakes this often with nothing queued
 
-    def __init__(self, store, scheduler, runner) -> None:
+    def __init__(self, store, scheduler, runner, queue_bytes: int) -> None:
+        """Starts both threads: a subclass sets what they read before calling this."""
         self.store, self.scheduler, self.runner = store, scheduler, runner
         self.block_size = store.block_size
         self._reads: queue.Queue = queue.Queue()
@@ -64,15 +96,25 @@ class TierLoader:
         self._pending: dict[str, LoadJob] = {}
         self._wake = threading.Event()
         self._last_warning = 0.0
+        self.queue_bytes = queue_bytes  # copied blocks waiting for the writer; past it: dropped
+        self._writes: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._generation = 0  # a clear() drops what was queued before it
+        self._lock = threading.Lock()
         # Counters (stats.extra kv_tier_*_<name>).
         self.num_loaded_blocks = 0  # adopted into the pool
         self.num_loads = 0
         self.load_seconds = 0.0
         self.num_missed_blocks = 0  # planned but not loaded (refused, evicted, late, no room)
         self.num_timeouts = 0  # reads given up at timeout_s
+        self.num_written_blocks = 0
+        self.num_dropped_blocks = 0  # queued past queue_bytes, or their write failed
         self._reader = threading.Thread(target=self._read_loop, name=f"kv-{self.name}-reader",
                                         daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"kv-{self.name}-writer",
+                                        daemon=True)
         self._reader.start()
+        self._writer.start()
 
     def _warn(self, msg: str, *args) -> None:
         now = time.monotonic()
@@ -206,6 +248,78 @@ class TierLoader:
                 f"kv_tier_loads_{n}": float(self.num_loads),
                 f"kv_tier_load_seconds_{n}": self.load_seconds}
 
-    def stop_reader(self) -> None:
+    # ------------------------------------------------------------------ 4. write
+    def _queue(self, keys, parents, ids, tokens) -> None:
+        """Copy blocks `ids` out of the pool for the writer, unless the queue is full."""
+        nbytes = len(ids) * self.store.block_bytes
+        with self._lock:
+            if self._queued_bytes + nbytes > self.queue_bytes:
+                self.num_dropped_blocks += len(ids)
+                return
+            self._queued_bytes += nbytes
+        data = self.runner.read_blocks(ids)
+        self._writes.put((self._generation, keys.copy(), parents.copy(), tokens.copy(), data))
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                item = self._writes.get(timeout=self.writer_tick_s)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            self._between_writes()
+            if not item:
+                continue
+            if item == "clear":
+                self.store.clear()
+                continue
+            generation, keys, parents, tokens, data = item
+            try:
+                if generation == self._generation:  # else queued before a clear
+                    self.num_written_blocks += self._write(keys, parents, tokens, data)
+            except OSError as exc:
+                self.num_dropped_blocks += len(keys)
+                self._write_failed(exc, len(keys))
+            finally:
+                with self._lock:
+                    self._queued_bytes -= data.nbytes
+
+    def _write(self, keys, parents, tokens, data) -> int:
+        """Write a batch to the store (on the writer's thread); how many blocks were new.
+        OSError when the store failed."""
+        raise NotImplementedError
+
+    def _write_failed(self, exc: OSError, num_blocks: int) -> None:
+        """A batch's write raised (its blocks are counted dropped)."""
+
+    def _between_writes(self) -> None:
+        """On the writer's thread, at every wake-up (a store that is down is retried here)."""
+
+    # ------------------------------------------------------------------ reset, events, stop
+    def clear(self) -> None:
+        """Forget every block of the tier now; the writer removes them from the store."""
+        self._generation += 1
+        self.store.forget_all()
+        self._writes.put("clear")
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """Keys that entered and left the tier since the last drain (KV events)."""
+        return self.store.events.drain()
+
+    def keys(self) -> list[int]:
+        return self.store.keys()
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until the writer has written what was queued (tests, benchmarks, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while (self._queued_bytes or not self._writes.empty()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        """Write what is queued (at most twice the tier's timeout), then stop both threads."""
+        self.flush(timeout_s=min(10.0, 2 * self.timeout_s))
+        self._writes.put(None)
+        self._writer.join(timeout=5.0)
         self._reads.put(None)
         self._reader.join(timeout=5.0)

@@ -73,3 +73,50 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.token_ids)
+
+
+class RequestTable:
+    """The engine's requests: by id, by the scheduler's sequence id, and the choices of each
+    n > 1 request (its family, by the request's wire id)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Request] = {}
+        self._by_seq: dict[int, Request] = {}
+        self._families: dict[str, set[str]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def __getitem__(self, request_id: str) -> Request:
+        return self._by_id[request_id]
+
+    def get(self, request_id: str) -> Request | None:
+        return self._by_id.get(request_id)
+
+    def by_seq(self, seq_id: int) -> Request:
+        return self._by_seq[seq_id]
+
+    def values(self):
+        return self._by_id.values()
+
+    def add(self, req: Request) -> None:
+        if req.params.n > 1:
+            self._families.setdefault(req.wire_id, set()).add(req.request_id)
+        self._by_id[req.request_id] = req
+        self._by_seq[req.seq_id] = req
+
+    def pop(self, request_id: str) -> Request | None:
+        req = self._by_id.pop(request_id, None)
+        if req is not None:
+            self._by_seq.pop(req.seq_id, None)
+            family = self._families.get(req.wire_id)
+            if family is not None:
+                family.discard(request_id)
+                if not family:
+                    del self._families[req.wire_id]
+        return req
+
+    def family(self, request_id: str) -> list[Request]:
+        """Every choice still held of request `request_id` (itself when n == 1)."""
+        ids = sorted(self._families.get(request_id, ())) or [request_id]
+        return [self._by_id[i] for i in ids if i in self._by_id]

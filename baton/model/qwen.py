@@ -5,13 +5,11 @@ the biases, the Q/K norms and the experts."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from baton.model.backends.base import Backend
 from baton.model.config import ModelConfig, layer_windows
-from baton.model.layers import DecoderLayer, DecoderModel, SparseMoE, norm
+from baton.model.layers import DecoderLayer, DecoderModel, SparseMoE
 from baton.model.llama import load_attention, load_common, load_mlp, load_norms
 from baton.model.weights import copy_weight, take
 
@@ -30,13 +28,8 @@ class MoELayer(DecoderLayer):
         super().__init__(config, index, dense_mlp=not sparse)
         self.moe = SparseMoE(config) if sparse else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                layer_kv: torch.Tensor, meta: Any, backend: Backend) -> torch.Tensor:
-        c = self.config
-        h = norm(x, self.input_norm, c.rms_norm_eps, backend)[1]
-        x, h = norm(x, self.post_norm, c.rms_norm_eps, backend,
-                    residual=self.attention(h, cos, signed_sin, layer_kv, meta, backend))
-        return x + (self.mlp(h, backend) if self.moe is None else self.moe(h, backend))
+    def mlp(self, h: torch.Tensor, backend: Backend) -> torch.Tensor:
+        return super().mlp(h, backend) if self.moe is None else self.moe(h, backend)
 
 
 class Qwen3MoeModel(DecoderModel):
