@@ -260,6 +260,8 @@ class LLMEngine:
                                             * self.kv_keys.block_bytes),
                 "kv_tier_capacity_bytes_pool": float(self.scheduler.num_total_blocks()
                                                      * self.kv_keys.block_bytes),
+                "kv_tier_capacity_tokens_pool": float(self.scheduler.num_total_blocks()
+                                                      * self.config.block_size),
                 **disk}
 
     # ------------------------------------------------------------------ PROMPT: the hand-off
