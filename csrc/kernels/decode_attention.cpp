@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -211,75 +212,6 @@ __attribute__((target("avx2"))) inline float dot_avx2(const float* q, const KV* 
     return reduce8(a);
 }
 
-// The same operations as the portable path, lane for lane, for head sizes 8 * NV (a template
-// argument, so that the output row stays in NV registers while the values stream by): four
-// keys' dot products at a time within a block (four independent add chains).
-template <int NV, typename KV>
-__attribute__((target("avx2"))) void head_attention_avx2(const float* q, const KVSpan<KV>& s,
-                                                         int64_t len, float scale,
-                                                         float* scores, float* out) {
-    constexpr int64_t d = 8 * NV, nv = NV;
-    const int64_t ts = s.token_stride;
-    float mx = -INFINITY;
-    for (int64_t b0 = 0; b0 < len; b0 += s.block) {
-        const KV* kb = s.key(b0);
-        const int64_t m = std::min(s.block, len - b0);
-        float* sc = scores + b0;
-        int64_t t = 0;
-        for (; t + 4 <= m; t += 4) {
-            const KV* k = kb + t * ts;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t j = 0; j < d; j += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + j);
-                a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, load8(k + j)));
-                a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, load8(k + ts + j)));
-                a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, load8(k + 2 * ts + j)));
-                a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, load8(k + 3 * ts + j)));
-            }
-            sc[t] = reduce8(a0) * scale;
-            sc[t + 1] = reduce8(a1) * scale;
-            sc[t + 2] = reduce8(a2) * scale;
-            sc[t + 3] = reduce8(a3) * scale;
-            mx = std::max(std::max(std::max(mx, sc[t]), sc[t + 1]), std::max(sc[t + 2], sc[t + 3]));
-        }
-        for (; t < m; ++t) {
-            sc[t] = dot_avx2<NV>(q, kb + t * ts) * scale;
-            mx = std::max(mx, sc[t]);
-        }
-    }
-    const float total = exp_shifted(scores, mx, len);
-    const float inv = 1.0f / total;
-    __m256 o[NV];
-    for (int64_t i = 0; i < nv; ++i) o[i] = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < len; b0 += s.block) {
-        const KV* vb = s.key(b0) + s.kv_stride;
-        const int64_t m = std::min(s.block, len - b0);
-        for (int64_t t = 0; t < m; ++t) {
-            const __m256 w = _mm256_set1_ps(scores[b0 + t] * inv);
-            const KV* v = vb + t * ts;
-            for (int64_t i = 0; i < nv; ++i)
-                o[i] = _mm256_add_ps(o[i], _mm256_mul_ps(w, load8(v + 8 * i)));
-        }
-    }
-    for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
-}
-
-template <typename KV>
-void head_attention(const float* q, const KVSpan<KV>& s, int64_t len, int64_t d, float scale,
-                    float* scores, float* out) {
-    if (kAvx2 && d == 64) return head_attention_avx2<8>(q, s, len, scale, scores, out);
-    if (kAvx2 && d == 128) return head_attention_avx2<16>(q, s, len, scale, scores, out);
-    if (kAvx2 && d == 32) return head_attention_avx2<4>(q, s, len, scale, scores, out);
-    head_attention_scalar(q, s, len, d, scale, scores, out);
-}
-
-// A new key or value into its row: rounded to nearest even for bf16, as torch's .to() rounds
-// (the eager path and the prefill path round the same token identically).
-inline void store_row(float* dst, const float* src, int64_t d) { std::copy(src, src + d, dst); }
-inline void store_row(c10::BFloat16* dst, const float* src, int64_t d) {
-    for (int64_t j = 0; j < d; ++j) dst[j] = c10::BFloat16(src[j]);
-}
-
 // One layer of a KV store: sequence i's span of KV head h is
 // {layer_base + h * head_stride, tables + i * table_stride, block, block_stride, ...}.
 template <typename KV>
@@ -294,6 +226,135 @@ struct KVLayout {
     }
 };
 
+// Asks for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// Query heads h0..h1-1 of sequence i (queries q [h1 - h0, d], KV head h / group each), the
+// same operations as the portable path, lane for lane, for head sizes 8 * NV (a template
+// argument, so that an output row stays in NV registers while the values stream by). Block by
+// block, four tokens at a time, every head of the range takes its keys: in the pool a token's
+// heads lie side by side, so the pass walks each block's run of keys once, in address order
+// (head by head over the whole sequence walked it with gaps, once per query head: 2x slower at
+// batch 8-32). Per head the keys' dot products go four at a time within a block (four
+// independent add chains), the softmax runs over its scores, and the value sum adds token
+// after token: a head's output does not depend on the blocks, the range or the thread split.
+template <int NV, typename KV>
+__attribute__((target("avx2"))) void heads_attention_avx2(
+        const float* __restrict q, const KVLayout<KV>& kv, int64_t i, int64_t h0, int64_t h1,
+        int64_t group, int64_t len, float scale, float* __restrict scores,
+        float* __restrict mx, float* __restrict out, KV* __restrict stage) {
+    constexpr int64_t d = 8 * NV, nv = NV;
+    const int64_t nh = h1 - h0, ts = kv.token_stride, block = kv.block;
+    const int64_t* table = kv.tables + i * kv.table_stride;
+    const int64_t kv_lo = h0 / group, num_kv = (h1 - 1) / group - kv_lo + 1;
+    // Each head's offset inside a block, and a block's start: no division in the loops.
+    std::vector<int64_t> head_off(nh);
+    for (int64_t hh = 0; hh < nh; ++hh) head_off[hh] = ((h0 + hh) / group) * kv.head_stride;
+    auto block_start = [&](int64_t b) { return kv.layer_base + table[b] * kv.block_stride; };
+    const int64_t run = 4 * ts * static_cast<int64_t>(sizeof(KV));  // four tokens' heads
+    for (int64_t hh = 0; hh < nh; ++hh) mx[hh] = -INFINITY;
+    for (int64_t b = 0, b0 = 0; b0 < len; ++b, b0 += block) {
+        const int64_t m = std::min(block, len - b0);
+        const KV* blk = block_start(b);
+        // Blocks lie anywhere in the pool: no hardware prefetcher follows them, so the next
+        // block's keys and values are asked for while this one is computed.
+        const KV* next = b0 + block < len ? block_start(b + 1) : nullptr;
+        if (stage != nullptr) {
+            // The values too, while their block is at hand (reading a block's keys brings its
+            // values in anyway): into a dense, head-major copy for the value sum below.
+            for (int64_t t = 0; t < m; ++t)
+                for (int64_t h = 0; h < num_kv; ++h) {
+                    const KV* v = blk + kv.kv_stride + (kv_lo + h) * kv.head_stride + t * ts;
+                    std::copy(v, v + d, stage + (h * len + b0 + t) * d);
+                }
+        }
+        int64_t t = 0;
+        for (; t + 4 <= m; t += 4) {  // four tokens at a time, every head: one pass over them
+            if (next != nullptr) {
+                prefetch(next + t * ts, run);
+                prefetch(next + kv.kv_stride + t * ts, run);
+            }
+            for (int64_t hh = 0; hh < nh; ++hh) {
+                const KV* k = blk + head_off[hh] + t * ts;
+                const float* qh = q + hh * d;
+                float* sc = scores + hh * len + b0;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t j = 0; j < d; j += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + j);
+                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, load8(k + j)));
+                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, load8(k + ts + j)));
+                    a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, load8(k + 2 * ts + j)));
+                    a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, load8(k + 3 * ts + j)));
+                }
+                const float s0 = reduce8(a0) * scale, s1 = reduce8(a1) * scale,
+                            s2 = reduce8(a2) * scale, s3 = reduce8(a3) * scale;
+                sc[t] = s0;
+                sc[t + 1] = s1;
+                sc[t + 2] = s2;
+                sc[t + 3] = s3;
+                mx[hh] = std::max(std::max(std::max(mx[hh], s0), s1), std::max(s2, s3));
+            }
+        }
+        for (; t < m; ++t) {
+            for (int64_t hh = 0; hh < nh; ++hh) {
+                const float s0 = dot_avx2<NV>(q + hh * d, blk + head_off[hh] + t * ts) * scale;
+                scores[hh * len + b0 + t] = s0;
+                mx[hh] = std::max(mx[hh], s0);
+            }
+        }
+    }
+    // The value sum, token after token, each head's output row in registers: over the staged
+    // copy (a pool), or the dense row itself (one block).
+    for (int64_t hh = 0; hh < nh; ++hh) {
+        const float inv = 1.0f / exp_shifted(scores + hh * len, mx[hh], len);
+        const int64_t h = (h0 + hh) / group;
+        const KV* vals = stage != nullptr ? stage + (h - kv_lo) * len * d
+                                          : block_start(0) + kv.kv_stride + head_off[hh];
+        const int64_t vts = stage != nullptr ? d : ts;
+        assert(stage != nullptr || len <= block);
+        const float* sc = scores + hh * len;
+        __m256 o[NV];
+        for (int64_t l = 0; l < nv; ++l) o[l] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+            const __m256 w = _mm256_set1_ps(sc[t] * inv);
+            const KV* v = vals + t * vts;
+            for (int64_t l = 0; l < nv; ++l)
+                o[l] = _mm256_add_ps(o[l], _mm256_mul_ps(w, load8(v + 8 * l)));
+        }
+        for (int64_t l = 0; l < nv; ++l) _mm256_storeu_ps(out + hh * d + 8 * l, o[l]);
+    }
+}
+
+// `stage`: room for the range's values, dense ([KV heads, len, d]), when they lie in a pool's
+// blocks; nullptr for a dense row (read where it is).
+template <typename KV>
+void heads_attention(const float* q, const KVLayout<KV>& kv, int64_t i, int64_t h0, int64_t h1,
+                     int64_t group, int64_t len, int64_t d, float scale, float* scores,
+                     float* mx, float* out, KV* stage) {
+    if (kAvx2 && d == 64)
+        return heads_attention_avx2<8>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
+                                       stage);
+    if (kAvx2 && d == 128)
+        return heads_attention_avx2<16>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
+                                        stage);
+    if (kAvx2 && d == 32)
+        return heads_attention_avx2<4>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
+                                       stage);
+    for (int64_t h = h0; h < h1; ++h)
+        head_attention_scalar(q + (h - h0) * d, kv.span(i, h / group), len, d, scale, scores,
+                              out + (h - h0) * d);
+}
+
+// A new key or value into its row: rounded to nearest even for bf16, as torch's .to() rounds
+// (the eager path and the prefill path round the same token identically).
+inline void store_row(float* dst, const float* src, int64_t d) { std::copy(src, src + d, dst); }
+inline void store_row(c10::BFloat16* dst, const float* src, int64_t d) {
+    for (int64_t j = 0; j < d; ++j) dst[j] = c10::BFloat16(src[j]);
+}
+
 // The op's body over a store of element type KV (its arguments are checked by the callers):
 // RoPE, the new K/V at position pp[i] of sequence i's span, attention of each query head.
 template <typename KV>
@@ -304,7 +365,8 @@ void decode_body(const float* qp, const float* cp, const float* sp, const KVLayo
     const int64_t group = num_heads / num_kv_heads;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     // The new keys and values first (every query head of the group reads them), then one task
-    // per (sequence, query head): nine for one SmolLM2 token, which two threads share evenly.
+    // per sequence, or per slice of its query heads when there are fewer sequences than
+    // threads (batch 1 on two threads: two tasks of 4 and 5 SmolLM2 heads).
     std::vector<float> rotated(d);
     for (int64_t i = 0; i < n; ++i) {
         const float* x = qp + i * width;
@@ -319,17 +381,30 @@ void decode_body(const float* qp, const float* cp, const float* sp, const KVLayo
             store_row(key + kv.kv_stride, x + (num_heads + num_kv_heads + h) * d, d);
         }
     }
-    at::parallel_for(0, n * num_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qr(d), scores;
+    const int64_t threads = at::get_num_threads();
+    const int64_t slices = std::min(num_heads, std::max<int64_t>(1, (threads + n - 1) / n));
+    const int64_t per = (num_heads + slices - 1) / slices;
+    at::parallel_for(0, n * slices, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qr, scores, mx;
+        std::vector<KV> stage;
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t i = task / num_heads, qh = task % num_heads, h = qh / group;
+            const int64_t i = task / slices, h0 = (task % slices) * per;
+            const int64_t h1 = std::min(num_heads, h0 + per), nh = h1 - h0;
+            if (nh <= 0) continue;
             const float* x = qp + i * width;
             const int64_t len = pp[i] + 1;
-            if (rotate) rope(qr.data(), x + qh * d, cp + i * d, sp + i * d, d);
-            else std::copy(x + qh * d, x + (qh + 1) * d, qr.begin());
-            scores.resize(len);
-            head_attention(qr.data(), kv.span(i, h), len, d, scale, scores.data(),
-                           op + i * num_heads * d + qh * d);
+            qr.resize(nh * d);
+            for (int64_t h = h0; h < h1; ++h) {
+                if (rotate) rope(qr.data() + (h - h0) * d, x + h * d, cp + i * d, sp + i * d, d);
+                else std::copy(x + h * d, x + (h + 1) * d, qr.begin() + (h - h0) * d);
+            }
+            scores.resize(nh * len);
+            mx.resize(nh);
+            const bool paged = kv.block < len;  // more than one block: a pool
+            if (paged) stage.resize(((h1 - 1) / group - h0 / group + 1) * len * d);
+            heads_attention(qr.data(), kv, i, h0, h1, group, len, d, scale, scores.data(),
+                            mx.data(), op + i * num_heads * d + h0 * d,
+                            paged ? stage.data() : nullptr);
         }
     });
 }
