@@ -13,7 +13,6 @@ import logging
 import numpy as np
 import pytest
 import torch
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.engine import EngineConfig, LLMEngine

@@ -24,8 +24,8 @@ A CUDA backend (flash attention over the paged pool, no dense rows) goes beside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
