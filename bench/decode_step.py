@@ -1,7 +1,7 @@
 """Decode step time per mode (--quantization) at each batch and context, one process, modes
-interleaved so a shared machine's load falls on all alike. A step: (prefill + steps + 1 tokens)
-minus (prefill + 1 token), over `steps` steps (64), for `batch` distinct prompts of `context`
-tokens (64), greedy, 2 threads. Prints a table (median ms per step, min-max over the repeats,
+interleaved so a shared machine's load falls on all alike. A step: the mean of `steps` (64)
+decode-only engine steps, timed after the batch's prompts are prefilled, for `batch` distinct
+prompts of `context` tokens (64), greedy, 2 threads. Prints a table (median ms per step, min-max over the repeats,
 ratio to the first mode) and writes JSON.
 
     .venv/bin/python bench/decode_step.py [--modes none,int4] [--batches 1,8] [--repeats 5]
@@ -29,14 +29,22 @@ RESULTS = Path(__file__).parent / "results" / "decode_step.json"
 
 
 def step_ms(engine, prompts: list[list[int]], steps: int) -> float:
+    """Mean wall time of `steps` decode-only engine steps of the batch (prompts prefilled
+    first, untimed: a prompt step's time is not a decode step's)."""
     from baton.sampling.params import SamplingParams
 
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        engine.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        return time.perf_counter() - start
-
-    return (run(steps + 1) - run(1)) / steps * 1000
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    ids = {engine.add_request(None, p, params) for p in prompts}
+    started: set[str] = set()
+    while started != ids:  # until every prompt has its first token
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    start = time.perf_counter()
+    for _ in range(steps):
+        assert not any(o.finished for o in engine.step()), "a request finished while timed"
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / steps * 1000
 
 
 def profile(engine, prompts: list[list[int]]) -> None:

@@ -236,11 +236,12 @@ inline void prefetch(const void* p, int64_t bytes) {
 // same operations as the portable path, lane for lane, for head sizes 8 * NV (a template
 // argument, so that an output row stays in NV registers while the values stream by). Block by
 // block, four tokens at a time, every head of the range takes its keys: in the pool a token's
-// heads lie side by side, so the pass walks each block's run of keys once, in address order
-// (head by head over the whole sequence walked it with gaps, once per query head: 2x slower at
-// batch 8-32). Per head the keys' dot products go four at a time within a block (four
-// independent add chains), the softmax runs over its scores, and the value sum adds token
-// after token: a head's output does not depend on the blocks, the range or the thread split.
+// heads lie side by side, so the pass walks each block's run of keys once, in address order.
+// Per head the keys' dot products go four at a time within a block (four independent add
+// chains), the softmax runs over its scores, and the value sum adds token after token: a
+// head's output does not depend on the blocks, the range or the thread split. Over a pool the
+// op is still 1.4-3.8x slower than over dense rows on this machine (a layer's run of a block
+// is 24 KB, far from the next block's; README, bench/decode_attention_bench.py --skip-eager).
 template <int NV, typename KV>
 __attribute__((target("avx2"))) void heads_attention_avx2(
         const float* __restrict q, const KVLayout<KV>& kv, int64_t i, int64_t h0, int64_t h1,
