@@ -33,7 +33,8 @@ def step_ms(engine, prompts: list[list[int]], steps: int) -> float:
     first, untimed: a prompt step's time is not a decode step's)."""
     from baton.sampling.params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    # Room for the decode steps that run beside the later prompts' chunks (S40), then aborted.
+    params = SamplingParams(temperature=0, max_tokens=steps + 400, ignore_eos=True)
     ids = {engine.add_request(None, p, params) for p in prompts}
     started: set[str] = set()
     while started != ids:  # until every prompt has its first token
@@ -42,6 +43,8 @@ def step_ms(engine, prompts: list[list[int]], steps: int) -> float:
     for _ in range(steps):
         assert not any(o.finished for o in engine.step()), "a request finished while timed"
     elapsed = time.perf_counter() - start
+    for rid in ids:
+        engine.abort_request(rid)
     while engine.has_unfinished():
         engine.step()
     return elapsed / steps * 1000
