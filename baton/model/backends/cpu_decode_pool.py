@@ -11,8 +11,8 @@ attention over dense rows (`cpu_decode_rows.py`), the quality reference.
 
 It is slower than the dense rows at long contexts on the 2-core machine it was measured on (a
 layer's K/V of one block is a 24 KB run far from the next block's): one layer's op 1.4-3.8x,
-a whole int4 decode step 0.97-1.11x at batch 1-32 x 256-1000 tokens, with two spreads up to
-1.36x (README, bench/decode_attention_bench.py and bench/decode_step.py --decode-kv).
+a whole int4 decode step 0.97-1.11x at batch 1-32 x 256 tokens and ~1.15x (1.03-1.34x) at
+1000 (README, bench/decode_attention_bench.py and bench/decode_step.py --decode-kv).
 
 Only a model whose every layer has plain attention takes it (no soft-capping, no scale of its
 own, no sliding window: the op has none of them), computing in float32 over a float32 or bfloat16
