@@ -3,13 +3,17 @@
          softmax(q k^T / sqrt(d)) v per KV-head group as torch matmuls); the exact mode's
          backend batches a uniform group with one bmm, so at batch > 1 this baseline is slower
          than that path
-  fused  torch.ops.baton_decode.decode_attention (csrc/kernels/decode_attention.cpp), the quantized
-         modes' op
-SmolLM2's shapes (9 query heads, 3 KV heads, head size 64, 30 layers of dense rows). Prints
-microseconds per call (median, min-max over the repeats, ratio to eager) and writes JSON.
+  fused  torch.ops.baton_decode.decode_attention (csrc/kernels/decode_attention.cpp) over the
+         dense rows: the reference of
+  paged  torch.ops.baton_decode.decode_attention_paged, the quantized modes' op: the same
+         arithmetic over the block pool [blocks, L, 2, 16, Hkv, D] through each sequence's block
+         table (its blocks drawn at random from the pool: no locality assumed)
+SmolLM2's shapes (9 query heads, 3 KV heads, head size 64, `--layers` layers of rows and pool,
+30 by default). Prints microseconds per call (median, min-max over the repeats, ratio to eager)
+and writes JSON. `--skip-eager` leaves the slow baseline out (ratios then to fused).
 
     .venv/bin/python bench/decode_attention_bench.py [--batches 1,32] [--positions 64,300]
-        [--threads 1] [--repeats 5]
+        [--threads 1] [--repeats 5] [--layers 30] [--skip-eager]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 RESULTS = Path(__file__).parent / "results" / "decode_attention.json"
 LAYERS, HQ, HKV, D = 30, 9, 3, 64
+BLOCK = 16  # the engine's default block size
 
 
 def eager(qkv, cos, sin, ws, layer, rows, positions):
@@ -59,12 +64,32 @@ def time_us(fn, repeats: int, calls: int) -> list[float]:
     return runs
 
 
+def pool_of(ws: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+            g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block pool holding what each dense row holds up to its position, in blocks drawn at
+    random (block 0 null): (pool, block tables)."""
+    layers, n, cap = ws.shape[0], len(rows), ws.shape[4]
+    per = -(-cap // BLOCK)
+    order = torch.randperm(n * per, generator=g) + 1
+    tables = order.view(n, per)
+    pool = torch.zeros(n * per + 1, layers, 2, BLOCK, HKV, D)
+    for i in range(n):
+        span = ws[:, :, int(rows[i]), :, :, :]  # [L, 2, Hkv, cap, D]
+        padded = torch.zeros(layers, 2, HKV, per * BLOCK, D)
+        padded[:, :, :, :cap] = span
+        # [L, 2, Hkv, per, B, D] -> [per, L, 2, B, Hkv, D]
+        pool[tables[i]] = padded.view(layers, 2, HKV, per, BLOCK, D).permute(3, 0, 1, 4, 2, 5)
+    return pool, tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--positions", default="64,300")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,30 +99,42 @@ def main() -> None:
         raise SystemExit("baton._decode_ops is not built: run `make install`")
     g = torch.Generator().manual_seed(0)
     rows_out = []
-    print(f"{'batch':>5} {'pos':>5} {'path':>6} {'us/call':>9} {'min-max':>17} {'vs eager':>8}")
+    uptime = os.popen("uptime").read().strip()
+    print(f"uptime: {uptime}")
+    base = "fused" if args.skip_eager else "eager"
+    print(f"{'batch':>5} {'pos':>5} {'path':>6} {'us/call':>9} {'min-max':>17} {'vs ' + base:>8}")
     for n in (int(b) for b in args.batches.split(",")):
         for pos in (int(p) for p in args.positions.split(",")):
-            ws = torch.randn(LAYERS, 2, n, HKV, pos + 1, D, generator=g)
+            ws = torch.randn(args.layers, 2, n, HKV, pos + 1, D, generator=g)
             qkv = torch.randn(n, (HQ + 2 * HKV) * D, generator=g)
             cos, sin = torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
             rows, positions = torch.arange(n), torch.full((n,), pos)
+            pool, tables = pool_of(ws, rows, positions, g)
             calls = max(1, 2000 // (n * max(1, pos // 64)))
             call = (qkv, cos, sin, ws, 3, rows, positions)
             paths = {"eager": partial(eager, *call),
-                     "fused": partial(cpu_fused.decode_attention, *call, HQ, HKV)}
+                     "fused": partial(cpu_fused.decode_attention, *call, HQ, HKV),
+                     "paged": partial(cpu_fused.decode_attention_paged, qkv, cos, sin, pool, 3,
+                                      tables, positions, HQ, HKV)}
+            if args.skip_eager:
+                del paths["eager"]
+            # Same keys, same arithmetic: the same output bits.
+            assert torch.equal(paths["paged"](), paths["fused"]())
             times = {name: [] for name in paths}
             for _ in range(args.repeats):  # interleaved: load falls on both alike
                 for name, fn in paths.items():
                     times[name] += time_us(fn, 1, calls)
-            ref = statistics.median(times["eager"])
+            ref = statistics.median(times[base])
             for name, t in times.items():
                 med = statistics.median(t)
                 rows_out.append({"batch": n, "position": pos, "path": name, "us_per_call": med,
-                                 "min": min(t), "max": max(t), "ratio_to_eager": med / ref})
+                                 "min": min(t), "max": max(t), "ratio_to_" + base: med / ref})
                 print(f"{n:>5} {pos:>5} {name:>6} {med:9.1f} {min(t):8.1f}-{max(t):8.1f} "
                       f"{med / ref:8.2f}")
+            del ws, pool
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(),
+    Path(args.out).write_text(json.dumps({"threads": args.threads, "layers": args.layers,
+                                          "load_avg": os.getloadavg(), "uptime": uptime,
                                           "rows": rows_out}, indent=2) + "\n")
     print(f"wrote {args.out}")
 

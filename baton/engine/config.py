@@ -26,8 +26,10 @@ class EngineConfig:
     device: str | None = None  # None = cuda when present, else cpu
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks incl. the null block; 0 = fill kv_cache_memory_bytes
-    # Used when num_blocks == 0: the pool and the backend's copies of it together (the CPU
-    # backend's dense decode rows can hold each decoding token again: half goes to the pool).
+    # Used when num_blocks == 0: the pool and the backend's copies of it together. The CPU
+    # backend's quantized modes read decode K/V from the pool itself (all of it goes to the
+    # pool); where it keeps dense decode rows (the exact mode; models with attention options)
+    # they can hold each decoding token again, and half goes to the pool.
     kv_cache_memory_bytes: int = 2**30
     max_num_seqs: int = 64  # sequences in one decode batch
     max_num_batched_tokens: int = 2048  # tokens in one prompt step (chunk size)
@@ -58,6 +60,12 @@ class EngineConfig:
     # a value other than num_threads lets MKL round a decode row differently in a decode-only
     # step (a completion engine) than beside a prompt (a normal engine).
     decode_threads: int = 0
+    # What the quantized modes' decode attention reads a decoding sequence's K/V from: "pool"
+    # (its blocks, through the block table: the whole KV budget buys unique blocks) or "rows"
+    # (a dense copy per sequence beside the pool: half the budget for blocks; measured on 2
+    # cores, int4: TPOT 0.97-1.08x of pool's at 256 tokens of context, 0.75-0.85x at 1000).
+    # The exact mode and models with attention options always keep rows (cpu.py says why).
+    decode_kv: str = "pool"
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
     engine_type: str = NORMAL
@@ -131,6 +139,9 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"EngineConfig.speculative must be one of {list(SPECULATIVE_METHODS)}"
                              f", got {self.speculative!r}")
+        if self.decode_kv not in ("pool", "rows"):
+            raise ValueError(f"EngineConfig.decode_kv must be 'pool' or 'rows', got "
+                             f"{self.decode_kv!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError("EngineConfig.num_speculative_tokens must be >= 0, got "
                              f"{self.num_speculative_tokens}")

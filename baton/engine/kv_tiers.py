@@ -40,6 +40,7 @@ class KvTiers:
                              "it needs prefix caching on")
         self.scheduler = scheduler
         self.block_bytes = kv_keys.block_bytes
+        self.block_size = config.block_size
         # The local disk tier below the pool (P10); None = off, or its directory is unusable.
         self.disk: DiskTier | None = None
         if config.kv_disk_dir:
@@ -132,6 +133,8 @@ class KvTiers:
                 "kv_tier_bytes_pool": float(sched.num_cached_blocks() * self.block_bytes),
                 "kv_tier_capacity_bytes_pool": float(sched.num_total_blocks()
                                                      * self.block_bytes),
+                "kv_tier_capacity_tokens_pool": float(sched.num_total_blocks()
+                                                      * self.block_size),
                 **tiers}
 
     def close(self) -> None:

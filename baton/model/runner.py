@@ -1,7 +1,7 @@
 """The model runner: a scheduler step in, sampled tokens out (nano-vllm's `ModelRunner`).
 
 It owns what the model needs from one step to the next on its device: the paged KV pool, the
-backend (whose dense decode rows persist across steps) and the sampler. `execute` turns the
+backend (whose dense decode rows, where it keeps them, persist across steps) and the sampler. `execute` turns the
 scheduler's numpy views into tensors, runs the model (the backend writes K/V into the pool),
 and samples the rows the engine asks for; the engine never touches a tensor.
 """
@@ -49,6 +49,9 @@ class ModelRunner:
         self.backend = backend or get_backend(self.device, exact=loaded.quantization == "none")
         self.kv_spec = KVCacheSpec.from_model(
             self.config, block_size, None if kv_cache_dtype == "auto" else kv_cache_dtype)
+        self.backend.set_model([self.config.attention_options(i)
+                                for i in range(self.config.num_layers)],
+                               self.config.dtype, self.kv_spec.dtype)
         if not num_blocks:
             pool_bytes = int(kv_cache_memory_bytes / (1.0 + self.backend.kv_memory_factor))
             num_blocks = self.kv_spec.num_blocks_for_budget(pool_bytes)
@@ -56,10 +59,19 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.lora = LoraSet(self.model)  # LoRA adapters served beside the base (baton/model/lora.py)
         self.startup: dict[str, float | str] = {}  # build_runner's phases (engine start-up log)
-        logger.info("model runner: %s backend, %d KV blocks of %s, %d bytes each (+%.0f%% for "
-                    "the backend's rows)", self.backend.name, num_blocks,
+        factor = self.backend.kv_memory_factor
+        logger.info("model runner: %s backend, %d KV blocks of %s, %d bytes each = %d tokens; "
+                    "%s", self.backend.name, num_blocks,
                     str(self.kv_spec.dtype).removeprefix("torch."), self.kv_spec.bytes_per_block,
-                    100 * self.backend.kv_memory_factor)
+                    self.capacity_tokens,
+                    "decode attention reads the pool (the whole KV budget holds its blocks)"
+                    if factor == 0 else f"+{100 * factor:.0f}% of the pool for the backend's "
+                    "dense decode rows (each decoding sequence's K/V again)")
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds (the null block excluded)."""
+        return (self.num_blocks - 1) * self.kv_spec.block_size
 
     @property
     def num_blocks(self) -> int:
@@ -244,11 +256,13 @@ class ModelRunner:
             offset += q
 
 
-def build_runner(config, loaded: LoadedModel | None = None) -> ModelRunner:
+def build_runner(config, loaded: LoadedModel | None = None,
+                 backend: Backend | None = None) -> ModelRunner:
     """The runner an `EngineConfig` asks for: torch threads set, the model loaded (through the
     load cache when `config.load_cache_dir` names one; or `loaded` reused: tests, benchmarks),
-    the KV pool sized, each step kind's thread count chosen. `runner.startup` holds the
-    seconds of its phases and what the load cache did."""
+    the KV pool sized, each step kind's thread count chosen. `backend`: None = the device's
+    (`get_backend`), or one a test or benchmark built (`CPUBackend(decode_kv="rows")`).
+    `runner.startup` holds the seconds of its phases and what the load cache did."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     t0 = time.perf_counter()
@@ -257,8 +271,11 @@ def build_runner(config, loaded: LoadedModel | None = None) -> ModelRunner:
         loaded, outcome = load_with_cache(config.model, config.dtype, config.device,
                                           config.quantization, config.load_cache_dir)
     t1 = time.perf_counter()
+    if backend is None:
+        backend = get_backend(loaded.model.device, exact=loaded.quantization == "none",
+                              decode_kv=config.decode_kv)
     runner = ModelRunner(loaded, config.block_size, config.num_blocks,
-                         config.kv_cache_memory_bytes,
+                         config.kv_cache_memory_bytes, backend=backend,
                          kv_cache_dtype=config.kv_cache_dtype)
     threads = torch.get_num_threads()
     # Decode steps of the quantized modes run on one thread unless told otherwise (see

@@ -100,6 +100,9 @@ _TIER_FAMILIES = [
      False, "blocks"),
     ("baton_kv_tier_bytes", "Bytes of KV blocks this tier holds now", False, "bytes"),
     ("baton_kv_tier_capacity_bytes", "Bytes this tier may hold", False, "capacity_bytes"),
+    ("baton_kv_tier_capacity_tokens", "Tokens this tier may hold (pool: its blocks x block "
+     "size; the KV budget's share beside it, the CPU backend's dense decode rows where it "
+     "keeps them, holds none of its own)", False, "capacity_tokens"),
     ("baton_kv_tier_loads", "Prompts whose blocks were read from this tier", True, "loads"),
     ("baton_kv_tier_load_seconds", "Seconds spent reading and checking blocks of this tier "
      "and putting them into the pool (over loads: the mean load time)", True, "load_seconds"),

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -154,20 +155,36 @@ void rope(float* out, const float* x, const float* cos, const float* ssin, int64
     for (int64_t j = half; j < d; ++j) out[j] = x[j] * cos[j] + x[j - half] * ssin[j];
 }
 
-// One query head over its row's keys and values 0..len-1: out = softmax(q . k * scale) v.
-// Portable path (any CPU, any head size).
+// Where one sequence's keys and values of one layer and KV head lie: token t's key at
+// base + table[t / block] * block_stride + (t % block) * token_stride, its value kv_stride
+// further on. The block pool is [blocks, L, 2, B, Hkv, D] (table: the sequence's block table,
+// block: B); a dense decode row is the same with one block as long as the row (table: its row).
 template <typename KV>
-void head_attention_scalar(const float* q, const KV* keys, const KV* vals, int64_t len,
-                           int64_t d, float scale, float* scores, float* out) {
+struct KVSpan {
+    KV* base;  // layer and head applied
+    const int64_t* table;
+    int64_t block, block_stride, token_stride, kv_stride;
+
+    KV* key(int64_t t) const {
+        return base + table[t / block] * block_stride + (t % block) * token_stride;
+    }
+};
+
+// One query head over its span's keys and values 0..len-1: out = softmax(q . k * scale) v.
+// Portable path (any CPU, any head size). Keys are visited block by block in token order: the
+// scores, their softmax and the value sum are those of one dense run, wherever the keys lie.
+template <typename KV>
+void head_attention_scalar(const float* q, const KVSpan<KV>& s, int64_t len, int64_t d,
+                           float scale, float* scores, float* out) {
     float mx = -INFINITY;
     for (int64_t t = 0; t < len; ++t) {
-        scores[t] = dot(q, keys + t * d, d) * scale;
+        scores[t] = dot(q, s.key(t), d) * scale;
         mx = std::max(mx, scores[t]);
     }
     const float total = exp_shifted(scores, mx, len);
     std::fill(out, out + d, 0.0f);
     const float inv = 1.0f / total;
-    for (int64_t t = 0; t < len; ++t) axpy(out, scores[t] * inv, vals + t * d, d);
+    for (int64_t t = 0; t < len; ++t) axpy(out, scores[t] * inv, s.key(t) + s.kv_stride, d);
 }
 
 // dot's lane reduction, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), of one vector.
@@ -185,60 +202,151 @@ __attribute__((target("avx2"))) inline __m256 load8(const c10::BFloat16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// The same operations as the portable path, lane for lane, for head sizes 8 * NV (a template
-// argument, so that the output row stays in NV registers while the values stream by): four
-// keys' dot products at a time (four independent add chains).
+// q . k of one key, 8 lanes then reduce8: the same operations for every key, however they are
+// grouped below.
 template <int NV, typename KV>
-__attribute__((target("avx2"))) void head_attention_avx2(const float* q, const KV* keys,
-                                                         const KV* vals, int64_t len,
-                                                         float scale, float* scores, float* out) {
-    constexpr int64_t d = 8 * NV, nv = NV;
-    float mx = -INFINITY;
-    int64_t t = 0;
-    for (; t + 4 <= len; t += 4) {
-        const KV* k = keys + t * d;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < d; j += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + j);
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, load8(k + j)));
-            a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, load8(k + d + j)));
-            a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, load8(k + 2 * d + j)));
-            a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, load8(k + 3 * d + j)));
-        }
-        scores[t] = reduce8(a0) * scale;
-        scores[t + 1] = reduce8(a1) * scale;
-        scores[t + 2] = reduce8(a2) * scale;
-        scores[t + 3] = reduce8(a3) * scale;
-        mx = std::max(std::max(std::max(mx, scores[t]), scores[t + 1]),
-                      std::max(scores[t + 2], scores[t + 3]));
-    }
-    for (; t < len; ++t) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t j = 0; j < d; j += 8)
-            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + j), load8(keys + t * d + j)));
-        scores[t] = reduce8(a) * scale;
-        mx = std::max(mx, scores[t]);
-    }
-    const float total = exp_shifted(scores, mx, len);
-    const float inv = 1.0f / total;
-    __m256 o[NV];
-    for (int64_t i = 0; i < nv; ++i) o[i] = _mm256_setzero_ps();
-    for (t = 0; t < len; ++t) {
-        const __m256 w = _mm256_set1_ps(scores[t] * inv);
-        const KV* v = vals + t * d;
-        for (int64_t i = 0; i < nv; ++i)
-            o[i] = _mm256_add_ps(o[i], _mm256_mul_ps(w, load8(v + 8 * i)));
-    }
-    for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(out + 8 * i, o[i]);
+__attribute__((target("avx2"))) inline float dot_avx2(const float* q, const KV* k) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t j = 0; j < 8 * NV; j += 8)
+        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + j), load8(k + j)));
+    return reduce8(a);
 }
 
+// One layer of a KV store: sequence i's span of KV head h is
+// {layer_base + h * head_stride, tables + i * table_stride, block, block_stride, ...}.
 template <typename KV>
-void head_attention(const float* q, const KV* keys, const KV* vals, int64_t len, int64_t d,
-                    float scale, float* scores, float* out) {
-    if (kAvx2 && d == 64) return head_attention_avx2<8>(q, keys, vals, len, scale, scores, out);
-    if (kAvx2 && d == 128) return head_attention_avx2<16>(q, keys, vals, len, scale, scores, out);
-    if (kAvx2 && d == 32) return head_attention_avx2<4>(q, keys, vals, len, scale, scores, out);
-    head_attention_scalar(q, keys, vals, len, d, scale, scores, out);
+struct KVLayout {
+    KV* layer_base;
+    const int64_t* tables;
+    int64_t table_stride, block, block_stride, token_stride, head_stride, kv_stride;
+
+    KVSpan<KV> span(int64_t i, int64_t h) const {
+        return {layer_base + h * head_stride, tables + i * table_stride, block, block_stride,
+                token_stride, kv_stride};
+    }
+};
+
+// Asks for the cache lines of [p, p + bytes) ahead of their use.
+inline void prefetch(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// Query heads h0..h1-1 of sequence i (queries q [h1 - h0, d], KV head h / group each), the
+// same operations as the portable path, lane for lane, for head sizes 8 * NV (a template
+// argument, so that an output row stays in NV registers while the values stream by). Block by
+// block, four tokens at a time, every head of the range takes its keys: in the pool a token's
+// heads lie side by side, so the pass walks each block's run of keys once, in address order.
+// Per head the keys' dot products go four at a time within a block (four independent add
+// chains), the softmax runs over its scores, and the value sum adds token after token: a
+// head's output does not depend on the blocks, the range or the thread split. Over a pool the
+// op is still 1.4-3.8x slower than over dense rows on this machine (a layer's run of a block
+// is 24 KB, far from the next block's; README, bench/decode_attention_bench.py --skip-eager).
+template <int NV, typename KV>
+__attribute__((target("avx2"))) void heads_attention_avx2(
+        const float* __restrict q, const KVLayout<KV>& kv, int64_t i, int64_t h0, int64_t h1,
+        int64_t group, int64_t len, float scale, float* __restrict scores,
+        float* __restrict mx, float* __restrict out, KV* __restrict stage) {
+    constexpr int64_t d = 8 * NV, nv = NV;
+    const int64_t nh = h1 - h0, ts = kv.token_stride, block = kv.block;
+    const int64_t* table = kv.tables + i * kv.table_stride;
+    const int64_t kv_lo = h0 / group, num_kv = (h1 - 1) / group - kv_lo + 1;
+    // Each head's offset inside a block, and a block's start: no division in the loops.
+    std::vector<int64_t> head_off(nh);
+    for (int64_t hh = 0; hh < nh; ++hh) head_off[hh] = ((h0 + hh) / group) * kv.head_stride;
+    auto block_start = [&](int64_t b) { return kv.layer_base + table[b] * kv.block_stride; };
+    const int64_t run = 4 * ts * static_cast<int64_t>(sizeof(KV));  // four tokens' heads
+    for (int64_t hh = 0; hh < nh; ++hh) mx[hh] = -INFINITY;
+    for (int64_t b = 0, b0 = 0; b0 < len; ++b, b0 += block) {
+        const int64_t m = std::min(block, len - b0);
+        const KV* blk = block_start(b);
+        // Blocks lie anywhere in the pool: no hardware prefetcher follows them, so the next
+        // block's keys and values are asked for while this one is computed.
+        const KV* next = b0 + block < len ? block_start(b + 1) : nullptr;
+        if (stage != nullptr) {
+            // The values too, while their block is at hand (reading a block's keys brings its
+            // values in anyway): into a dense, head-major copy for the value sum below.
+            for (int64_t t = 0; t < m; ++t)
+                for (int64_t h = 0; h < num_kv; ++h) {
+                    const KV* v = blk + kv.kv_stride + (kv_lo + h) * kv.head_stride + t * ts;
+                    std::copy(v, v + d, stage + (h * len + b0 + t) * d);
+                }
+        }
+        int64_t t = 0;
+        for (; t + 4 <= m; t += 4) {  // four tokens at a time, every head: one pass over them
+            if (next != nullptr) {
+                prefetch(next + t * ts, run);
+                prefetch(next + kv.kv_stride + t * ts, run);
+            }
+            for (int64_t hh = 0; hh < nh; ++hh) {
+                const KV* k = blk + head_off[hh] + t * ts;
+                const float* qh = q + hh * d;
+                float* sc = scores + hh * len + b0;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t j = 0; j < d; j += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + j);
+                    a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, load8(k + j)));
+                    a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, load8(k + ts + j)));
+                    a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, load8(k + 2 * ts + j)));
+                    a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, load8(k + 3 * ts + j)));
+                }
+                const float s0 = reduce8(a0) * scale, s1 = reduce8(a1) * scale,
+                            s2 = reduce8(a2) * scale, s3 = reduce8(a3) * scale;
+                sc[t] = s0;
+                sc[t + 1] = s1;
+                sc[t + 2] = s2;
+                sc[t + 3] = s3;
+                mx[hh] = std::max(std::max(std::max(mx[hh], s0), s1), std::max(s2, s3));
+            }
+        }
+        for (; t < m; ++t) {
+            for (int64_t hh = 0; hh < nh; ++hh) {
+                const float s0 = dot_avx2<NV>(q + hh * d, blk + head_off[hh] + t * ts) * scale;
+                scores[hh * len + b0 + t] = s0;
+                mx[hh] = std::max(mx[hh], s0);
+            }
+        }
+    }
+    // The value sum, token after token, each head's output row in registers: over the staged
+    // copy (a pool), or the dense row itself (one block).
+    for (int64_t hh = 0; hh < nh; ++hh) {
+        const float inv = 1.0f / exp_shifted(scores + hh * len, mx[hh], len);
+        const int64_t h = (h0 + hh) / group;
+        const KV* vals = stage != nullptr ? stage + (h - kv_lo) * len * d
+                                          : block_start(0) + kv.kv_stride + head_off[hh];
+        const int64_t vts = stage != nullptr ? d : ts;
+        assert(stage != nullptr || len <= block);
+        const float* sc = scores + hh * len;
+        __m256 o[NV];
+        for (int64_t l = 0; l < nv; ++l) o[l] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+            const __m256 w = _mm256_set1_ps(sc[t] * inv);
+            const KV* v = vals + t * vts;
+            for (int64_t l = 0; l < nv; ++l)
+                o[l] = _mm256_add_ps(o[l], _mm256_mul_ps(w, load8(v + 8 * l)));
+        }
+        for (int64_t l = 0; l < nv; ++l) _mm256_storeu_ps(out + hh * d + 8 * l, o[l]);
+    }
+}
+
+// `stage`: room for the range's values, dense ([KV heads, len, d]), when they lie in a pool's
+// blocks; nullptr for a dense row (read where it is).
+template <typename KV>
+void heads_attention(const float* q, const KVLayout<KV>& kv, int64_t i, int64_t h0, int64_t h1,
+                     int64_t group, int64_t len, int64_t d, float scale, float* scores,
+                     float* mx, float* out, KV* stage) {
+    if (kAvx2 && d == 64)
+        return heads_attention_avx2<8>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
+                                       stage);
+    if (kAvx2 && d == 128)
+        return heads_attention_avx2<16>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
+                                        stage);
+    if (kAvx2 && d == 32)
+        return heads_attention_avx2<4>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
+                                       stage);
+    for (int64_t h = h0; h < h1; ++h)
+        head_attention_scalar(q + (h - h0) * d, kv.span(i, h / group), len, d, scale, scores,
+                              out + (h - h0) * d);
 }
 
 // A new key or value into its row: rounded to nearest even for bf16, as torch's .to() rounds
@@ -248,95 +356,173 @@ inline void store_row(c10::BFloat16* dst, const float* src, int64_t d) {
     for (int64_t j = 0; j < d; ++j) dst[j] = c10::BFloat16(src[j]);
 }
 
-// The op's body over rows of element type KV (its arguments are checked by decode_attention).
+// The op's body over a store of element type KV (its arguments are checked by the callers):
+// RoPE, the new K/V at position pp[i] of sequence i's span, attention of each query head.
 template <typename KV>
-void decode_rows(const float* qp, const float* cp, const float* sp, KV* wp, float* op,
-                 const int64_t* rp, const int64_t* pp, int64_t n, int64_t layer, int64_t d,
-                 int64_t cap, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t width) {
+void decode_body(const float* qp, const float* cp, const float* sp, const KVLayout<KV>& kv,
+                 float* op, const int64_t* pp, int64_t n, int64_t d, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t width) {
     const bool rotate = cp != nullptr;
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t head_stride = cap * d, row_stride = num_kv_heads * head_stride;
-    const int64_t kv_stride = num_rows * row_stride;  // keys -> values
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     // The new keys and values first (every query head of the group reads them), then one task
-    // per (sequence, query head): nine for one SmolLM2 token, which two threads share evenly.
+    // per sequence, or per slice of its query heads when there are fewer sequences than
+    // threads (batch 1 on two threads: two tasks of 4 and 5 SmolLM2 heads).
     std::vector<float> rotated(d);
     for (int64_t i = 0; i < n; ++i) {
         const float* x = qp + i * width;
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-            KV* key = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride + pp[i] * d;
+            KV* key = kv.span(i, h).key(pp[i]);
             const float* k = x + (num_heads + h) * d;
             if (rotate) {
                 rope(rotated.data(), k, cp + i * d, sp + i * d, d);
                 k = rotated.data();
             }
             store_row(key, k, d);
-            store_row(key + kv_stride, x + (num_heads + num_kv_heads + h) * d, d);
+            store_row(key + kv.kv_stride, x + (num_heads + num_kv_heads + h) * d, d);
         }
     }
-    at::parallel_for(0, n * num_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qr(d), scores;
+    const int64_t threads = at::get_num_threads();
+    const int64_t slices = std::min(num_heads, std::max<int64_t>(1, (threads + n - 1) / n));
+    const int64_t per = (num_heads + slices - 1) / slices;
+    at::parallel_for(0, n * slices, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qr, scores, mx;
+        std::vector<KV> stage;
         for (int64_t task = begin; task < end; ++task) {
-            const int64_t i = task / num_heads, qh = task % num_heads, h = qh / group;
+            const int64_t i = task / slices, h0 = (task % slices) * per;
+            const int64_t h1 = std::min(num_heads, h0 + per), nh = h1 - h0;
+            if (nh <= 0) continue;
             const float* x = qp + i * width;
             const int64_t len = pp[i] + 1;
-            const KV* keys = wp + layer * 2 * kv_stride + rp[i] * row_stride + h * head_stride;
-            const KV* vals = keys + kv_stride;
-            if (rotate) rope(qr.data(), x + qh * d, cp + i * d, sp + i * d, d);
-            else std::copy(x + qh * d, x + (qh + 1) * d, qr.begin());
-            scores.resize(len);
-            head_attention(qr.data(), keys, vals, len, d, scale, scores.data(),
-                           op + i * num_heads * d + qh * d);
+            qr.resize(nh * d);
+            for (int64_t h = h0; h < h1; ++h) {
+                if (rotate) rope(qr.data() + (h - h0) * d, x + h * d, cp + i * d, sp + i * d, d);
+                else std::copy(x + h * d, x + (h + 1) * d, qr.begin() + (h - h0) * d);
+            }
+            scores.resize(nh * len);
+            mx.resize(nh);
+            const bool paged = kv.block < len;  // more than one block: a pool
+            if (paged) stage.resize(((h1 - 1) / group - h0 / group + 1) * len * d);
+            heads_attention(qr.data(), kv, i, h0, h1, group, len, d, scale, scores.data(),
+                            mx.data(), op + i * num_heads * d + h0 * d,
+                            paged ? stage.data() : nullptr);
         }
     });
 }
 
-// One decode step of one layer's attention for n sequences with one new token each:
-// RoPE on the new token's query and key heads, the key and value written into the sequence's
-// dense row at its position, attention of each query head over the row's keys 0..pos.
+// The arguments both ops share: the projection, the rotation, the heads.
+struct Step {
+    int64_t n, d;
+    const float *qp, *cp, *sp;
+};
+
+Step check_step(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_opt,
+                const c10::optional<at::Tensor>& ssin_opt, int64_t d, int64_t num_heads,
+                int64_t num_kv_heads, int64_t store_kv_heads) {
+    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv");
+    const int64_t n = qkv.size(0);
+    TORCH_CHECK(num_kv_heads > 0 && store_kv_heads == num_kv_heads && num_heads % num_kv_heads == 0,
+                "heads");
+    TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv width");
+    const bool rotate = cos_opt.has_value();
+    TORCH_CHECK(rotate == ssin_opt.has_value(), "cos and sin come together");
+    Step step{n, d, qkv.data_ptr<float>(), nullptr, nullptr};
+    if (rotate) {
+        const at::Tensor &cos = *cos_opt, &ssin = *ssin_opt;
+        TORCH_CHECK(cos.sizes() == at::IntArrayRef({n, d}) && ssin.sizes() == cos.sizes() &&
+                    cos.is_contiguous() && ssin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                    ssin.scalar_type() == at::kFloat, "cos/sin");
+        step.cp = cos.data_ptr<float>();
+        step.sp = ssin.data_ptr<float>();
+    }
+    return step;
+}
+
+template <typename KV>
+KVLayout<KV> layout_of(const at::Tensor& store, int64_t layer_offset, const int64_t* tables,
+                       int64_t table_stride, int64_t block, int64_t block_stride,
+                       int64_t token_stride, int64_t head_stride, int64_t kv_stride) {
+    return {store.data_ptr<KV>() + layer_offset, tables, table_stride, block, block_stride,
+            token_stride, head_stride, kv_stride};
+}
+
+template <typename... Args>
+at::Tensor run_body(const at::Tensor& qkv, const Step& st, const at::Tensor& store,
+                    const int64_t* pp, int64_t num_heads, int64_t num_kv_heads, Args... layout) {
+    auto out = at::empty({st.n, num_heads * st.d}, qkv.options());
+    if (store.scalar_type() == at::kBFloat16)
+        decode_body(st.qp, st.cp, st.sp, layout_of<c10::BFloat16>(store, layout...),
+                    out.data_ptr<float>(), pp, st.n, st.d, num_heads, num_kv_heads, qkv.size(1));
+    else
+        decode_body(st.qp, st.cp, st.sp, layout_of<float>(store, layout...),
+                    out.data_ptr<float>(), pp, st.n, st.d, num_heads, num_kv_heads, qkv.size(1));
+    return out;
+}
+
+void check_store(const at::Tensor& store, const char* name) {
+    TORCH_CHECK(store.dim() == 6 && store.is_contiguous() && store.is_cpu() &&
+                (store.scalar_type() == at::kFloat || store.scalar_type() == at::kBFloat16),
+                name, " must be a contiguous 6-D float32 or bfloat16 CPU tensor, got ",
+                store.sizes(), " ", store.scalar_type());
+}
+
+// One decode step of one layer's attention for n sequences with one new token each over their
+// dense decode rows ws [L, 2, rows, Hkv, capacity, D]: RoPE on the new token's query and key
+// heads, the key and value written into row rows[i] at its position, attention of each query
+// head over the row's keys 0..pos.
 at::Tensor decode_attention(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_opt,
                             const c10::optional<at::Tensor>& ssin_opt,
                             at::Tensor ws, int64_t layer, const at::Tensor& rows,
                             const at::Tensor& pos, int64_t num_heads, int64_t num_kv_heads) {
-    TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv");
-    TORCH_CHECK(ws.dim() == 6 && ws.is_contiguous() &&
-                (ws.scalar_type() == at::kFloat || ws.scalar_type() == at::kBFloat16),
-                "ws must be contiguous 6-D float32 or bfloat16, got ", ws.scalar_type());
-    const int64_t n = qkv.size(0), d = ws.size(5), cap = ws.size(4), num_rows = ws.size(2);
-    TORCH_CHECK(num_kv_heads > 0 && ws.size(3) == num_kv_heads && num_heads % num_kv_heads == 0,
-                "heads");
-    TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * d, "qkv width");
+    check_store(ws, "ws");
+    const int64_t d = ws.size(5), cap = ws.size(4), num_rows = ws.size(2), hkv = ws.size(3);
+    const Step st = check_step(qkv, cos_opt, ssin_opt, d, num_heads, num_kv_heads, hkv);
     TORCH_CHECK(layer >= 0 && layer < ws.size(0), "layer");
-    const bool rotate = cos_opt.has_value();
-    TORCH_CHECK(rotate == ssin_opt.has_value(), "cos and sin come together");
-    at::Tensor cos, ssin;
-    if (rotate) {
-        cos = *cos_opt;
-        ssin = *ssin_opt;
-        TORCH_CHECK(cos.sizes() == at::IntArrayRef({n, d}) && ssin.sizes() == cos.sizes() &&
-                    cos.is_contiguous() && ssin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-                    ssin.scalar_type() == at::kFloat, "cos/sin");
-    }
-    TORCH_CHECK(rows.numel() == n && pos.numel() == n && rows.scalar_type() == at::kLong &&
+    TORCH_CHECK(rows.numel() == st.n && pos.numel() == st.n && rows.scalar_type() == at::kLong &&
                 pos.scalar_type() == at::kLong, "rows/pos");
     auto rows_c = rows.contiguous(), pos_c = pos.contiguous();
     const int64_t* rp = rows_c.data_ptr<int64_t>();
     const int64_t* pp = pos_c.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i)
-        TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows && pp[i] >= 0 && pp[i] < cap, "row/position out of range");
-    auto out = at::empty({n, num_heads * d}, qkv.options());
-    const float* qp = qkv.data_ptr<float>();
-    const float* cp = rotate ? cos.data_ptr<float>() : nullptr;
-    const float* sp = rotate ? ssin.data_ptr<float>() : nullptr;
-    float* op = out.data_ptr<float>();
-    if (ws.scalar_type() == at::kBFloat16)
-        decode_rows(qp, cp, sp, ws.data_ptr<c10::BFloat16>(), op, rp, pp, n, layer, d, cap,
-                    num_rows, num_heads, num_kv_heads, qkv.size(1));
-    else
-        decode_rows(qp, cp, sp, ws.data_ptr<float>(), op, rp, pp, n, layer, d, cap, num_rows,
-                    num_heads, num_kv_heads, qkv.size(1));
-    return out;
+    for (int64_t i = 0; i < st.n; ++i)
+        TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows && pp[i] >= 0 && pp[i] < cap,
+                    "row/position out of range");
+    const int64_t head = cap * d, row = hkv * head, kv = num_rows * row;
+    // One block per row, as long as the row: table = the row, block_stride = a row.
+    return run_body(qkv, st, ws, pp, num_heads, num_kv_heads, layer * 2 * kv, rp, int64_t{1},
+                    cap, row, d, head, kv);
+}
+
+// The same step over the block pool [num_blocks, L, 2, B, Hkv, D] itself: sequence i's token
+// t lies in block block_tables[i, t / B] at offset t % B; the new key and value go to position
+// pos[i] there, and each query head attends over tokens 0..pos[i] block by block.
+at::Tensor decode_attention_paged(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos_opt,
+                                  const c10::optional<at::Tensor>& ssin_opt, at::Tensor pool,
+                                  int64_t layer, const at::Tensor& block_tables,
+                                  const at::Tensor& pos, int64_t num_heads, int64_t num_kv_heads) {
+    check_store(pool, "pool");
+    const int64_t num_blocks = pool.size(0), num_layers = pool.size(1), bs = pool.size(3),
+                  hkv = pool.size(4), d = pool.size(5);
+    const Step st = check_step(qkv, cos_opt, ssin_opt, d, num_heads, num_kv_heads, hkv);
+    TORCH_CHECK(layer >= 0 && layer < num_layers, "layer ", layer, " of ", num_layers);
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == st.n &&
+                block_tables.scalar_type() == at::kLong && pos.numel() == st.n &&
+                pos.scalar_type() == at::kLong, "block_tables [n, max_blocks] / pos [n] int64");
+    auto tables_c = block_tables.contiguous(), pos_c = pos.contiguous();
+    const int64_t* tp = tables_c.data_ptr<int64_t>();
+    const int64_t* pp = pos_c.data_ptr<int64_t>();
+    const int64_t width = tables_c.size(1);
+    for (int64_t i = 0; i < st.n; ++i) {
+        TORCH_CHECK(pp[i] >= 0 && pp[i] < width * bs, "position ", pp[i], " of sequence ", i,
+                    " out of range of its ", width, " blocks of ", bs);
+        // Block 0 is the null block: a table that reaches it would read zeros as keys.
+        for (int64_t b = 0; b <= pp[i] / bs; ++b)
+            TORCH_CHECK(tp[i * width + b] >= 1 && tp[i * width + b] < num_blocks, "block ",
+                        tp[i * width + b], " (sequence ", i, ", entry ", b,
+                        ") out of range 1..", num_blocks - 1);
+    }
+    const int64_t token = hkv * d, kv = bs * token, block = num_layers * 2 * kv;
+    return run_body(qkv, st, pool, pp, num_heads, num_kv_heads, layer * 2 * kv, tp, width, bs,
+                    block, token, d, kv);
 }
 
 void check_rows(const at::Tensor& x, const char* name) {
@@ -402,6 +588,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 TORCH_LIBRARY(baton_decode, m) {
     m.def("decode_attention(Tensor qkv, Tensor? cos, Tensor? ssin, Tensor(a!) ws, int layer, Tensor rows, Tensor pos, int num_heads, int num_kv_heads) -> Tensor",
           &baton_decode::decode_attention);
+    m.def("decode_attention_paged(Tensor qkv, Tensor? cos, Tensor? ssin, Tensor(a!) pool, int layer, Tensor block_tables, Tensor pos, int num_heads, int num_kv_heads) -> Tensor",
+          &baton_decode::decode_attention_paged);
     m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &baton_decode::rms_norm);
     m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)",
           &baton_decode::add_rms_norm);

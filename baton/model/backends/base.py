@@ -13,14 +13,18 @@ the device or on a kernel library goes through a `Backend`:
 * `fused_norm` / `fused_silu_mul`: a layer's glue (residual add + RMSNorm, SiLU * up) as one
   kernel each, where the backend has them (the CPU backend's quantized modes);
 * `finish_step`: whatever state the backend keeps across steps learns that the step ran;
-* `kv_memory_factor`: bytes the backend keeps beside the pool per pool byte, so the engine's
-  memory budget covers both (the CPU backend mirrors decoding sequences' K/V in dense rows).
+* `set_model` / `kv_memory_factor`: told the model's attention options and dtypes once, the
+  backend says how many bytes it keeps beside the pool per pool byte, so the engine's memory
+  budget covers both: 0 where decode attention reads the pool itself (the CPU backend's
+  quantized modes on a plain-attention model), 1 where it mirrors each decoding sequence's K/V
+  in dense rows (the exact mode, the quality reference; models with attention options).
 
 A CUDA backend (flash attention over the paged pool, no dense rows) goes beside `cpu.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,7 +76,12 @@ class Backend(Protocol):
     """The device-specific operations a model forward runs through."""
 
     name: str
-    kv_memory_factor: float
+    kv_memory_factor: float  # bytes kept beside the pool per pool byte (after set_model)
+
+    def set_model(self, options: Sequence[AttentionOptions], dtype: torch.dtype,
+                  kv_dtype: torch.dtype) -> None:
+        """The model it serves: each layer's attention options, the compute dtype and the KV
+        pool's; sets `kv_memory_factor` (called before the pool is sized)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 

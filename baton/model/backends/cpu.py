@@ -1,10 +1,14 @@
-"""The CPU backend: threaded few-row GEMMs, oneDNN's LM head, paged attention with dense
-decode rows.
+"""The CPU backend: threaded few-row GEMMs, oneDNN's LM head, paged attention.
 
 Per step, everything index-like (slots, decode rows, masks, last tokens) is built once in
 `AttentionMetadata` and shared by all layers. Per layer, every new token's K/V is written into
 the pool at its slot, then attention runs:
-  * sequences with one query token (decode) are served together over dense rows that persist
+  * sequences with one query token (decode), in the quantized modes on a model with plain
+    attention, are served by one compiled op a layer that reads the pool itself through their
+    block tables (`cpu_decode_pool.py`): no copy of the KV anywhere else, the whole KV budget
+    buys pool blocks;
+  * otherwise (the exact mode, the quality reference: eager attention; a model with
+    soft-capping, a scale of its own or sliding windows) they are served over dense rows that persist
     from step to step (`DecodeRows`, `[layers, 2, rows, kv_heads, capacity, head_dim]`, grouped
     by length class so that one long sequence does not pad every short one): a row is gathered
     from the blocks once, when its sequence starts decoding, and then each layer appends the new
@@ -18,6 +22,7 @@ the pool at its slot, then attention runs:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 
 from baton.model.backends import cpu_fused
 from baton.model.backends.base import PLAIN_ATTENTION, AttentionOptions, StepBatch
+from baton.model.backends.cpu_decode_pool import PoolDecode, build_pool_decode, pool_attention
 from baton.model.backends.cpu_decode_rows import DecodeRows, RowGroup
 from baton.model.backends.cpu_prefill import PrefillBatch, build_prefill, prefill_attention
 from baton.model.quant import QuantizedWeight
@@ -142,7 +148,7 @@ class AttentionMetadata:
 
     slot_blocks: torch.Tensor  # int64 [T] block id of each new token
     slot_offsets: torch.Tensor  # int64 [T] offset inside that block
-    decode: DecodeBatch | None
+    decode: DecodeBatch | PoolDecode | None  # PoolDecode: the fused op reads the pool
     prefills: PrefillBatch
     last_token: torch.Tensor | None  # int64 [n] flat index of each sequence's last token; None = all
     # An all-decode step leaves the pool alone layer by layer (attention reads the dense rows)
@@ -205,20 +211,25 @@ def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarra
 
 
 def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor,
-                   decode_rows: DecodeRows, dtype: torch.dtype) -> AttentionMetadata:
+                   decode_rows: DecodeRows | None, dtype: torch.dtype) -> AttentionMetadata:
+    """`decode_rows` None: decode tokens read the pool (`PoolDecode`), no dense rows."""
     seqlens_q, seqlens_k, block_tables = batch.seqlens_q, batch.seqlens_k, batch.block_tables
     device = block_tables.device
     block_size = kv_cache.shape[3]
     starts = np.concatenate([[0], np.cumsum(seqlens_q)[:-1]]).astype(np.int64)
-    decode_rows.forget(seq_ids[seqlens_q > 1])  # their K/V is being (re)written by a prefill
-    decode = build_decode(seqlens_q, seqlens_k, starts, seq_ids, block_tables, kv_cache,
-                          decode_rows, dtype)
+    if decode_rows is None:
+        decode = build_pool_decode(seqlens_q, seqlens_k, starts, block_tables, kv_cache)
+    else:
+        decode_rows.forget(seq_ids[seqlens_q > 1])  # their K/V is being (re)written by a prefill
+        decode = build_decode(seqlens_q, seqlens_k, starts, seq_ids, block_tables, kv_cache,
+                              decode_rows, dtype)
     prefills = build_prefill(seqlens_q, seqlens_k, starts, block_tables, block_size)
     last = None  # an all-decode batch: every token is its sequence's last
     if decode is None or decode.tokens is not None:
         last = torch.as_tensor(starts + seqlens_q - 1, device=device)
     slots = batch.slot_mapping
-    deferred = kv_cache if decode is not None and decode.tokens is None else None
+    deferred = kv_cache if decode_rows is not None and decode is not None \
+        and decode.tokens is None else None
     released = released_tokens(block_tables, block_size)
     return AttentionMetadata(slots // block_size, slots % block_size, decode, prefills, last,
                              deferred, released,
@@ -238,11 +249,17 @@ def released_tokens(block_tables: torch.Tensor, block_size: int) -> np.ndarray |
     return leading.cpu().numpy().astype(np.int64) * block_size
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: DecodeBatch,
-                     layer: int, options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
-    """Attention of all single-token sequences, one call per row group; returns [n, Hq, D]."""
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     d: DecodeBatch | PoolDecode, layer: int,
+                     options: AttentionOptions = PLAIN_ATTENTION) -> torch.Tensor:
+    """Attention of all single-token sequences, one call per row group (or one over the pool);
+    returns [n, Hq, D]."""
     if d.tokens is not None:
         q, k, v = q[d.tokens], k[d.tokens], v[d.tokens]
+    if isinstance(d, PoolDecode):  # rotated already (a step with prefills, or a Q/K norm)
+        assert options.is_plain, "a layer with attention options over the pool op (set_model)"
+        qkv = torch.cat((q.flatten(1), k.flatten(1).to(q.dtype), v.flatten(1).to(q.dtype)), dim=1)
+        return pool_attention(qkv, None, None, d, layer, q.shape[1]).view_as(q)
     if d.fused and options.is_plain:  # rotated already (a step with prefills): the op takes the rows as they are
         # (k, v arrive rounded to a bf16 pool's dtype: exact in fp32, the op rounds them back.)
         qkv = torch.cat((q.flatten(1), k.flatten(1).to(q.dtype), v.flatten(1).to(q.dtype)), dim=1)
@@ -322,22 +339,44 @@ class CPUBackend:
     """The CPU backend (`baton/model/backends/base.py` says what a backend provides)."""
 
     name = "cpu"
-    # Each decoding sequence's K/V is mirrored in its dense row: up to the pool's size again.
-    kv_memory_factor = 1.0
 
-    def __init__(self, fused_decode: bool = False, kernel_rows: str = "decode") -> None:
+    def __init__(self, fused_decode: bool = False, kernel_rows: str = "decode",
+                 decode_kv: str = "pool") -> None:
         """`fused_decode`: decode attention as one compiled op a layer (`cpu_fused`; not the
         eager path's float operations, so only for modes that are not the exact one).
         `kernel_rows`: which rows a quantized weight multiplies with its block kernel: "decode"
         (decode tokens; prefill chunks take the dense copy) or "all" (the quality gate's
-        teacher forcing measures the kernels' numbers through prefill chunks)."""
+        teacher forcing measures the kernels' numbers through prefill chunks).
+        `decode_kv`: what the fused op reads a decoding sequence's K/V from: "pool" (its blocks,
+        through its block table) or "rows" (dense rows beside the pool: the pool op's reference,
+        the same tokens for twice the memory; tests/model/test_pool_decode.py and
+        bench/decode_step.py --decode-kv compare the two)."""
         if kernel_rows not in ("decode", "all"):
             raise ValueError(f"kernel_rows must be 'decode' or 'all', got {kernel_rows!r}")
-        self.decode_rows = DecodeRows()  # decode K/V, kept across steps
+        if decode_kv not in ("pool", "rows"):
+            raise ValueError(f"decode_kv must be 'pool' or 'rows', got {decode_kv!r}")
+        self.decode_rows = DecodeRows()  # decode K/V, kept across steps (when not pool_decode)
         self.fused_decode = fused_decode and cpu_fused.AVAILABLE
         self.kernel_rows = kernel_rows
+        self.decode_kv = decode_kv
+        # Until `set_model` says otherwise: each decoding sequence's K/V is mirrored in its
+        # dense row, up to the pool's size again.
+        self.pool_decode = False
+        self.kv_memory_factor = 1.0
+        self._model_dtypes: tuple[torch.dtype, torch.dtype] | None = None
         self._decode_token = np.zeros(0, dtype=bool)  # this step's flat tokens: a decode row?
         self._all_decode = False  # every token of this step is a decode row
+
+    def set_model(self, options: Sequence[AttentionOptions], dtype: torch.dtype,
+                  kv_dtype: torch.dtype) -> None:
+        """Decode steps read the pool (no dense rows, `kv_memory_factor` 0) when the fused op
+        serves every layer: `decode_kv="pool"`, plain attention on every layer, float32 compute
+        over a pool the op reads (float32, bfloat16); dense rows otherwise (factor 1)."""
+        self.pool_decode = bool(self.fused_decode and self.decode_kv == "pool"
+                                and dtype == torch.float32 and kv_dtype in cpu_fused.ROW_DTYPES
+                                and all(o.is_plain for o in options))
+        self.kv_memory_factor = 0.0 if self.pool_decode else 1.0
+        self._model_dtypes = (dtype, kv_dtype)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
@@ -373,6 +412,10 @@ class CPUBackend:
         self._decode_token = np.ones(int(batch.seqlens_q.sum()), dtype=bool) \
             if batch.decode_step else np.repeat(batch.seqlens_q == 1, batch.seqlens_q)
         self._all_decode = bool(self._decode_token.all())
+        if self.pool_decode:
+            assert (dtype, kv_cache.dtype) == self._model_dtypes, \
+                f"a step in {dtype} over a {kv_cache.dtype} pool; set_model said {self._model_dtypes}"
+            return build_metadata(batch, np.zeros(0, dtype=np.int64), kv_cache, None, dtype)
         seq_ids = batch.seq_ids
         if seq_ids is None:
             self.decode_rows.reset()  # no identities: nothing may be matched across steps
@@ -390,6 +433,9 @@ class CPUBackend:
         if d is None or not d.fused or d.tokens is not None:
             return None  # a step with prefills: the eager path rotates every token
         meta.check_released(None)  # plain attention reads every block (S42)
+        if isinstance(d, PoolDecode):
+            num_heads = qkv.shape[1] // d.pool.shape[5] - 2 * d.pool.shape[4]
+            return pool_attention(qkv, cos[:, 0], signed_sin[:, 0], d, layer, num_heads)
         ws = d.groups[0].group.ws
         num_kv_heads, head_dim = ws.shape[3], ws.shape[5]
         num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
@@ -429,8 +475,8 @@ class CPUBackend:
 
     @staticmethod
     def finish_step(meta: AttentionMetadata) -> None:
-        if meta.decode is None:
-            return
+        if meta.decode is None or isinstance(meta.decode, PoolDecode):
+            return  # the op wrote each new token into its pool slot
         for g in meta.decode.groups:  # every layer wrote this step's token into the rows
             if meta.deferred_pool is not None:
                 blocks, offsets = meta.slot_blocks, meta.slot_offsets

@@ -1,5 +1,9 @@
-"""The CPU backend's fused decode attention: RoPE, the K/V write into the dense decode rows and
-attention of every query head, one compiled op per layer (`csrc/kernels/decode_attention.cpp`).
+"""The CPU backend's fused decode attention: RoPE, the K/V write and attention of every query
+head, one compiled op per layer (`csrc/kernels/decode_attention.cpp`), in two forms with the same
+arithmetic: `decode_attention_paged` reads and writes the block pool itself through each
+sequence's block table (what the quantized modes run: no second copy of the KV, the whole KV
+budget holds pool blocks), `decode_attention` the dense decode rows (`cpu_decode_rows.py`; the
+reference the pool form is checked against, token for token: `CPUBackend(decode_kv="rows")`).
 
 A decode step of SmolLM2 on two cores is bound by dispatch, not arithmetic: the eager path runs
 about 25 torch calls a layer between the QKV projection and the output projection (rotation,
@@ -30,16 +34,17 @@ def _load() -> bool:
     except ImportError as e:  # a source checkout that was never built
         logger.warning("fused decode attention unavailable (%s): the eager path runs", e)
         return False
-    if not all(hasattr(torch.ops.baton_decode, op) for op in ("rms_norm", "silu_mul")):
-        logger.warning("baton._decode_ops is an older build (no rms_norm / silu_mul): the eager "
-                       "path runs; `make install` rebuilds it")
+    ops = ("rms_norm", "silu_mul", "decode_attention_paged")
+    if not all(hasattr(torch.ops.baton_decode, op) for op in ops):
+        logger.warning("baton._decode_ops is an older build (without one of %s): the eager "
+                       "path runs; `make install` rebuilds it", ", ".join(ops))
         return False
     return True
 
 
 AVAILABLE = _load()
-# The decode rows' element types the op reads and writes (the KV cache dtype; float16 takes the
-# eager path).
+# The KV element types the ops read and write (the KV cache dtype; float16 takes the eager path
+# over dense rows).
 ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -53,6 +58,20 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor | None, signed_sin: to
     0..positions[i] in float32. Returns [n, Hq D]."""
     return torch.ops.baton_decode.decode_attention(qkv, cos, signed_sin, ws, layer, rows,
                                                    positions, num_heads, num_kv_heads)
+
+
+def decode_attention_paged(qkv: torch.Tensor, cos: torch.Tensor | None,
+                           signed_sin: torch.Tensor | None, pool: torch.Tensor, layer: int,
+                           block_tables: torch.Tensor, positions: torch.Tensor, num_heads: int,
+                           num_kv_heads: int) -> torch.Tensor:
+    """`decode_attention` over the block pool [num_blocks, L, 2, B, Hkv, D] instead of dense
+    rows: sequence i's token t lies in block block_tables[i, t // B] at offset t % B; the new
+    K/V lands at positions[i] there and each query head attends over tokens 0..positions[i],
+    block by block in token order, with the dense-row op's per-key dot product, softmax and
+    value sum (the same output bits for the same keys). Every table entry up to the position
+    must be a real block (not the null block 0). Returns [n, Hq D]."""
+    return torch.ops.baton_decode.decode_attention_paged(
+        qkv, cos, signed_sin, pool, layer, block_tables, positions, num_heads, num_kv_heads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
