@@ -88,9 +88,10 @@ def make_engine(mode: str, threads: int, loaded, decode_kv: str | None = None,
 
     config = EngineConfig(num_threads=threads, max_num_seqs=64, kv_cache_memory_bytes=kv_bytes,
                           quantization=mode.partition("@")[0], kv_cache_dtype=kv_dtype)
-    backend = None
-    if decode_kv is not None:  # the backend get_backend gives the mode, with this source
-        backend = CPUBackend(fused_decode=loaded.quantization != "none", decode_kv=decode_kv)
+    if decode_kv is None:  # the engine's own backend
+        return LLMEngine(config, loaded=loaded)
+    # the backend get_backend gives the mode, with this source
+    backend = CPUBackend(fused_decode=loaded.quantization != "none", decode_kv=decode_kv)
     return LLMEngine(config, runner=build_runner(config, loaded, backend=backend))
 
 

@@ -60,12 +60,15 @@ class EngineConfig:
     # a value other than num_threads lets MKL round a decode row differently in a decode-only
     # step (a completion engine) than beside a prompt (a normal engine).
     decode_threads: int = 0
-    # What the quantized modes' decode attention reads a decoding sequence's K/V from: "pool"
-    # (its blocks, through the block table: the whole KV budget buys unique blocks) or "rows"
-    # (a dense copy per sequence beside the pool: half the budget for blocks; measured on 2
-    # cores, int4: TPOT 0.97-1.08x of pool's at 256 tokens of context, 0.75-0.85x at 1000).
-    # The exact mode and models with attention options always keep rows (cpu.py says why).
-    decode_kv: str = "pool"
+    # What the quantized modes' decode attention reads a decoding sequence's K/V from: "rows"
+    # (a dense copy per decoding sequence beside the pool: half the budget buys blocks) or
+    # "pool" (its blocks, through the block table: the whole KV budget buys unique blocks, 2x
+    # the tokens). Rows by default, because pool costs decode speed here: int4 on 2 cores, one
+    # layer's attention 1.4-3.8x, a decode step 0.97-1.36x at 256 tokens of context and
+    # 1.03-1.34x at 1000 (bench/results/decode_step_pool*.json); served (bench/llamacpp_compare.py)
+    # c1 TPOT 10.4 vs 8.8-9.4 ms, c32 109 vs 131-140 tok/s. The exact mode and models with
+    # attention options always keep rows (cpu.py says why).
+    decode_kv: str = "rows"
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
     engine_type: str = NORMAL

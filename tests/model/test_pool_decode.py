@@ -186,7 +186,10 @@ def test_the_exact_mode_and_attention_options_keep_dense_rows() -> None:
     exact = get_backend("cpu")
     exact.set_model([PLAIN_ATTENTION] * 2, torch.float32, torch.float32)
     assert not exact.pool_decode and exact.kv_memory_factor == 1
-    fused = get_backend("cpu", exact=False)
+    default = get_backend("cpu", exact=False)  # rows unless --decode-kv pool
+    default.set_model([PLAIN_ATTENTION] * 2, torch.float32, torch.float32)
+    assert not default.pool_decode and default.kv_memory_factor == 1
+    fused = get_backend("cpu", exact=False, decode_kv="pool")
     fused.set_model([PLAIN_ATTENTION, AttentionOptions(window=8)], torch.float32, torch.float32)
     assert not fused.pool_decode and fused.kv_memory_factor == 1
     fused.set_model([PLAIN_ATTENTION] * 2, torch.float32, torch.float16)  # no fp16 in the op
@@ -216,9 +219,9 @@ def test_decode_kv_is_a_flag_of_the_engines_that_decode(capsys) -> None:
     from baton_cli.main import build_parser
 
     for command, role in (("engine", "normal"), ("completion-engine", "completion")):
-        args = build_parser().parse_args([command, "--decode-kv", "rows"])
-        assert engine_config(args, role).decode_kv == "rows"
-        assert engine_config(build_parser().parse_args([command]), role).decode_kv == "pool"
+        args = build_parser().parse_args([command, "--decode-kv", "pool"])
+        assert engine_config(args, role).decode_kv == "pool"
+        assert engine_config(build_parser().parse_args([command]), role).decode_kv == "rows"
         assert role_engine_args(["--decode-kv", "rows"], role) == ["--decode-kv", "rows"]
     assert role_engine_args(["--decode-kv", "rows"], "prompt") == []
     with pytest.raises(SystemExit):

@@ -9,7 +9,7 @@ from baton.model.backends.cpu import CPUBackend, PortableBackend
 
 
 def get_backend(device: torch.device | str, exact: bool = True,
-                decode_kv: str = "pool") -> Backend:
+                decode_kv: str = "rows") -> Backend:
     """The backend for a device: the tuned CPU one, else plain torch ops. `exact`: only the
     eager ops the exact mode is checked with (no fused kernels). `decode_kv`: the CPU
     backend's decode K/V source (EngineConfig.decode_kv)."""

@@ -341,7 +341,7 @@ class CPUBackend:
     name = "cpu"
 
     def __init__(self, fused_decode: bool = False, kernel_rows: str = "decode",
-                 decode_kv: str = "pool") -> None:
+                 decode_kv: str = "rows") -> None:
         """`fused_decode`: decode attention as one compiled op a layer (`cpu_fused`; not the
         eager path's float operations, so only for modes that are not the exact one).
         `kernel_rows`: which rows a quantized weight multiplies with its block kernel: "decode"
