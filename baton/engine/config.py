@@ -27,9 +27,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks incl. the null block; 0 = fill kv_cache_memory_bytes
     # Used when num_blocks == 0: the pool and the backend's copies of it together. The CPU
-    # backend's quantized modes read decode K/V from the pool itself (all of it goes to the
-    # pool); where it keeps dense decode rows (the exact mode; models with attention options)
-    # they can hold each decoding token again, and half goes to the pool.
+    # backend's dense decode rows can hold each decoding token again: half goes to the pool;
+    # with decode_kv "pool" (the quantized modes, plain attention) all of it does.
     kv_cache_memory_bytes: int = 2**30
     max_num_seqs: int = 64  # sequences in one decode batch
     max_num_batched_tokens: int = 2048  # tokens in one prompt step (chunk size)

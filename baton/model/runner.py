@@ -33,10 +33,13 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, block_size: int = 16, num_blocks: int = 0,
                  kv_cache_memory_bytes: int = 0, backend: Backend | None = None,
-                 kv_cache_dtype: torch.dtype | str | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | str | None = None,
+                 decode_kv: str = "rows") -> None:
         """`num_blocks` (null block included), or 0 to fit `kv_cache_memory_bytes`: the pool
         and what the backend keeps beside it (`Backend.kv_memory_factor`) together.
-        `kv_cache_dtype`: the pool's element type (None or "auto": the model's dtype)."""
+        `kv_cache_dtype`: the pool's element type (None or "auto": the model's dtype).
+        `decode_kv`: the device's backend's decode K/V source (EngineConfig.decode_kv), when
+        no `backend` is given."""
         self.model, self.config = loaded.model, loaded.config
         self.tokenizer, self.model_path = loaded.tokenizer, loaded.path
         self.quantization = loaded.quantization  # the mode it runs (auto resolved)
@@ -46,7 +49,8 @@ class ModelRunner:
         threads = torch.get_num_threads()
         self.step_threads = {True: threads, False: threads}
         # The quantized modes are not the exact one: they may take the fused decode kernels.
-        self.backend = backend or get_backend(self.device, exact=loaded.quantization == "none")
+        self.backend = backend or get_backend(self.device, exact=loaded.quantization == "none",
+                                              decode_kv=decode_kv)
         self.kv_spec = KVCacheSpec.from_model(
             self.config, block_size, None if kv_cache_dtype == "auto" else kv_cache_dtype)
         self.backend.set_model([self.config.attention_options(i)
@@ -271,12 +275,9 @@ def build_runner(config, loaded: LoadedModel | None = None,
         loaded, outcome = load_with_cache(config.model, config.dtype, config.device,
                                           config.quantization, config.load_cache_dir)
     t1 = time.perf_counter()
-    if backend is None:
-        backend = get_backend(loaded.model.device, exact=loaded.quantization == "none",
-                              decode_kv=config.decode_kv)
     runner = ModelRunner(loaded, config.block_size, config.num_blocks,
                          config.kv_cache_memory_bytes, backend=backend,
-                         kv_cache_dtype=config.kv_cache_dtype)
+                         kv_cache_dtype=config.kv_cache_dtype, decode_kv=config.decode_kv)
     threads = torch.get_num_threads()
     # Decode steps of the quantized modes run on one thread unless told otherwise (see
     # EngineConfig.decode_threads for the measurements).

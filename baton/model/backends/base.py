@@ -16,8 +16,9 @@ the device or on a kernel library goes through a `Backend`:
 * `set_model` / `kv_memory_factor`: told the model's attention options and dtypes once, the
   backend says how many bytes it keeps beside the pool per pool byte, so the engine's memory
   budget covers both: 0 where decode attention reads the pool itself (the CPU backend's
-  quantized modes on a plain-attention model), 1 where it mirrors each decoding sequence's K/V
-  in dense rows (the exact mode, the quality reference; models with attention options).
+  quantized modes on a plain-attention model with `decode_kv="pool"`), 1 where it mirrors each
+  decoding sequence's K/V in dense rows (the default; always in the exact mode, the quality
+  reference, and for models with attention options).
 
 A CUDA backend (flash attention over the paged pool, no dense rows) goes beside `cpu.py`.
 """

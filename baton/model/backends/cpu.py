@@ -3,12 +3,12 @@
 Per step, everything index-like (slots, decode rows, masks, last tokens) is built once in
 `AttentionMetadata` and shared by all layers. Per layer, every new token's K/V is written into
 the pool at its slot, then attention runs:
-  * sequences with one query token (decode), in the quantized modes on a model with plain
-    attention, are served by one compiled op a layer that reads the pool itself through their
-    block tables (`cpu_decode_pool.py`): no copy of the KV anywhere else, the whole KV budget
-    buys pool blocks;
-  * otherwise (the exact mode, the quality reference: eager attention; a model with
-    soft-capping, a scale of its own or sliding windows) they are served over dense rows that persist
+  * sequences with one query token (decode), with `decode_kv="pool"` in the quantized modes on
+    a model with plain attention, are served by one compiled op a layer that reads the pool
+    itself through their block tables (`cpu_decode_pool.py`): no copy of the KV anywhere else,
+    the whole KV budget buys pool blocks, decode steps up to ~1.3x slower here;
+  * otherwise (the default; the exact mode, the quality reference: eager attention; a model
+    with soft-capping, a scale of its own or sliding windows) they are served over dense rows that persist
     from step to step (`DecodeRows`, `[layers, 2, rows, kv_heads, capacity, head_dim]`, grouped
     by length class so that one long sequence does not pad every short one): a row is gathered
     from the blocks once, when its sequence starts decoding, and then each layer appends the new
