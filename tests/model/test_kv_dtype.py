@@ -152,15 +152,19 @@ def test_baton_up_hands_one_kv_dtype_to_every_engine() -> None:
     from baton_cli.launcher import LaunchConfig, Launcher
 
     launcher = Launcher(LaunchConfig(kv_cache_dtype="bf16"))
-    for command in ("prompt-engine", "completion-engine"):
-        launcher._start_engine(command, command, 1, "")
-    for child in launcher.children:
-        i = child.argv.index("--kv-cache-dtype")
-        assert child.argv[i + 1] == "bfloat16"
     auto = Launcher(LaunchConfig(num_normal_engines=1, num_prompt_engines=0,
                                  num_completion_engines=0))
-    auto._start_engine("engine", "e", 1, "")
-    assert "--kv-cache-dtype" not in auto.children[0].argv  # auto: each engine's --dtype
+    try:  # _start_engine spawns the engine: stop them, so that no child outlives the test
+        for command in ("prompt-engine", "completion-engine"):
+            launcher._start_engine(command, command, 1, "")
+        for child in launcher.children:
+            i = child.argv.index("--kv-cache-dtype")
+            assert child.argv[i + 1] == "bfloat16"
+        auto._start_engine("engine", "e", 1, "")
+        assert "--kv-cache-dtype" not in auto.children[0].argv  # auto: each engine's --dtype
+    finally:
+        launcher.stop()
+        auto.stop()
     with pytest.raises(ValueError, match="give --kv-cache-dtype to `baton up` itself"):
         LaunchConfig(engine_args=["--kv-cache-dtype=bfloat16"])
     with pytest.raises(ValueError, match="kv_cache_dtype 'int3'"):

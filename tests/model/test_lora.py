@@ -178,11 +178,14 @@ def test_lora_modules_reach_every_engine_and_bad_ones_are_refused_before_start()
     from baton_cli.launcher import LaunchConfig, Launcher
 
     launcher = Launcher(LaunchConfig(lora_modules=["a=/x/a", "b=/x/b"]))
-    for command in ("prompt-engine", "completion-engine"):
-        launcher._start_engine(command, command, 1, "")
-    for child in launcher.children:
-        i = child.argv.index("--lora-modules")
-        assert child.argv[i + 1:i + 3] == ["a=/x/a", "b=/x/b"]
+    try:  # _start_engine spawns the engine: stop them, so that no child outlives the test
+        for command in ("prompt-engine", "completion-engine"):
+            launcher._start_engine(command, command, 1, "")
+        for child in launcher.children:
+            i = child.argv.index("--lora-modules")
+            assert child.argv[i + 1:i + 3] == ["a=/x/a", "b=/x/b"]
+    finally:
+        launcher.stop()
     assert lora_module("a=/x=y") == ("a", "/x=y")
     with pytest.raises(ValueError, match="--lora-modules: expected NAME=PATH.*'a'"):
         LaunchConfig(lora_modules=["a"])

@@ -36,17 +36,21 @@ def test_sizes_and_refusals() -> None:
 
 def test_baton_up_gives_each_engine_its_own_folder(tmp_path) -> None:
     launcher = Launcher(LaunchConfig(kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30))
-    for command, engine_id in (("prompt-engine", "prompt-0"), ("completion-engine",
-                                                               "completion-0")):
-        launcher._start_engine(command, engine_id, 1, "")
-    for child in launcher.children:
-        argv = child.argv
-        folder = argv[argv.index("--kv-disk-dir") + 1]
-        assert folder == os.path.join(str(tmp_path), child.name)
-        assert argv[argv.index("--kv-disk-bytes") + 1] == str(1 << 30)
     off = Launcher(LaunchConfig())
-    off._start_engine("prompt-engine", "p", 1, "")
-    assert "--kv-disk-dir" not in off.children[0].argv
+    try:  # _start_engine spawns the engine: stop them, so that no child outlives the test
+        for command, engine_id in (("prompt-engine", "prompt-0"), ("completion-engine",
+                                                                   "completion-0")):
+            launcher._start_engine(command, engine_id, 1, "")
+        for child in launcher.children:
+            argv = child.argv
+            folder = argv[argv.index("--kv-disk-dir") + 1]
+            assert folder == os.path.join(str(tmp_path), child.name)
+            assert argv[argv.index("--kv-disk-bytes") + 1] == str(1 << 30)
+        off._start_engine("prompt-engine", "p", 1, "")
+        assert "--kv-disk-dir" not in off.children[0].argv
+    finally:
+        launcher.stop()
+        off.stop()
     with pytest.raises(ValueError, match="give --kv-disk-dir to `baton up` itself"):
         LaunchConfig(engine_args=["--kv-disk-dir", "/x"])
     with pytest.raises(ValueError, match="give --kv-disk-dir too"):
