@@ -43,7 +43,7 @@ class ModelConfig:
     num_kv_heads: int = 3  # key/value heads (grouped-query attention when < num_heads)
     head_dim: int = 64  # per-head width; not always hidden_size // num_heads
     vocab_size: int = 49152
-    rope_theta: float = 100000.0
+    rope_theta: float = 100000.0  # RoPE base (of every layer, unless layer_rope says)
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True  # lm_head shares the embedding matrix
     max_position: int = 8192  # longest context the RoPE table covers
@@ -66,6 +66,9 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum 1
     # Per layer: whether it is sparse (MoE); () = every layer sparse when num_experts > 0.
     sparse_layers: tuple[bool, ...] = ()
+    # Per layer: (RoPE base, linear scaling factor: positions divided by it); () = every layer
+    # (rope_theta, 1.0). Gemma 3: local and global layers have bases of their own.
+    layer_rope: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
@@ -99,12 +102,23 @@ class ModelConfig:
                              f"1..num_experts={self.num_experts}")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ValueError(f"moe_intermediate_size must be > 0, got {self.moe_intermediate_size}")
+        self.layer_rope = tuple((float(base), float(factor)) for base, factor in self.layer_rope)
+        if self.layer_rope and len(self.layer_rope) != self.num_layers:
+            raise ValueError(f"ModelConfig.layer_rope has {len(self.layer_rope)} entries for "
+                             f"{self.num_layers} layers")
+        if any(base <= 0 or factor <= 0 for base, factor in self.layer_rope):
+            raise ValueError(f"ModelConfig.layer_rope bases and factors must be > 0, got "
+                             f"{self.layer_rope}")
         for i in range(self.num_layers):
             self.attention_options(i)  # validates the windows, scale and soft-cap
 
     def attention_options(self, layer: int) -> AttentionOptions:
         window = self.layer_windows[layer] if self.layer_windows else None
         return AttentionOptions(self.attention_scale, self.attn_softcap, window)
+
+    def rope(self, layer: int) -> tuple[float, float]:
+        """(RoPE base, linear scaling factor) of `layer`."""
+        return self.layer_rope[layer] if self.layer_rope else (self.rope_theta, 1.0)
 
     def is_sparse(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.sparse_layers[layer] if self.sparse_layers

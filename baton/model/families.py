@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.model import gemma2, llama, phi3, qwen
+from baton.model import gemma2, gemma3, llama, phi3, qwen
 from baton.model.layers import DecoderModel
 
 
@@ -26,6 +26,8 @@ class Family:
     # config.json -> the ModelConfig fields this family adds; ValueError names what it refuses
     read_config: Callable[[dict], dict]
     load_weights: Callable[[DecoderModel, dict[str, torch.Tensor]], None]
+    # read_config reads the RoPE keys itself (per layer type: Gemma 3); else the loader does
+    reads_rope: bool = False
 
 
 def _llama_config(raw: dict) -> dict:
@@ -52,6 +54,8 @@ FAMILIES: dict[str, Family] = {
     "Phi3ForCausalLM": Family("Phi-3", phi3.Phi3Model, phi3.phi3_config, phi3.load_weights),
     "Gemma2ForCausalLM": Family("Gemma 2", gemma2.Gemma2Model, gemma2.gemma2_config,
                                 gemma2.load_weights),
+    "Gemma3ForCausalLM": Family("Gemma 3", gemma3.Gemma3Model, gemma3.gemma3_config,
+                                gemma3.load_weights, reads_rope=True),
     "Qwen3MoeForCausalLM": Family("Qwen3-MoE", qwen.Qwen3MoeModel, qwen.qwen3_moe_config,
                                   qwen.load_moe_weights),
 }

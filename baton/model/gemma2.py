@@ -67,13 +67,14 @@ def gemma2_config(raw: dict) -> dict:
             "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
 
 
-def _norm_weight(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def norm_weight(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A Gemma norm as the shared norm runs it: 1 + weight, in fp32 (as transformers)."""
     return take(weights, name).float() + 1.0
 
 
 def load_weights(model: DecoderModel, weights: dict[str, torch.Tensor]) -> None:
     copy_weight(model.embed_tokens, take(weights, "model.embed_tokens.weight"), "embed_tokens")
-    copy_weight(model.norm, _norm_weight(weights, "model.norm.weight"), "norm")
+    copy_weight(model.norm, norm_weight(weights, "model.norm.weight"), "norm")
     if model.lm_head is not None:
         copy_weight(model.lm_head, take(weights, "lm_head.weight"), "lm_head")
     for i, layer in enumerate(model.layers):
@@ -84,5 +85,5 @@ def load_weights(model: DecoderModel, weights: dict[str, torch.Tensor]) -> None:
                            ("post_norm", "post_attention_layernorm"),
                            ("pre_ff_norm", "pre_feedforward_layernorm"),
                            ("post_ff_norm", "post_feedforward_layernorm")):
-            copy_weight(getattr(layer, attr), _norm_weight(weights, f"{p}{name}.weight"),
+            copy_weight(getattr(layer, attr), norm_weight(weights, f"{p}{name}.weight"),
                         f"{p}{name}")

@@ -23,6 +23,13 @@ ARCHS = {  # GGUF general.architecture -> the FAMILIES key (HF architecture)
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# Families Baton loads from a Hugging Face folder whose GGUF files it refuses, and why: the
+# header lacks what transformers reads from config.json (llama.cpp hard-codes it per model size).
+REFUSED = {
+    "gemma2": "the header has no query_pre_attn_scalar (llama.cpp assumes head_dim, 27B aside)",
+    "gemma3": "the header has no query_pre_attn_scalar, local RoPE base nor sliding-window "
+              "pattern (llama.cpp hard-codes them per model size)",
+}
 PERMUTED_QK = {"llama"}  # the converter permutes Q/K rows for these (`unpermute_qk` undoes it)
 
 _L = r"blk\.(\d+)\."

@@ -4,8 +4,8 @@ layer, a sparse mixture of experts, and the decoder around the layers.
 The batch is flat: the tokens of all scheduled sequences one after another, as the scheduler's
 `SchedulerOutputs` gives them (the model runner turns them into tensors, `StepBatch`). GEMMs and
 attention go through a `Backend` (`baton/model/backends/`): everything device-specific lives
-there. A family module (`llama.py`, `qwen.py`, `phi3.py`, `gemma2.py`) picks its layer's order
-and extras and maps its checkpoint's tensor names onto these parameters.
+there. A family module (`llama.py`, `qwen.py`, `phi3.py`, `gemma2.py`, `gemma3.py`) picks its
+layer's order and extras and maps its checkpoint's tensor names onto these parameters.
 
 A layer's projections are flat attributes of the layer (`qkv_proj`, `o_proj`, `gate_up_proj`,
 `down_proj`): the quantized modes replace them by name (`quant.quantize_model`). While a step
@@ -56,10 +56,16 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: Backend,
     return x, rms_norm(x, weight, eps)
 
 
-def rope_table(config: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[max_position, head_dim]` in fp32 (HF's non-interleaved "rotate_half" layout)."""
+def rope_table(config: ModelConfig, device: torch.device, base: float | None = None,
+               factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[max_position, head_dim]` in fp32 (HF's non-interleaved "rotate_half" layout);
+    `base` (default `rope_theta`) and the linear scaling `factor` (HF's "linear" rope type:
+    the frequencies divided by it) of a layer (`ModelConfig.rope`)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    base = config.rope_theta if base is None else base
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if factor != 1.0:
+        inv_freq = inv_freq / factor
     pos = torch.arange(config.max_position, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -197,17 +203,22 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(c, i) for i in range(c.num_layers))
         self.norm = weight(c, c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else weight(c, c.vocab_size, c.hidden_size)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin
+        # (base, factor) -> cos, signed sin: one table per distinct `ModelConfig.rope` (Gemma 3's
+        # local and global layers differ), built on first use
+        self._rope: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._layer_rope = [c.rope(i) for i in range(c.num_layers)]
 
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(self) -> dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]]:
         if self._rope is None:
-            cos, sin = rope_table(self.config, self.device)
             half = self.config.head_dim // 2
-            self._rope = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            self._rope = {}
+            for key in dict.fromkeys(self._layer_rope):
+                cos, sin = rope_table(self.config, self.device, *key)
+                self._rope[key] = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         return self._rope
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -225,12 +236,12 @@ class DecoderModel(nn.Module):
         token of each sequence (`backend.last_tokens(meta)`), or of the flat token indices
         `logit_rows` (prompt logprobs need a prompt's every position)."""
         c = self.config
-        rope_cos, rope_sin = self._rope_table()
-        cos = rope_cos[positions][:, None, :].to(c.dtype)
-        sin = rope_sin[positions][:, None, :].to(c.dtype)
+        rope = {key: (cos[positions][:, None, :].to(c.dtype),
+                      sin[positions][:, None, :].to(c.dtype))
+                for key, (cos, sin) in self._rope_tables().items()}
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[:, i], meta, backend)
+            x = layer(x, *rope[self._layer_rope[i]], kv_cache[:, i], meta, backend)
         last = backend.last_tokens(meta) if logit_rows is None else logit_rows
         if last is not None:
             x = x[last]

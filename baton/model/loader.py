@@ -116,6 +116,9 @@ def _build(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
 
 def _gguf_config(path: Path, reader, dtype: torch.dtype) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
+    if arch in gguf_layout.REFUSED:
+        raise ModelLoadError(path, f"GGUF architecture {arch!r} is not loaded: "
+                             f"{gguf_layout.REFUSED[arch]}; load the Hugging Face folder instead")
     if arch not in gguf_layout.ARCHS:
         raise ModelLoadError(path, f"unsupported GGUF architecture {arch!r} (supported: "
                              f"{', '.join(gguf_layout.ARCHS)})")
@@ -223,7 +226,7 @@ def _hf_family(path: Path, raw: dict) -> tuple[str, Family]:
 
 def _hf_config(path: Path, raw: dict, dtype: torch.dtype) -> ModelConfig:
     arch, family = _hf_family(path, raw)
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope = {} if family.reads_rope else raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ModelLoadError(path, f"unsupported rope scaling {rope}")
     if float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:

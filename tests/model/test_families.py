@@ -109,6 +109,15 @@ FAMILIES = {  # name -> transformers config class, model class, what differs fro
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0,
                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # local and global layers, their RoPE bases apart from each other and from the loader's
+    # default, linear scaling on the global one; soft-capping off (Gemma 3's default)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, query_pre_attn_scalar=64, sliding_window=8, pad_token_id=0,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                           "rope_theta": 1000.0}})),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=False)),
@@ -234,6 +243,63 @@ def test_unsupported_gguf_architecture_lists_the_supported(tmp_path: Path) -> No
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'.*llama, "
                        "qwen2, qwen3, phi3, qwen3moe"):
         load_model(tmp_path / "gpt2.gguf", device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_is_refused_with_the_reason(arch: str, tmp_path: Path) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=f"GGUF architecture '{arch}' is not loaded: the "
+                       "header has no query_pre_attn_scalar.*Hugging Face folder"):
+        load_model(tmp_path / f"{arch}.gguf", device="cpu")
+
+
+_GEMMA3_RAW = {**{k: v for k, v in SMALL.items() if k != "rope_theta"}, "num_hidden_layers": 7,
+               "head_dim": 16, "sliding_window": 8, "architectures": ["Gemma3ForCausalLM"]}
+
+
+@pytest.mark.parametrize("keys", [
+    {},  # transformers' defaults: bases 1e6 / 1e4, every 6th layer global
+    # the published checkpoints' keys (transformers 4.5x): linear scaling on the global layers
+    dict(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=3,
+         rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    dict(rope_theta=5e5, layer_types=["full_attention"] + ["sliding_attention"] * 6),
+])
+def test_gemma3_layers_and_rope_as_transformers_reads_them(keys: dict) -> None:
+    """Each layer's window and (RoPE base, linear factor) from config.json, the older keys and
+    the `rope_parameters` per layer type that transformers 5 writes back, as
+    `Gemma3TextConfig` derives them."""
+    import transformers
+
+    from baton.model.loader import _hf_config
+
+    ref = transformers.Gemma3TextConfig.from_dict({**_GEMMA3_RAW, **keys})
+    want_rope = tuple((p["rope_theta"], p.get("factor", 1.0) if p["rope_type"] == "linear"
+                       else 1.0) for p in (ref.rope_parameters[t] for t in ref.layer_types))
+    want_windows = tuple(8 if t == "sliding_attention" else None for t in ref.layer_types)
+    assert "full_attention" in ref.layer_types and "sliding_attention" in ref.layer_types
+    for raw in ({**_GEMMA3_RAW, **keys}, json.loads(ref.to_json_string())):
+        config = _hf_config(Path("gemma3"), raw, torch.float32)
+        assert config.layer_rope == want_rope
+        assert config.layer_windows == want_windows
+        assert (config.qk_norm, config.attention_scale, config.attn_softcap,
+                config.final_softcap) == (True, 256 ** -0.5, None, None)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 8.0},
+                                     {"type": "dynamic", "factor": 2.0}])
+def test_gemma3_other_rope_scaling_is_refused_by_name(scaling: dict) -> None:
+    from baton.model.loader import _hf_config
+
+    with pytest.raises(ModelLoadError, match=f"Gemma 3: .*unsupported rope scaling "
+                       f"'{scaling.get('rope_type', scaling.get('type'))}' on the full_attention"):
+        _hf_config(Path("gemma3"), {**_GEMMA3_RAW, "rope_scaling": scaling}, torch.float32)
 
 
 def test_unsupported_architecture_lists_the_supported(tmp_path: Path) -> None:
