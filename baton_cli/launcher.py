@@ -26,7 +26,8 @@ import time
 
 from baton.ops.cluster_keys import INSECURE_WARNING
 from baton.ops.cpus import cpu_shares, engine_threads
-from baton.ops.redis_server import RedisServer, RedisStartError, free_port, port_is_free
+from baton.ops.ports import free_port, port_is_free
+from baton.ops.redis_server import RedisServer, RedisStartError
 from baton.ops.supervisor import Child, LaunchError, Supervisor
 from baton.protocol import COMPLETION, NORMAL, PROMPT
 from baton_cli.engine_args import COMMAND_OF, ROLE_COMMANDS

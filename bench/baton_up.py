@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.service.client import is_whole, probe_engine
 from kv_transfer.auth import ClusterKeys, keys_from_env
 

@@ -71,7 +71,7 @@ class Mooncake:
     """A master, a holder and a client process of Mooncake Store under another interpreter."""
 
     def __init__(self, python: str, num_blocks: int, block_bytes: int) -> None:
-        from baton.ops.redis_server import free_port
+        from baton.ops.ports import free_port
 
         where = subprocess.run([python, "-c", "import mooncake, os; "
                                 "print(os.path.dirname(mooncake.__file__))"],

@@ -50,7 +50,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 
-from baton.ops.redis_server import RedisServer, free_port  # noqa: E402
+from baton.ops.ports import free_port  # noqa: E402
+from baton.ops.redis_server import RedisServer  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.results import summarize  # noqa: E402
 from baton.workload.synthetic import WorkloadConfig  # noqa: E402

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 from repo_paths import relative_args  # noqa: E402
 
-from baton.ops.redis_server import free_port  # noqa: E402
+from baton.ops.ports import free_port  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.synthetic import WorkloadConfig  # noqa: E402
 from simulator.fleet import FleetConfig  # noqa: E402

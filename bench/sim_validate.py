@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 
-from baton.ops.redis_server import free_port  # noqa: E402
+from baton.ops.ports import free_port  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.results import parse_slos  # noqa: E402
 from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402

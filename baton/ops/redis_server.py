@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from baton.ops.ports import free_port, port_is_free
 
 logger = logging.getLogger(__name__)
 
@@ -36,22 +37,6 @@ def redis_server_binary() -> str:
     if not path.exists():
         raise RedisStartError(f"redis-server binary not found at {path}")
     return str(path)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 class RedisServer:

@@ -42,6 +42,7 @@ import zmq
 
 from baton.engine.kv_events import KvEventPublisher
 from baton.ops.dp import DPGroup
+from baton.ops.ports import listener_range
 from baton.ops.registry import EngineRecord, Heartbeat, Registry
 from baton.protocol import (
     MAX_MESSAGE_BYTES,
@@ -159,7 +160,7 @@ class EngineService:
         if config.port:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
         else:
-            self.sock.bind_to_random_port(f"tcp://{config.host}")
+            self.sock.bind_to_random_port(f"tcp://{config.host}", *listener_range())
         bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         port = bound.rsplit(":", 1)[1]
         self.address = f"tcp://{config.advertise_host or config.host}:{port}"

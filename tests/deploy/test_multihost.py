@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from baton.ops.redis_server import free_port, redis_server_binary
+from baton.ops.ports import free_port
+from baton.ops.redis_server import redis_server_binary
 
 pytestmark = pytest.mark.slow
 

@@ -67,7 +67,7 @@ def serve_router(config: RouterConfig, info: ModelInfo | None = None) -> Iterato
     """Run the router under uvicorn in a thread on a free loopback port; yields its base URL."""
     import uvicorn
 
-    from baton.ops.redis_server import free_port
+    from baton.ops.ports import free_port
     from router.app import create_app
     from router.limits import uvicorn_limits
 
@@ -98,7 +98,7 @@ def router_process(*args: str, timeout_s: float = 60.0) -> Iterator[tuple[str, o
 
     import httpx
 
-    from baton.ops.redis_server import free_port
+    from baton.ops.ports import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "baton_cli", "router", "--port", str(port),

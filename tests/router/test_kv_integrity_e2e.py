@@ -17,7 +17,7 @@ import uuid
 import httpx
 import pytest
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.protocol import SamplingOptions
 from kv_transfer.integrity import FAULTS_ENV
 from router.config import RouterConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.service.client import probe_engine
 from tests.cluster import KEYS, is_whole, wait_for
 from tests.router.test_path_choice import _path_counts

@@ -226,7 +226,7 @@ def test_client_gone_during_json_request_aborts(engines, tokens, model_info):
 
 
 def test_unreachable_engine_is_503_not_a_hang(model_info):
-    from baton.ops.redis_server import free_port
+    from baton.ops.ports import free_port
 
     config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{free_port()}"], connect_grace_s=0.3,
                           engine_wait_timeout_s=0.5, num_prepare_workers=0)
@@ -244,7 +244,7 @@ def test_request_waits_for_an_engine_coming_back(engines, tokens, model_info, en
     being restarted instead of an instant 503."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from baton.ops.redis_server import free_port
+    from baton.ops.ports import free_port
 
     port = free_port()
     config = RouterConfig(engines=[f"normal=tcp://127.0.0.1:{port}"], connect_grace_s=0.3,

@@ -18,7 +18,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.ops.cluster_keys import resolve_keys
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.protocol import EngineStats, StatsRequest, decode_to_router, encode
 from baton_cli.launcher import LaunchConfig, Launcher
 from kv_transfer import protocol as kv_proto

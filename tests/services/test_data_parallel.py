@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.protocol import SamplingOptions
 from baton.service.client import EngineClient
 from tests.cluster import KEYS, EngineProcess, start_all, wait_whole
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_skewed_load_agree_on_every_step(tmp_path):
-    port, master, metrics_port = free_port(), free_port(), free_port()
+    port, master, metrics_port = free_port(span=2), free_port(), free_port(span=2)
     rank0 = EngineProcess("engine", "dp", tmp_path, port=port, args=[
         "--num-blocks", "96", "--max-num-batched-tokens", "64",
         "--data-parallel-size", "2", "--data-parallel-master-port", str(master),

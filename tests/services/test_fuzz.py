@@ -25,7 +25,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.protocol import (
     AbortRequest,
     ControlReply,

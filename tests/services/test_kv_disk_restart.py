@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.workload.words import WORDS
 from tests.sim.test_mock_engines import PROFILE, _Lines, _stop
 

@@ -76,7 +76,7 @@ def test_baton_up_with_a_local_store_publishes_from_its_engines() -> None:
     import httpx
     from openai import OpenAI
 
-    from baton.ops.redis_server import free_port
+    from baton.ops.ports import free_port
     from baton.workload.words import WORDS
     from tests.sim.test_mock_engines import PROFILE, _Lines, _stop
 

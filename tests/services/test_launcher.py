@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.ops.cpus import cpu_shares, parse_cpus
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton_cli.launch_config import LaunchConfig, role_engine_args
 
 pytestmark = pytest.mark.slow

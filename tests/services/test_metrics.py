@@ -20,7 +20,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.protocol import SamplingOptions, TokenDelta
 from baton.service.metrics import EngineMetrics
 from baton_cli.main import build_parser

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.service.client import probe_engine
 from baton.workload.words import WORDS
 from tests.cluster import KEYS, is_whole

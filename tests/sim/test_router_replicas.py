@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.ops.redis_server import free_port
+from baton.ops.ports import free_port
 from baton.workload.words import WORDS
 from tests.sim.test_mock_engines import _start, _stop
 
