@@ -52,7 +52,7 @@ class BatonUp:
         while not any("Ctrl-C stops" in line for line in self.stdout.lines):
             assert self.proc.poll() is None and time.monotonic() < deadline, self.tail()
             time.sleep(0.2)
-        for m in self.stdout.matching(r"^\s+((?:prompt|completion)-\d+)\s+(tcp://\S+)"):
+        for m in self.stdout.matching(r"^\s+((?:normal|prompt|completion)-\d+)\s+(tcp://\S+)"):
             self.engines[m.group(1)] = m.group(2)
 
     def children(self) -> dict[str, psutil.Process]:

@@ -51,7 +51,9 @@ def load_model_info(path: str = "", name: str = "", max_model_len: int = 0,
         tokenizer = Tokenizer.from_folder(resolved)
         raw = json.loads((resolved / "config.json").read_text())
         context = int(raw.get("max_position_embeddings", 4096))
+        checkpoint_eos = _checkpoint_eos_ids(resolved, raw)
     else:
+        checkpoint_eos = []
         if resolved.is_dir():
             found = sorted(resolved.glob("*.gguf"))
             if len(found) != 1:
@@ -66,12 +68,36 @@ def load_model_info(path: str = "", name: str = "", max_model_len: int = 0,
                 save_tokenizer(load_cache_dir, resolved, tokenizer, context)
     if max_model_len > context:
         logger.warning("max_model_len %d exceeds the model's context %d", max_model_len, context)
-    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stop_ids = list(dict.fromkeys(
+        ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        + [t for t in checkpoint_eos if 0 <= t < tokenizer.vocab_size]))
     info = ModelInfo(name=name or _default_name(resolved), tokenizer=tokenizer,
                      max_model_len=max_model_len or context, stop_token_ids=stop_ids)
     logger.info("model %s from %s: context %d, stop ids %s", info.name, resolved,
                 info.max_model_len, stop_ids)
     return info
+
+
+def _checkpoint_eos_ids(folder: Path, config: dict) -> list[int]:
+    """The end-of-sequence ids a Hugging Face folder declares beside its tokenizer's:
+    `eos_token_id` of generation_config.json and config.json, an id or a list. Chat
+    checkpoints end a turn on an id the tokenizer does not call EOS (Llama 3's <|eot_id|>,
+    Gemma 3's <end_of_turn>, Qwen's <|im_end|>); transformers' `generate` and vLLM stop on
+    these, and so does the router."""
+    found: list[int] = []
+    sources = [config]
+    gen_file = folder / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            sources.insert(0, json.loads(gen_file.read_text()))
+        except (OSError, ValueError) as exc:
+            logger.warning("%s unreadable (%s): its EOS ids are not used", gen_file, exc)
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool):
+                found.append(token)
+    return found
 
 
 def _from_gguf(path: Path) -> tuple[Tokenizer, int]:
