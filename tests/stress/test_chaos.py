@@ -10,12 +10,11 @@ every pool whole at the end (no owned block, no lease, no pull).
 
 Figures for the note (`pytest -s`): requests completed of issued, the longest gap a client saw
 between two chunks (undisturbed and under kills), and each restart's time until ready.
-BATON_CHAOS_SCALE=N runs N times the requests and kills (the suite's default, 40 requests and two
-kills a deployment; each kill still lands mid-load). At the default scale the suite runs the
-prompt-engine kills only: the short soak (test_soak_short.py) kills completion engines of the
-same 1 + 2 deployment every 20 s under its mixed load and checks the same things (every
-request exact or finished with its reason, a migration, nothing but the victims died, every
-pool whole); any N > 1 runs both deployments here.
+BATON_CHAOS_SCALE=N (N > 1) runs both deployments with N times 40 requests and two kills each
+(each kill still lands mid-load). At the default scale (1) the suite runs neither here: the
+short soak (test_soak_short.py) kills two completion engines and then a prompt engine of a
+2 + 2 deployment under its wider mixed load and checks the same things (every request exact
+or finished with its reason, a migration, nothing but the victims died, every pool whole).
 """
 
 from __future__ import annotations
@@ -129,11 +128,14 @@ async def _chaos(baton: BatonUp, role: str, rng: random.Random, kills: list[dict
         kills.append({"engine": victim, "at": time.monotonic(), "running": running[victim]})
 
 
+_IN_THE_SOAK = pytest.mark.skipif(
+    SCALE == 1, reason="the suite's short soak (test_soak_short.py) kills completion and prompt "
+    "engines under a wider load; BATON_CHAOS_SCALE=N (N > 1) runs this too")
+
+
 @pytest.mark.parametrize("num_prompt,num_completion,victim_role", [
-    pytest.param(1, 2, "completion", id="kill-completion", marks=pytest.mark.skipif(
-        SCALE == 1, reason="the suite's short soak (test_soak_short.py) kills completion "
-        "engines of this deployment under a wider load; BATON_CHAOS_SCALE=N runs this too")),
-    pytest.param(2, 1, "prompt", id="kill-prompt")])
+    pytest.param(1, 2, "completion", id="kill-completion", marks=_IN_THE_SOAK),
+    pytest.param(2, 1, "prompt", id="kill-prompt", marks=_IN_THE_SOAK)])
 def test_requests_survive_engine_kills(num_prompt, num_completion, victim_role, tmp_path):
     baton = _start_baton(num_prompt, num_completion)
     base_url = f"http://127.0.0.1:{baton.port}"
