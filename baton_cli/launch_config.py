@@ -57,6 +57,8 @@ class LaunchConfig:
     profile: str = ""  # --profile: predict each path's cost from this [sim] profile
     pd_threshold_tokens: int | None = None  # --pd-threshold-tokens: a static rule instead
     pd_handoff_ms: float | None = None  # --pd-handoff-ms (with profile); None = the router's
+    admission_ttft_ms: float = 0.0  # --admission-ttft-ms (with profile; router/admission.py)
+    admission_factor: float = 2.0  # --admission-factor
     cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
     insecure: bool = False  # no CURVE on the internal wires (benchmarks only)
     mock: str = ""  # a profile: every engine a mock engine (--mock), the router unchanged
@@ -134,6 +136,13 @@ class LaunchConfig:
             raise ValueError(f"--pd-threshold-tokens must be >= 0, got {self.pd_threshold_tokens}")
         if self.profile and self.pd_threshold_tokens is not None:
             raise ValueError("give either --profile or --pd-threshold-tokens, not both")
+        if self.admission_ttft_ms and not self.profile:
+            raise ValueError("--admission-ttft-ms admits against a TTFT predicted from "
+                             "--profile; it needs --profile")
+        if self.admission_ttft_ms:
+            from router.admission import SloAdmission
+
+            SloAdmission(self.admission_ttft_ms, self.admission_factor)  # names a bad value
         if self.pd_handoff_ms is not None and not self.profile:
             raise ValueError("--pd-handoff-ms prices the disaggregated path for --profile's "
                              "predictions; it needs --profile")
@@ -300,6 +309,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-handoff-ms", type=float, default=None,
                    help="with --profile: the disaggregated path's cost beyond the KV copy "
                         "(see baton router --help)")
+    p.add_argument("--admission-ttft-ms", type=float, default=0.0, metavar="MS",
+                   help="with --profile: the router answers 429 with Retry-After at once when "
+                        "a request's predicted TTFT is over --admission-factor x MS "
+                        "(see baton router --help); 0 = off")
+    p.add_argument("--admission-factor", type=float, default=2.0,
+                   help="with --admission-ttft-ms: refuse past this multiple of the SLO")
     add_key_args(p)
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "
@@ -347,7 +362,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                               window_s=args.restart_window),
         routing=args.routing, insecure=args.insecure, mock=args.mock,
         profile=args.profile, pd_threshold_tokens=args.pd_threshold_tokens,
-        pd_handoff_ms=args.pd_handoff_ms,
+        pd_handoff_ms=args.pd_handoff_ms, admission_ttft_ms=args.admission_ttft_ms,
+        admission_factor=args.admission_factor,
         warm_standby=args.warm_standby, kv_cache_dtype=args.kv_cache_dtype,
         lora_modules=args.lora_modules,
         kv_disk_dir=args.kv_disk_dir, kv_disk_bytes=args.kv_disk_bytes,

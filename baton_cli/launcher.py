@@ -251,7 +251,10 @@ class Launcher:
         if cfg.profile:
             return ["--profile", os.path.abspath(cfg.profile),
                     *([] if cfg.pd_handoff_ms is None else
-                      ["--pd-handoff-ms", str(cfg.pd_handoff_ms)])]
+                      ["--pd-handoff-ms", str(cfg.pd_handoff_ms)]),
+                    *([] if not cfg.admission_ttft_ms else
+                      ["--admission-ttft-ms", str(cfg.admission_ttft_ms),
+                       "--admission-factor", str(cfg.admission_factor)])]
         if cfg.pd_threshold_tokens is not None:
             return ["--pd-threshold-tokens", str(cfg.pd_threshold_tokens)]
         return []

@@ -192,6 +192,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _error(exc: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    headers = {**(headers or {}), **getattr(exc, "headers", {})} or None  # Retry-After
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 

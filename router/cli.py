@@ -90,6 +90,12 @@ def add_path_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-threshold-tokens", type=int, default=None, metavar="N",
                    help="mixed fleets: a static rule instead: disaggregated when a normal engine "
                         "would prefill more than N prompt tokens (its cached prefix left out)")
+    p.add_argument("--admission-ttft-ms", type=float, default=0.0, metavar="MS",
+                   help="SLO-aware admission (needs --profile): answer 429 with Retry-After at "
+                        "once when a request's predicted TTFT under the current load is over "
+                        "--admission-factor x MS; 0 = off")
+    p.add_argument("--admission-factor", type=float, default=2.0,
+                   help="with --admission-ttft-ms: refuse past this multiple of the SLO")
     p.add_argument("--pd-handoff-ms", type=float, default=DEFAULT_HANDOFF_MS,
                    help="with --profile: the disaggregated path's cost beyond the KV copy "
                         "(the extra hop, admission, the pull's claim), milliseconds")
@@ -134,4 +140,5 @@ def _config(args: argparse.Namespace):
         num_prepare_workers=args.prepare_workers, routing=args.routing,
         kv_overlap_weight=args.kv_overlap_weight, cluster_key_dir=args.cluster_key_dir,
         insecure=args.insecure, profile_path=args.profile,
-        pd_threshold_tokens=args.pd_threshold_tokens, pd_handoff_ms=args.pd_handoff_ms)
+        pd_threshold_tokens=args.pd_threshold_tokens, pd_handoff_ms=args.pd_handoff_ms,
+        admission_ttft_ms=args.admission_ttft_ms, admission_factor=args.admission_factor)

@@ -98,6 +98,11 @@ class RouterConfig:
     # The disaggregated path's cost beyond the profile's KV copy (the extra hop, admission, the
     # pull's claim), in milliseconds; used with profile_path.
     pd_handoff_ms: float = DEFAULT_HANDOFF_MS
+    # SLO-aware admission (router/admission.py): a fresh request whose predicted TTFT (from
+    # profile_path) is over admission_factor x admission_ttft_ms is answered 429 with
+    # Retry-After at once; 0 = off.
+    admission_ttft_ms: float = 0.0
+    admission_factor: float = 2.0
     # The cluster's CURVE keys (kv_transfer/auth.py) the engine sockets dial with; empty =
     # $BATON_CLUSTER_KEY_DIR. One of the two, or `insecure`, is required.
     cluster_key_dir: str = ""
@@ -182,6 +187,13 @@ class RouterConfig:
                              "(predicted costs), not both")
         if not 0 <= self.pd_handoff_ms < float("inf"):
             raise ValueError(f"pd_handoff_ms must be >= 0 and finite, got {self.pd_handoff_ms}")
+        if self.admission_ttft_ms:
+            from router.admission import SloAdmission
+
+            SloAdmission(self.admission_ttft_ms, self.admission_factor)  # ValueError naming it
+            if not self.profile_path:
+                raise ValueError("admission_ttft_ms needs profile_path: the TTFT it admits "
+                                 "against is predicted from the profile")
         if self.profile_path:
             from baton.perf.profile import load
 

@@ -243,6 +243,8 @@ class Dispatcher:
         logger.log(logging.DEBUG if attempt.path.reason == ONLY_PATH else logging.INFO,
                    "request %s: %d prompt tokens, path %s", req_id, len(keys.token_ids),
                    attempt.path.describe())
+        if not attempt.is_migration and not tried:  # a fresh request: SLO-aware admission
+            self.pool.admit(attempt.path.path, keys, sampling.max_tokens)
         try:
             disaggregated = attempt.path.path == DISAGGREGATED
             # With another path live and untried, a role without a live engine is no reason

@@ -28,8 +28,10 @@ from baton.ops.registry import (
     make_registry,
     record_signing_key,
 )
+from baton.perf.profile import Profile
 from baton.perf.profile import load as load_profile
 from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
+from router.admission import Overloaded, SloAdmission
 from router.config import RouterConfig
 from router.engine_client import EngineClient
 from router.kv_index import KvIndex, RequestKeys
@@ -45,6 +47,7 @@ from router.path import (
     PathChoice,
     PathPolicy,
     PathRequest,
+    PredictedPath,
     build_path_policy,
 )
 from router.selection import (
@@ -68,10 +71,11 @@ class NoEngineError(Exception):
     """No live engine of a role can take the request (HTTP 503)."""
 
 
-def make_path_policy(config: RouterConfig) -> PathPolicy:
+def make_path_policy(config: RouterConfig, profile: Profile | None = None) -> PathPolicy:
     """The mixed fleet's path policy: the static threshold when one is given, else the
     profile's prediction, else the default threshold (router/path.py)."""
-    profile = load_profile(config.profile_path) if config.profile_path else None
+    if profile is None and config.profile_path:
+        profile = load_profile(config.profile_path)
     return build_path_policy(profile, config.pd_threshold_tokens, config.pd_handoff_ms)
 
 
@@ -92,7 +96,13 @@ class EnginePool:
             LeastLoaded() if self.kv_index is None
             else OverlapMinusLoad(self.kv_index, config.kv_overlap_weight))
         self._least_loaded = LeastLoaded()
-        self.path_policy = make_path_policy(config)
+        profile = load_profile(config.profile_path) if config.profile_path else None
+        self.path_policy = make_path_policy(config, profile)
+        # SLO-aware admission (router/admission.py): the profile's TTFT prediction, opt-in.
+        self.admission = (SloAdmission(config.admission_ttft_ms, config.admission_factor)
+                          if config.admission_ttft_ms else None)
+        self._ttft_model = (PredictedPath(profile, config.pd_handoff_ms)
+                            if self.admission is not None and profile is not None else None)
         self._refresh_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -210,6 +220,24 @@ class EnginePool:
                 self._view(PROMPT, request), self._view(COMPLETION, request))
         self.metrics.path.labels(choice.path, choice.reason).inc()
         return choice
+
+    def admit(self, path: str, request: RequestKeys, num_max_tokens: int) -> None:
+        """SLO-aware admission of a fresh request on `path` (router/admission.py): raises
+        `Overloaded` (429) when its predicted TTFT there is past what the SLO allows. Nothing
+        without --admission-ttft-ms, or while the path's first role has no live engine (the
+        wait for one, and its 503, decide then)."""
+        if self.admission is None or self._ttft_model is None:
+            return
+        role = PATH_ROLES[path][0]
+        if not self.has_live(role):
+            return
+        predicted = self._ttft_model.ttft_ms(
+            PathRequest(len(request.token_ids), num_max_tokens), self._view(role, request), path)
+        try:
+            self.admission.check(predicted, path)
+        except Overloaded:
+            self.metrics.slo_rejections.labels(path).inc()
+            raise
 
     def _view(self, role: str, request: RequestKeys) -> EngineView:
         """The engine of `role` the selection policy would give the request, as the path

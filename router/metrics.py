@@ -84,6 +84,11 @@ class RouterMetrics:
             "and why (router/path.py: only_path, predicted, threshold, default_threshold, "
             "fallback)",
             ["path", "reason"], registry=r)
+        self.slo_rejections = Counter(
+            "baton_router_slo_rejections",
+            "Requests answered 429 at once because their predicted TTFT on the path they would "
+            "take was past --admission-factor x --admission-ttft-ms (router/admission.py)",
+            ["path"], registry=r)
         self.kv_index_keys = Gauge("baton_router_kv_index_keys",
                                    "Block keys this router's index credits an engine with",
                                    ["role", "engine"], registry=r)

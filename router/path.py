@@ -162,17 +162,25 @@ class PredictedPath(PathPolicy):
                                                                           completion)
         return PathChoice(DISAGGREGATED if pd < co else COLOCATED, PREDICTED, co, pd)
 
+    def ttft_ms(self, request: PathRequest, first: EngineView, path: str) -> float:
+        """The request's predicted time to first token on `first`, the engine that prefills it
+        (a NORMAL engine co-located; a PROMPT engine disaggregated, whose first token goes
+        out from there): co-located, the rest of the decode step in progress; the prompts
+        queued there; then its own prefill of the blocks that engine lacks."""
+        boundary = self._step_boundary_ms(first) if path == COLOCATED else 0.0
+        return boundary + self._queue_ms(first) + self._prefill_ms(
+            _uncached_tokens(request.num_prompt_tokens, first), request.num_prompt_tokens)
+
     def colocated_ms(self, request: PathRequest, normal: EngineView) -> float:
         prefill = self._prefill_ms(_uncached_tokens(request.num_prompt_tokens, normal),
                                    request.num_prompt_tokens)
-        ttft = self._step_boundary_ms(normal) + self._queue_ms(normal) + prefill
+        ttft = self.ttft_ms(request, normal, COLOCATED)
         stall = normal.num_running * prefill
         return ttft + stall + self._decode_cost(request, normal)
 
     def disaggregated_ms(self, request: PathRequest, prompt: EngineView,
                          completion: EngineView) -> float:
-        ttft = self._queue_ms(prompt) + self._prefill_ms(
-            _uncached_tokens(request.num_prompt_tokens, prompt), request.num_prompt_tokens)
+        ttft = self.ttft_ms(request, prompt, DISAGGREGATED)
         num_blocks = -(-request.num_prompt_tokens // completion.block_size)
         handoff = self.handoff_ms + self._step_boundary_ms(completion) + self.profile.transfer_ms(
             num_blocks - min(num_blocks, completion.num_overlap_blocks))
