@@ -319,19 +319,29 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "
                    "promoted when the engine exits: restarts in about a second")
-    g = p.add_argument_group("planner (docs/scheduler.md S41: engines change roles in place)")
-    g.add_argument("--planner", choices=("off", "advise", "apply"), default="off",
-                   help="advise: publish the split it would choose (router /planner, "
-                        "metrics); apply: also move engines between prompt and completion")
-    g.add_argument("--planner-profile", default="", metavar="PROFILE.json",
-                   help="the profile the planner predicts with (default: --profile)")
-    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
-                   help="the planner's SLOs, e.g. ttft:2000 tpot:100")
-    g.add_argument("--planner-interval", type=float, default=30.0)
-    g.add_argument("--planner-window", type=float, default=120.0)
-    g.add_argument("--planner-cooldown", type=float, default=300.0)
+    add_planner_args(p.add_argument_group(
+        "planner (docs/scheduler.md S41: engines change roles in place)"),
+        profile_help="the profile the planner predicts with (default: --profile)")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="after --: extra flags for every engine")
+
+
+def add_planner_args(g: argparse._ActionsContainer, mode: str = "off",
+                     profile_help: str = "the profile the planner predicts with") -> None:
+    """The planner's flags, one set for `baton up --planner` and `baton planner`."""
+    g.add_argument("--planner", choices=("off", "advise", "apply"), default=mode,
+                   help="advise: publish the split it would choose (router /planner, "
+                        "metrics); apply: also move engines between prompt and completion "
+                        f"(default {mode})")
+    g.add_argument("--planner-profile", default="", metavar="PROFILE.json", help=profile_help)
+    g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                   help="the planner's SLOs, e.g. ttft:2000 tpot:100")
+    g.add_argument("--planner-interval", type=float, default=30.0,
+                   help="seconds between two decisions (default 30)")
+    g.add_argument("--planner-window", type=float, default=120.0,
+                   help="seconds of finished requests each decision plans on (default 120)")
+    g.add_argument("--planner-cooldown", type=float, default=300.0,
+                   help="seconds after a change before the next (default 300)")
 
 
 def engine_counts(args: argparse.Namespace) -> tuple[int, int, int]:

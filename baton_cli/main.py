@@ -25,6 +25,7 @@ _SUBCOMMANDS: dict[str, str] = {
     "bench": "baton_cli.bench:add_parser",
     "sim": "baton_cli.sim:add_parser",
     "plan": "simulator.plan:add_parser",
+    "planner": "baton_cli.planner_main:add_parser",
     "profile": "baton_cli.profile:add_parser",
     "router": "router.cli:add_parser",
 }

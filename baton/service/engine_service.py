@@ -12,8 +12,10 @@ One process, one thread of control:
 3. While the worker has work, the loop alternates "drain the socket" and `worker.step()`; with
    no work it blocks in poll for a few milliseconds, so an idle engine costs no CPU.
 4. SIGTERM/SIGINT: stop taking work (new requests finish at once with reason `abort` and an
-   error), let in-flight work finish for `drain_timeout_s`, abort what is left, deregister from
-   the registry, close the socket.
+   error), publish itself as draining at once (routers send it nothing new, as in a role
+   change, so a pod scaled down on Kubernetes bounces nothing), let in-flight work finish for
+   `drain_timeout_s`, abort what is left (the router migrates it), deregister from the
+   registry, close the socket.
 With `ServiceConfig.keys` the socket serves CURVE and its ZAP handler admits only the cluster's
 client key (kv_transfer/auth.py): a peer without it never gets an answer, and each refused
 handshake is counted (`baton_auth_refused_total{endpoint="engine"}`).
@@ -212,6 +214,12 @@ class EngineService:
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_timeout_s
+        self._snapshot, self._snapshot_at = self.record(), time.monotonic()  # draining
+        if self.registry is not None and self._heartbeat is not None:
+            try:
+                self.registry.publish(self._snapshot)  # not a beat later: routers stop now
+            except Exception as exc:  # the heartbeat publishes it again within a beat
+                logger.warning("registry publish of the drain failed: %s", exc)
         logger.info("draining: %d requests in flight", len(self.req_to_identity))
         while self._busy() and time.monotonic() < deadline:
             self._iterate()
@@ -485,7 +493,7 @@ class EngineService:
     def record(self) -> EngineRecord:
         record = EngineRecord(role=self.worker.role, engine_id=self.config.engine_id,
                               address=self.address, side_channel=self.side_channel,
-                              draining=self._change is not None)
+                              draining=self._stop.is_set() or self._change is not None)
         self.worker.fill_record(record)
         if self.kv_events is not None:
             record.instance_id = self.kv_events.instance_id

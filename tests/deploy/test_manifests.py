@@ -9,6 +9,8 @@ that points nowhere fails here instead of in a cluster.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -19,6 +21,7 @@ import yaml
 
 from baton_cli.main import build_parser
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
@@ -28,14 +31,20 @@ DOWNWARD_SAMPLES = {"status.podIP": "10.0.0.7", "metadata.name": "baton-pod-abc1
 
 
 # --------------------------------------------------------------------------- loading
-def manifests() -> list[dict]:
+@functools.cache
+def _parsed_manifests() -> tuple[dict, ...]:
     docs = []
     for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
+        for doc in yaml.load_all(path.read_text(), Loader=_LOADER):
             if doc:
                 doc["__file__"] = path.name
                 docs.append(doc)
-    return docs
+    return tuple(docs)
+
+
+def manifests() -> list[dict]:
+    """Every document of deploy/k8s (parsed once; each caller gets its own copy)."""
+    return copy.deepcopy(list(_parsed_manifests()))
 
 
 def of_kind(kind: str) -> list[dict]:
@@ -144,11 +153,11 @@ def test_every_manifest_parses_and_is_listed_in_the_kustomization():
 def test_expected_workloads_exist():
     names = {d["metadata"]["name"] for d in of_kind("Deployment")}
     assert {"baton-redis", "baton-router", "baton-prompt-engine",
-            "baton-completion-engine"} <= names
+            "baton-completion-engine", "baton-planner"} <= names
     services = {d["metadata"]["name"] for d in of_kind("Service")}
     assert {"baton-redis", "baton-router"} <= services
     roles = {argv_of(c)[0] for _, c in baton_containers()}
-    assert {"router", "prompt-engine", "completion-engine"} <= roles
+    assert {"router", "prompt-engine", "completion-engine", "planner"} <= roles
 
 
 def test_every_baton_command_parses_with_the_real_cli():
@@ -353,7 +362,7 @@ def _key_volume(deployment: dict) -> dict:
 def test_every_baton_container_gets_the_cluster_keys_from_a_secret():
     """CURVE on every internal wire: each container reads its keys from the Secret's files
     (owner-only), via $BATON_CLUSTER_KEY_DIR (so `baton probe` has them too), never --insecure;
-    the router is given no server secret."""
+    the router and the planner (they only dial and sign) are given no server secret."""
     for deployment, c in baton_containers():
         env = {e["name"]: e.get("value") for e in c.get("env", [])}
         key_dir = env.get("BATON_CLUSTER_KEY_DIR")
@@ -365,7 +374,7 @@ def test_every_baton_container_gets_the_cluster_keys_from_a_secret():
         assert secret["secretName"] == "baton-cluster-keys"
         assert secret["defaultMode"] & 0o077 == 0, "secret files must be owner-only"
         paths = {i["path"] for i in secret.get("items", [])}
-        if argv_of(c)[0] == "router":
+        if argv_of(c)[0] in ("router", "planner"):
             assert paths == {"server.key", "client.key", "client.key_secret"}
         else:
             assert not paths  # engines: all four files (serve, and dial + probe)
@@ -402,7 +411,7 @@ def test_network_policies_confine_redis_engines_and_the_kv_path():
     and the router's HTTP port are the only ones open to any source."""
     engines = {"baton-prompt-engine", "baton-completion-engine"}
     redis = _policy_for("baton-redis")["spec"]["ingress"]
-    assert [_peers(r) for r in redis] == [{"baton-router", *engines}]
+    assert [_peers(r) for r in redis] == [{"baton-router", "baton-planner", *engines}]
     kv_redis = _policy_for("baton-kv-redis")["spec"]["ingress"]
     assert [_peers(r) for r in kv_redis] == [engines]
     for name in engines:
@@ -477,3 +486,99 @@ def test_baton_containers_run_non_root_on_a_read_only_root():
             else set()
         assert writable == {"/tmp", "/home/baton/.cache", *disk}, deployment["metadata"]["name"]
     assert "USER baton" in DOCKERFILE.read_text() and "--uid 1000" in DOCKERFILE.read_text()
+
+
+# --------------------------------------------------------------------------- the planner
+def _planner() -> tuple[dict, dict]:
+    (found,) = [(d, c) for d, c in baton_containers() if argv_of(c)[0] == "planner"]
+    return found
+
+
+def test_the_planner_scales_the_engine_deployments_of_its_roles():
+    """One `baton planner` (two would move engines twice on the same evidence); the
+    Deployments its actuator scales exist and run the role it scales them for; it reads the
+    router Service, predicts with a profile mounted from a ConfigMap, and its probes ask its
+    /health."""
+    deployment, c = _planner()
+    args = parsed(c)
+    assert deployment["spec"]["replicas"] == 1
+    assert args.planner in ("advise", "apply") and args.goodput and args.actuator == "kubernetes"
+    by_name = {d["metadata"]["name"]: d for d in of_kind("Deployment")}
+    for name, command in ((args.prompt_deployment, "prompt-engine"),
+                          (args.completion_deployment, "completion-engine")):
+        assert name in by_name, f"the planner scales {name}, which no manifest defines"
+        (engine,) = by_name[name]["spec"]["template"]["spec"]["containers"]
+        assert argv_of(engine)[0] == command, name
+    (router,) = [s for s in of_kind("Service") if s["metadata"]["name"] == "baton-router"]
+    url = urlparse(args.router_url)
+    assert (url.scheme, url.hostname, url.port) == ("http", "baton-router",
+                                                    router["spec"]["ports"][0]["port"])
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    profile_dir = str(Path(args.planner_profile).parent)
+    assert "configMap" in volumes[mounts[profile_dir]], "the profile comes from a ConfigMap"
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert c[kind]["httpGet"]["path"] == "/health"
+        assert probe_port(c[kind], c) == args.port
+
+
+def test_the_planners_rbac_is_exactly_what_its_actuator_calls():
+    """Its own ServiceAccount, bound to a namespaced Role granting exactly the actuator's calls
+    (planner/kubernetes.py RBAC_RULES; tests/deploy/test_k8s_planner.py checks the calls
+    against them) on exactly the two Deployments it scales, by resourceNames."""
+    from planner.kubernetes import RBAC_RULES
+
+    deployment, c = _planner()
+    args = parsed(c)
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert [a["metadata"]["name"] for a in of_kind("ServiceAccount")] == [account]
+    assert not of_kind("ClusterRole") and not of_kind("ClusterRoleBinding")
+    (binding,) = of_kind("RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["kind"] == "Role"
+    (role,) = [r for r in of_kind("Role") if r["metadata"]["name"] == binding["roleRef"]["name"]]
+    targets = {args.prompt_deployment, args.completion_deployment}
+    granted = set()
+    for rule in role["rules"]:
+        assert rule["apiGroups"] == ["apps"], rule
+        assert set(rule["resourceNames"]) == targets, rule
+        granted |= {(res, verb) for res in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {(res, verb) for res, verbs in RBAC_RULES for verb in verbs}
+    # Every other Baton pod runs under the namespace's default account, which the Role is not
+    # bound to: only the planner may scale.
+    for d, _ in baton_containers():
+        if d["metadata"]["name"] != deployment["metadata"]["name"]:
+            assert "serviceAccountName" not in d["spec"]["template"]["spec"], d["metadata"]
+
+
+def test_the_planner_reaches_only_the_router_redis_dns_and_the_api_server():
+    spec = _policy_for("baton-planner")["spec"]
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+    port = parsed(_planner()[1]).port
+    assert [(_peers(r), [p["port"] for p in r["ports"]]) for r in spec["ingress"]] == [
+        (None, [port])]
+    to_pods, to_any = set(), set()
+    for rule in spec["egress"]:
+        ports = {(p.get("protocol", "TCP"), p["port"]) for p in rule["ports"]}
+        if "to" in rule:
+            (peer,) = rule["to"]
+            (name,) = peer["podSelector"]["matchLabels"].values()
+            to_pods |= {(name, p) for _, p in ports}
+        else:
+            to_any |= ports
+    (redis,) = [s for s in of_kind("Service") if s["metadata"]["name"] == "baton-redis"]
+    router_port = next(parsed(c).port for _, c in baton_containers() if argv_of(c)[0] == "router")
+    assert to_pods == {("baton-router", router_port),
+                       ("baton-redis", redis["spec"]["ports"][0]["port"])}
+    assert to_any == {("UDP", 53), ("TCP", 53), ("TCP", 443), ("TCP", 6443)}
+
+
+def test_engine_pods_scaled_down_have_the_time_to_drain():
+    """A scale-down SIGTERMs an engine pod: the engine publishes itself draining at once
+    (routers send it nothing new), lets its running requests finish for --drain-timeout,
+    aborts what is left (the router migrates it), gives the aborted work 5 s to free its
+    blocks, then deregisters (baton/service/engine_service.py). The grace period must cover
+    that, or the kubelet's SIGKILL cuts the drain short."""
+    for deployment, c in _engines():
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= parsed(c).drain_timeout + 10, deployment["metadata"]["name"]
