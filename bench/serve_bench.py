@@ -12,6 +12,12 @@ under SLOs; prints a table and writes bench/results/serve_<label>_<time>.json.
 
 A run is bounded: it stops issuing after --num-requests or --duration seconds, waits at most
 --drain-timeout for the requests in flight, and records the rest as cancelled.
+
+With --engine-metrics URL ... (the engines' /metrics URLs, as `baton up`'s banner prints them)
+the record also gets a `fleet` section, the keys `baton sim` writes (per engine busy time,
+steps, tokens, pulled KV, prefix-cache hit rate), from each engine's counters scraped before
+and after the run (baton/workload/fleet_metrics.py); an engine that does not answer is noted
+there, never a failed run.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from baton.workload.args import (
     workload_from_args,
     workload_record,
 )
+from baton.workload.fleet_metrics import SETTLE_S, fleet_delta, format_fleet, scrape_all
 from baton.workload.results import (  # noqa: F401 - the benchmark's names, as before
     SLO_KEYS,
     STAT_KEYS,
@@ -75,6 +82,7 @@ class BenchConfig:
     slos_ms: dict[str, float] = field(default_factory=dict)  # ttft/tpot/e2e -> milliseconds
     label: str = "run"
     progress: bool = True
+    engine_metrics: list[str] = field(default_factory=list)  # the engines' /metrics URLs
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "completions"):
@@ -334,15 +342,28 @@ async def run_async(cfg: BenchConfig, workload: WorkloadConfig,
                                  timeout=httpx.Timeout(cfg.request_timeout_s)) as client:
         model = await _discover(client, cfg)
         ignore_eos = await _check_ignore_eos(client, cfg, model)
+        before = await _scrape_engines(cfg)  # after the warm-up: it is not the run's
         t0 = time.perf_counter()
         results = await _Issuer(client, cfg, model, ignore_eos).run(specs, workload.seed)
         wall_s = time.perf_counter() - t0
     summary = summarize(results, wall_s, cfg.slos_ms)
     summary["ignore_eos"] = ignore_eos
-    return {"label": cfg.label, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "bench": {**asdict(cfg), "api_key": "", "request_rate": _num(cfg.request_rate)},
-            "workload": workload_record(workload, trace), "summary": summary,
-            "requests": [asdict(r) for r in results]}
+    record = {"label": cfg.label, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "bench": {**asdict(cfg), "api_key": "", "request_rate": _num(cfg.request_rate)},
+              "workload": workload_record(workload, trace), "summary": summary,
+              "requests": [asdict(r) for r in results]}
+    if before is not None:
+        record["fleet"] = fleet_delta(before, await _scrape_engines(cfg), wall_s)
+    return record
+
+
+async def _scrape_engines(cfg: BenchConfig):
+    """The engines' counters (None without --engine-metrics), once the last answer's have been
+    published (the engines publish them every 0.25 s)."""
+    if not cfg.engine_metrics:
+        return None
+    await asyncio.sleep(SETTLE_S)
+    return await scrape_all(cfg.engine_metrics)
 
 
 def _num(x: float) -> float | str:
@@ -371,6 +392,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for requests in flight once issuing stops")
     g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
                    help="SLOs a good request meets, e.g. ttft:3000 tpot:250 e2e:20000")
+    g.add_argument("--engine-metrics", nargs="+", default=[], metavar="URL",
+                   help="the engines' Prometheus URLs (`baton up` prints them): scraped before "
+                   "and after the run to fill the record's `fleet` section (busy time, tokens, "
+                   "pulled KV, prefix-cache hit rate per engine)")
     add_workload_arguments(p)
     g = p.add_argument_group("output")
     g.add_argument("--label", default="run", help="name in the table and the JSON file name")
@@ -388,7 +413,8 @@ def configs_from_args(args: argparse.Namespace,
         request_rate=args.request_rate, max_concurrency=args.max_concurrency,
         num_requests=args.num_requests, duration_s=args.duration,
         drain_timeout_s=args.drain_timeout, ignore_eos=not args.no_ignore_eos,
-        slos_ms=parse_slos(args.goodput), label=args.label, progress=not args.no_progress)
+        slos_ms=parse_slos(args.goodput), label=args.label, progress=not args.no_progress,
+        engine_metrics=list(args.engine_metrics))
     workload, trace = workload_from_args(args)
     return bench, workload, trace
 
@@ -407,6 +433,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"serve_bench: cannot reach {bench.base_url}: {exc}", file=sys.stderr)
         return 1
     print(format_table(record))
+    if record.get("fleet") and format_fleet(record["fleet"]):
+        print(format_fleet(record["fleet"]))
     path = write_result(record, Path(args.results_dir))
     print(f"wrote {path}")
     return 0 if record["summary"]["num_completed"] else 1

@@ -28,7 +28,9 @@ handshake is counted (`baton_auth_refused_total{endpoint="engine"}`).
    router migrates it). A change asked while one runs is refused with the reason.
 With `metrics` (baton/service/metrics.py) the loop also publishes a stats snapshot for Prometheus at
 the registry-snapshot cadence, times and counts every request it tracks, and stops the HTTP
-server last.
+server last. Every step's `worker.step()` (the forward and its booking; sending its deltas
+excluded) is timed with one monotonic() pair: the engine's busy seconds (`stats.extra["busy_s"]`,
+`baton_engine_busy_seconds_total`), what `baton sim` calls an engine's busy time.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class _Counters:
     num_requests: int = 0
     num_requests_finished: int = 0
     num_steps: int = 0
+    busy_s: float = 0.0  # seconds in worker.step(): the forward and its booking
     started_at: float = field(default_factory=time.time)
 
 
@@ -255,7 +258,10 @@ class EngineService:
             has_work = self.dp.any(has_work)
         if has_work:
             self.counters.num_steps += 1
-            self._send_all(self.worker.step())
+            started = time.monotonic()
+            deltas = self.worker.step()
+            self.counters.busy_s += time.monotonic() - started
+            self._send_all(deltas)
         if self.kv_events is not None and self.kv_events.subscribers:
             self._publish_kv_events()
         if self._change is not None:
@@ -486,6 +492,7 @@ class EngineService:
         self.worker.fill_stats(stats)
         stats.extra["num_bad_messages"] = float(self.counters.num_bad_messages)
         stats.extra["uptime_s"] = time.time() - self.counters.started_at
+        stats.extra["busy_s"] = self.counters.busy_s
         if self.refusals is not None:
             stats.extra["auth_refused"] = float(self.refusals.num_refused)
         return stats

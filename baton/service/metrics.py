@@ -4,8 +4,9 @@ Who writes what, given that only the service loop thread may touch the scheduler
 worker (neither is thread-safe):
 1. At the registry-snapshot cadence (baton/service/engine_service.py) the loop publishes an `EngineStats`
    snapshot (`publish`); a custom collector turns the latest one into gauges and into the
-   counters the engine already keeps (prefix cache, preemptions, tokens, KV leases and pulls)
-   when Prometheus scrapes, on the HTTP thread. Publishing swaps one reference: no lock.
+   counters the engine already keeps (busy seconds and steps, prefix cache, preemptions, tokens,
+   KV leases and pulls) when Prometheus scrapes, on the HTTP thread. Publishing swaps one
+   reference: no lock.
 2. Events the loop sees itself go into prometheus_client's own (thread-safe) objects: a
    request's arrival (`on_arrival`) and each delta sent for it (`on_delta`: time to its first
    token, time per output token, end to end, finished requests by reason), every finished KV
@@ -47,6 +48,10 @@ _NOT_FAILURES = {FailReason.ABORTED.value}
 
 # (name, help, stats field or extra key) of the counters mirrored from the snapshot, per role.
 _COUNTERS = [
+    ("baton_engine_busy_seconds", "Seconds spent in engine steps (the forward and its booking; "
+     "over wall time, how busy the engine is)", "busy_s"),
+    ("baton_engine_steps", "Engine steps run (a batch of prompt chunks and decodes each)",
+     "num_steps"),
     ("baton_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
      "prefix_cache_query_tokens"),
     ("baton_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
