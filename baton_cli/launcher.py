@@ -69,7 +69,14 @@ class Launcher:
         # Each engine's --address-file: engines bind an ephemeral port on their first start and
         # report it (a port picked here in advance could be taken, before the engine bound it,
         # by another engine's ephemeral KV side channel); restarts then bind that same port.
-        self._run_dir = tempfile.mkdtemp(prefix="baton-up-")
+        # Made when the first engine starts (a Launcher built for its argv alone leaves none).
+        self._run_dir_path = ""
+
+    @property
+    def _run_dir(self) -> str:
+        if not self._run_dir_path:
+            self._run_dir_path = tempfile.mkdtemp(prefix="baton-up-")
+        return self._run_dir_path
 
     def _setup_keys(self) -> list[str]:
         """The children's key flags; generates the keys unless given a dir or --insecure."""
@@ -289,7 +296,9 @@ class Launcher:
         if self._own_key_dir:
             shutil.rmtree(self._own_key_dir, ignore_errors=True)
             self._own_key_dir = ""
-        shutil.rmtree(self._run_dir, ignore_errors=True)
+        if self._run_dir_path:
+            shutil.rmtree(self._run_dir_path, ignore_errors=True)
+            self._run_dir_path = ""
 
     def served_model(self) -> str:
         """The model id the router serves (clients must name it), or a placeholder."""
