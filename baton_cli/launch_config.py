@@ -14,6 +14,7 @@ from baton.protocol import NORMAL, ROLES
 from baton.workload.results import parse_slos
 from baton_cli.engine_args import add_common_args, lora_module, parse_bytes
 from kv_transfer.auth import ENV_KEY_DIR
+from router.cli import add_path_args
 
 LOCAL_STORE = "local"  # --kv-shared-tier local[:SIZE]: baton up starts the store
 DEFAULT_KV_SHARED_BYTES = 1 << 30
@@ -301,20 +302,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the restarts are counted over")
     p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's engine choice (see baton router --help)")
-    p.add_argument("--profile", default="", metavar="PROFILE.json",
-                   help="mixed fleets: the router chooses each request's path from this "
-                        "profile's predicted costs (see baton router --help)")
-    p.add_argument("--pd-threshold-tokens", type=int, default=None, metavar="N",
-                   help="mixed fleets: disaggregated past N uncached prompt tokens instead")
-    p.add_argument("--pd-handoff-ms", type=float, default=None,
-                   help="with --profile: the disaggregated path's cost beyond the KV copy "
-                        "(see baton router --help)")
-    p.add_argument("--admission-ttft-ms", type=float, default=0.0, metavar="MS",
-                   help="with --profile: the router answers 429 with Retry-After at once when "
-                        "a request's predicted TTFT is over --admission-factor x MS "
-                        "(see baton router --help); 0 = off")
-    p.add_argument("--admission-factor", type=float, default=2.0,
-                   help="with --admission-ttft-ms: refuse past this multiple of the SLO")
+    add_path_args(p, handoff_default=None)  # the router's flags, handed to it
     add_key_args(p)
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "

@@ -80,8 +80,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_path_args(p: argparse.ArgumentParser) -> None:
-    """The path choice of a mixed fleet (router/path.py); `baton up` passes them on."""
+def add_path_args(p: argparse._ActionsContainer,
+                  handoff_default: float | None = DEFAULT_HANDOFF_MS) -> None:
+    """The path choice of a mixed fleet (router/path.py) and SLO-aware admission
+    (router/admission.py); `baton up` takes the same flags and passes them on (its
+    --pd-handoff-ms default None: the router's own)."""
     p.add_argument("--profile", default="", metavar="PROFILE.json",
                    help="mixed fleets: choose each request's path (co-located or "
                         "disaggregated) from this profile's predicted costs (baton profile); "
@@ -96,9 +99,10 @@ def add_path_args(p: argparse.ArgumentParser) -> None:
                         "--admission-factor x MS; 0 = off")
     p.add_argument("--admission-factor", type=float, default=2.0,
                    help="with --admission-ttft-ms: refuse past this multiple of the SLO")
-    p.add_argument("--pd-handoff-ms", type=float, default=DEFAULT_HANDOFF_MS,
+    p.add_argument("--pd-handoff-ms", type=float, default=handoff_default,
                    help="with --profile: the disaggregated path's cost beyond the KV copy "
-                        "(the extra hop, admission, the pull's claim), milliseconds")
+                        f"(the extra hop, admission, the pull's claim), milliseconds (default "
+                        f"{DEFAULT_HANDOFF_MS:g})")
 
 
 def run(args: argparse.Namespace) -> int:
