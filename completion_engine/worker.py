@@ -17,7 +17,7 @@ import logging
 
 from baton.engine import LLMEngine
 from baton.ops.registry import EngineRecord
-from baton.protocol import EngineStats, GenerateRequest, TokenDelta
+from baton.protocol import COMPLETION, EngineStats, GenerateRequest, TokenDelta
 from baton.service.metrics import INTEGRITY_PREFIX
 from baton.service.worker import EngineWorker, error_delta, to_sampling_params
 from completion_engine.admission import Admission, MinPullTime, PullObserver
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class CompletionWorker(EngineWorker):
-    role = "completion"
+    role = COMPLETION
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
                  on_pull_result: PullObserver | None = None, faults: FaultPlan | None = None,

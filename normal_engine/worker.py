@@ -15,10 +15,11 @@ no prompt/completion pair is up.
 
 from __future__ import annotations
 
+from baton.protocol import NORMAL
 from baton.service.worker import EngineWorker
 
 
 class NormalWorker(EngineWorker):
     """The base worker's whole request life, unchanged: nothing to hand off or pull."""
 
-    role = "normal"
+    role = NORMAL

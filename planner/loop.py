@@ -28,11 +28,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
+from baton.protocol import COMPLETION, PROMPT
 from planner.core import Planner, Split
 
 logger = logging.getLogger(__name__)
 
-PROMPT, COMPLETION = "prompt", "completion"  # baton.protocol's role names
 
 
 class Unsettled(Exception):  # noqa: N818 - a state, not a failure

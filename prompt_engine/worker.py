@@ -19,7 +19,7 @@ import logging
 
 from baton.engine import LLMEngine
 from baton.ops.registry import EngineRecord
-from baton.protocol import EngineStats, GenerateRequest, TokenDelta
+from baton.protocol import PROMPT, EngineStats, GenerateRequest, TokenDelta
 from baton.service.worker import EngineWorker, error_delta, to_delta
 from kv_transfer.config import TransferConfig
 from kv_transfer.integrity import FaultPlan
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class PromptWorker(EngineWorker):
-    role = "prompt"
+    role = PROMPT
 
     def __init__(self, engine: LLMEngine, transfer: TransferConfig, engine_id: str,
                  advertise_host: str = "", faults: FaultPlan | None = None):

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.protocol import COMPLETION
+
 # fleet key -> the engine's counter sample (baton/service/metrics.py).
 COUNTERS = {
     "busy_s": "baton_engine_busy_seconds_total",
@@ -134,7 +136,7 @@ def format_fleet(fleet: dict, max_engines: int = 16) -> str:
                          for e in engines[:max_engines])
         more = f" (+{len(engines) - max_engines} more)" if len(engines) > max_engines else ""
         # A completion engine looks its pulled prompts up again: the prompts count once.
-        computing = [e for e in engines if e["role"] != "completion"] or engines
+        computing = [e for e in engines if e["role"] != COMPLETION] or engines
         queries = sum(e.get("cache_query_tokens", 0) for e in computing)
         hits = sum(e.get("cache_hit_tokens", 0) for e in computing)
         hit = f"{100 * hits / queries:.0f}%" if queries else "-"
