@@ -153,8 +153,8 @@ def batch_part(args, engine, prompts, SamplingParams) -> list[dict]:
     from baton.engine.speculation import StepCosts
 
     class Forced(StepCosts):
-        def pays(self, num_rows: int, num_drafts: int, expected_kept: float) -> bool:
-            return True
+        def plan(self, num_rows: int, chances) -> list[int]:
+            return [len(row) for row in chances]
 
     model, forced = engine.speculator.costs, Forced()
     rate: dict[str, list[float]] = {}

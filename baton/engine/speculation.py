@@ -3,7 +3,7 @@ what was accepted.
 
 A speculating request's life, step by step:
 1. After a step booked its tokens, `Speculator.propose` asks the request's proposer
-   (`baton/engine/proposers.py`) for up to its current draft length; the engine hands the drafts
+   (`baton/engine/proposers.py`) for up to `num_speculative_tokens`; the engine hands the drafts
    to the scheduler's draft ledger (`set_draft_tokens`, docs/scheduler.md S4, S5, S28).
 2. The next decode step schedules the row with `1 + k` query tokens: the last committed token,
    then the drafts. The model runs every row of the batch in one forward and the runner samples
@@ -14,13 +14,17 @@ A speculating request's life, step by step:
    the same distribution (that comparison *is* rejection sampling for a point-mass proposal:
    draft d is kept with probability p(d), and on rejection the token drawn is p with d removed,
    renormalised), and a seeded request draws the very tokens it draws without drafts.
-3. `record` counts the drafts and the accepted ones (per position, for /metrics) and adapts
-   the request's draft length: all kept -> one more (up to `num_speculative_tokens`), some
-   rejected -> the number kept plus one.
-4. The batch decides (`propose_batch`): a verified step of B rows and D drafts must give more
-   tokens per second than a plain step of B rows, by the engine's own running averages of both
-   step kinds at those sizes (`StepCosts`) and each row's expected kept drafts from its own
-   request's recent acceptance; where it would not, no row drafts that step.
+3. `record` counts the drafts and the accepted ones (per position, for /metrics) and updates
+   the request's acceptance (its recent rows, decayed). Drafts a step did not verify are
+   checked against the tokens its plain steps sample instead and count there too, so a
+   request whose rate sank is not judged by its old rows for good.
+4. The batch decides (`propose_batch`, `StepCosts.plan`): every row proposes the most drafts,
+   `num_speculative_tokens`, and the step verifies the most likely first (a row's draft j is
+   kept with chance a^j, a its request's recent acceptance), as many as give the most
+   expected tokens per second by the engine's running medians of both step kinds at those
+   sizes; where a plain step gives more, no row drafts that step. Extra drafts are nearly
+   free on the CPU backend (a verified step's cost is mostly its fixed part), so a long
+   draft is cut by its chances, not by a rule of thumb.
 A grammar-constrained request drafts only the prefix its matcher accepts (checked without
 advancing it), and its verified positions each get the mask after the drafts before them.
 The choices of an n > 1 request draft once they are split (each its own sequence); the row
@@ -56,11 +60,24 @@ class _Drafting:
     proposer: NgramProposer | SuffixProposer
     history: list[int]
     num_prompt: int
-    k: int  # draft length for its next step (adaptive)
     # Its own recent drafts and accepted ones, each verified row's weight decaying by
     # _ACCEPTANCE_DECAY: what `expected_kept` judges its next row by.
     drafted: float = 0.0
     accepted: float = 0.0
+    # Drafts the batch dropped (verifying would not pay), kept to be checked against the
+    # tokens the plain steps sample instead: `shadow_at` is the history's length when they
+    # were proposed. A request judged by its rows alone would never learn that it entered a
+    # stretch worth drafting once its rate had sunk under the break-even point.
+    shadow: list[int] = field(default_factory=list)
+    shadow_at: int = 0
+
+    def learn(self, num_drafts: int, num_accepted: int) -> None:
+        """A row's drafts were checked: `num_accepted` of `num_drafts` kept."""
+        # A row stops at its first rejection: it tried num_accepted + 1 drafts (all of them
+        # when every one was kept).
+        tried = min(num_drafts, num_accepted + 1)
+        self.drafted = self.drafted * _ACCEPTANCE_DECAY + tried
+        self.accepted = self.accepted * _ACCEPTANCE_DECAY + num_accepted
 
     def acceptance(self) -> float:
         """A draft's chance to be kept after the one before it was: its recent rate, with a
@@ -78,6 +95,7 @@ class SpecStats:
     drafted_per_pos: list[int] = field(default_factory=list)  # rows with a draft at position j
     accepted_per_pos: list[int] = field(default_factory=list)  # rows whose draft j was accepted
     num_skipped_batches: int = 0  # steps whose drafts were dropped: verifying would not pay
+    num_shadow_rows: int = 0  # dropped drafts checked against the plain steps' tokens
 
 
 class Speculator:
@@ -113,20 +131,23 @@ class Speculator:
             if not self.can_draft(req):
                 return []
             state = _Drafting(make_proposer(self.method), list(req.prompt_token_ids),
-                              len(req.prompt_token_ids), self.max_k)
+                              len(req.prompt_token_ids))
             self._drafting[req.request_id] = state
         have = len(state.history) - state.num_prompt
         state.history.extend(req.token_ids[have:])
+        if state.shadow:
+            self._check_shadow(state)
         # The step's sampled token comes on top of the drafts: never draft past max_tokens.
-        k = min(state.k, req.params.max_tokens - len(req.token_ids) - 1)
+        k = min(self.max_k, req.params.max_tokens - len(req.token_ids) - 1)
         drafts = state.proposer.propose(state.history, k)
         if drafts and req.matcher is not None:  # only what the grammar accepts, state kept
             drafts = drafts[:req.matcher.validate_tokens(drafts)]
         return drafts
 
     def propose_batch(self, reqs: Sequence[Request], num_rows: int) -> dict[str, list[int]]:
-        """Drafts of `reqs` for the next decode step of `num_rows` rows, or none at all when
-        verifying them would yield fewer tokens per second than a plain step (`StepCosts`)."""
+        """Drafts of `reqs` for the next decode step of `num_rows` rows: each row's first ones,
+        as many as give the step the most tokens per second by the measured step costs and the
+        rows' own acceptance (`StepCosts.plan`), or none at all where a plain step gives more."""
         drafts = {}
         for req in reqs:
             row = self.propose(req)
@@ -136,22 +157,46 @@ class Speculator:
             return drafts
         num_rows = max(num_rows, len(drafts))
         if self.disable_by_batch_size:
-            pays = num_rows < self.disable_by_batch_size
+            counts = [len(row) if num_rows < self.disable_by_batch_size else 0
+                      for row in drafts.values()]
         else:
-            pays = self.costs.pays(num_rows, sum(len(row) for row in drafts.values()),
-                                   sum(self.expected_kept(len(row), request_id)
-                                       for request_id, row in drafts.items()))
-        if pays:
-            return drafts
-        self.stats.num_skipped_batches += 1
-        return {}
+            counts = self.costs.plan(num_rows, [self.kept_chances(len(row), request_id)
+                                                for request_id, row in drafts.items()])
+        kept = {}
+        for (request_id, row), n in zip(drafts.items(), counts, strict=True):
+            state = self._drafting[request_id]
+            if n:
+                kept[request_id] = row[:n]
+            elif not state.shadow:  # checked against the plain steps' tokens instead
+                state.shadow, state.shadow_at = row, len(state.history)
+        if not kept:
+            self.stats.num_skipped_batches += 1
+        return kept
 
-    def expected_kept(self, num_drafts: int, request_id: str) -> float:
-        """Drafts the request's next row of `num_drafts` keeps on average, by its own recent
-        acceptance a: a + a^2 + ... (a draft is kept only after the one before it)."""
+    def kept_chances(self, num_drafts: int, request_id: str) -> list[float]:
+        """Each draft's chance to be kept, by the request's own recent acceptance a: a, a^2, ...
+        (a draft is kept only after the one before it)."""
         state = self._drafting.get(request_id)
         a = state.acceptance() if state is not None else 0.5
-        return sum(a ** (j + 1) for j in range(min(num_drafts, self.max_k)))
+        return [a ** (j + 1) for j in range(min(num_drafts, self.max_k))]
+
+    def _check_shadow(self, state: _Drafting) -> None:
+        """Dropped drafts against the tokens sampled since: learnt from as a verified row would
+        have been once a token differs or all are matched; until then they wait."""
+        came = state.history[state.shadow_at:]
+        kept = 0
+        for draft, token in zip(state.shadow, came, strict=False):
+            if draft != token:
+                break
+            kept += 1
+        if kept < len(came) or kept == len(state.shadow):
+            self.stats.num_shadow_rows += 1
+            state.learn(len(state.shadow), kept)
+            state.shadow = []
+
+    def expected_kept(self, num_drafts: int, request_id: str) -> float:
+        """Drafts the request's next row of `num_drafts` keeps on average: a + a^2 + ..."""
+        return sum(self.kept_chances(num_drafts, request_id))
 
     def record_step(self, request_ids: Sequence[str], seqlens_q: np.ndarray,
                     token_ids: np.ndarray) -> None:
@@ -173,13 +218,7 @@ class Speculator:
             stats.accepted_per_pos[j] += 1
         state = self._drafting.get(request_id)
         if state is not None:
-            state.k = min(self.max_k, state.k + 1 if num_accepted == num_drafts
-                          else num_accepted + 1)
-            # A row stops at its first rejection: it tried num_accepted + 1 drafts (all of
-            # them when every one was kept).
-            tried = min(num_drafts, num_accepted + 1)
-            state.drafted = state.drafted * _ACCEPTANCE_DECAY + tried
-            state.accepted = state.accepted * _ACCEPTANCE_DECAY + num_accepted
+            state.learn(num_drafts, num_accepted)
 
     def forget(self, request_id: str) -> None:
         self._drafting.pop(request_id, None)
@@ -226,12 +265,17 @@ class StepCosts:
     query tokens (rows + drafts), each in size buckets; a bucket's cost is the median of its
     last `window` steps (a shared host's stalls move a mean, not a median).
 
-    Verifying B rows with D drafts pays when `verify(B + D) / (B + kept) < plain(B) / B`, the
-    expected tokens per second of each. A plain step right after a verified or a prompt step is
-    not counted (the CPU backend rebuilds a decode row a verified step left behind: a cost of
-    switching, not of the steady state). Unmeasured sizes are measured first: no plain step at
-    B yet, no drafts (the plain step measures it); fewer than `min_samples` verified ones at
-    B + D, drafts. A size judged not to pay is measured afresh every `probe_interval` refusals
+    `plan` picks how many drafts a step verifies: the count whose expected tokens per second,
+    `(B + kept) / verify(B + D)`, is highest, against `B / plain(B)`. A plain step right after
+    a verified or a prompt step is not counted (the CPU backend rebuilds a decode row a
+    verified step left behind: a cost of switching, paid once whenever the switch comes, so it
+    does not decide whether the next step verifies; charging it to every plain step after a
+    verified one would keep a row verifying drafts it never keeps, each such step cheaper than
+    that one switch). Unmeasured sizes are measured first: no plain step at B yet,
+    no drafts (the plain step measures it); fewer than `min_samples` verified ones with every
+    draft, every draft; sizes in between are taken linearly from the measured ones (or the
+    plain step), an optimistic guess that gets them chosen and measured where they might pay.
+    A step with every draft that is refused is measured afresh every `probe_interval` refusals
     (its samples dropped, `min_samples` new ones taken), so a size refused in a loaded stretch
     of a shared host is not refused for good."""
 
@@ -253,24 +297,53 @@ class StepCosts:
     def _add(self, table: dict[int, deque[float]], key: int, seconds: float) -> None:
         table.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
-    def pays(self, num_rows: int, num_drafts: int, expected_kept: float) -> bool:
-        """Whether a verified step of `num_rows` rows and `num_drafts` drafts, keeping
-        `expected_kept` of them, beats a plain step of `num_rows` rows in tokens per second."""
+    def plan(self, num_rows: int, chances: Sequence[Sequence[float]]) -> list[int]:
+        """How many of its drafts each row verifies in a step of `num_rows` rows (0 everywhere:
+        a plain step). `chances[r][j]`: the chance that row r's draft j is kept (they fall with
+        j). Drafts are taken most likely first; the count chosen gives the most expected tokens
+        (rows + kept) per second of the verified step's cost, against `num_rows` per plain
+        step. Unmeasured sizes: see the class."""
+        full = [len(row) for row in chances]
         plain = self.plain.get(_bucket(num_rows))
         if not plain:
-            return False
-        key = _bucket(num_rows + num_drafts)
+            return [0] * len(full)
+        plain_s = statistics.median(plain)
+        key = _bucket(num_rows + sum(full))
         verify = self.verify.get(key)
-        if (not verify or len(verify) < self.min_samples
-                or statistics.median(verify) * num_rows
-                < statistics.median(plain) * (num_rows + expected_kept)):
-            return True
-        self._refusals[key] = refusals = self._refusals.get(key, 0) + 1
-        if refusals >= self.probe_interval:  # measure it afresh: `min_samples` verified steps
-            self._refusals[key] = 0
-            verify.clear()
-            return True
-        return False
+        if not verify or len(verify) < self.min_samples:
+            return full
+        measured = {k: statistics.median(v) for k, v in self.verify.items()
+                    if len(v) >= self.min_samples}
+        order = sorted(((p, r) for r, row in enumerate(chances) for p in row), reverse=True)
+        best, best_n, tokens = num_rows / plain_s, 0, float(num_rows)
+        for n, (p, _) in enumerate(order, 1):
+            tokens += p
+            rate = tokens / _between(measured, _bucket(num_rows + n), (num_rows, plain_s))
+            if rate > best:
+                best, best_n = rate, n
+        if best_n == 0:
+            self._refusals[key] = refusals = self._refusals.get(key, 0) + 1
+            if refusals >= self.probe_interval:  # measure it afresh
+                self._refusals[key] = 0
+                verify.clear()
+                return full
+        counts = [0] * len(full)
+        for _, r in order[:best_n]:
+            counts[r] += 1
+        return counts
+
+
+def _between(measured: dict[int, float], key: int, floor: tuple[int, float]) -> float:
+    """A verified step's cost at bucket `key`: measured, else linear between the measured
+    buckets around it (`measured` has one above `key`), else between the plain step `floor`
+    (its tokens, its cost) and the smallest measured one above: an optimistic guess, which makes
+    that size chosen, and measured, where it might pay."""
+    if key in measured:
+        return measured[key]
+    above = min(k for k in measured if k > key)
+    below = [k for k in measured if k < key]
+    low, low_s = (max(below), measured[max(below)]) if below else floor
+    return low_s + (measured[above] - low_s) * (key - low) / (above - low)
 
 
 def draft_masks(grammars, matcher, drafts: Sequence[int]) -> np.ndarray:

@@ -101,7 +101,9 @@ def test_a_batch_over_the_break_even_point_drafts_nothing() -> None:
     costs.observe("plain", 1, 1, 0.010)
     costs.observe("verify", 1, 5, 0.012)
     costs.observe("plain", 1, 1, 0.500)  # a stall: the median of 10, 10, 500 ms is 10
-    assert spec.propose_batch(reqs[:1], 1) == {"r0": [3, 1, 2, 3]}
+    # 3 drafts cost about 11.5 ms (between 10 ms plain and 12 ms with 4): the fourth, kept one
+    # time in 16 at a rate of one in two, does not pay its 0.5 ms.
+    assert spec.propose_batch(reqs[:1], 1) == {"r0": [3, 1, 2]}
     # A verified step that pays in the plain case's place: 8 rows, 40 tokens, 30 ms.
     for _ in range(9):
         costs.observe("verify", 8, 40, 0.030)
@@ -134,6 +136,42 @@ def test_each_row_is_judged_by_its_own_requests_acceptance() -> None:
     assert spec.expected_kept(1, "b") > 0.15
 
 
+def test_dropped_drafts_are_checked_against_the_plain_tokens() -> None:
+    """A request whose rate sank under the break-even point learns from the drafts the batch
+    dropped: they wait for the tokens the plain steps sample, are judged as a verified row would
+    have been (kept up to the first differing token), and once they are kept again the request
+    drafts again. The verified counters count verified rows only."""
+    costs = StepCosts(min_samples=1)
+    for kind in ("plain", "plain"):
+        costs.observe(kind, 1, 1, 0.010)
+    costs.observe("verify", 1, 3, 0.018)  # 2 drafts: 18 ms; 1 draft taken as 14 ms
+    costs.observe("plain", 1, 1, 0.010)
+    spec = Speculator("suffix", 2, costs)
+    req = Request("r", [5, 6, 7, 8, 9, 4, 5, 6], SamplingParams(max_tokens=500))
+    assert spec.propose(req) == [7, 8]
+    for _ in range(10):
+        spec.record("r", 2, 0)
+    assert spec.expected_kept(2, "r") < 0.15
+    assert spec.propose_batch([req], 1) == {}  # [7, 8] dropped: it waits for the tokens
+    req.token_ids.append(7)  # the first equals its draft: not judged yet
+    assert spec.propose_batch([req], 1) == {} and spec.stats.num_shadow_rows == 0
+    before = spec.expected_kept(2, "r")
+    req.token_ids.append(8)  # both kept: the rate climbs; [9, 4] dropped in turn
+    assert spec.propose_batch([req], 1) == {} and spec.stats.num_shadow_rows == 1
+    assert spec.expected_kept(2, "r") > before
+    before = spec.expected_kept(2, "r")
+    req.token_ids.append(3)  # differs from the first: none kept
+    spec.propose_batch([req], 1)
+    assert spec.stats.num_shadow_rows == 2 and spec.expected_kept(2, "r") < before
+    for token in [5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 4, 5, 6]:  # a copy: every dropped row kept
+        req.token_ids.append(token)
+        if spec.propose_batch([req], 1):
+            break
+    else:
+        raise AssertionError("a request that keeps its dropped drafts never drafts again")
+    assert spec.stats.num_drafted == 20 and spec.stats.num_accepted == 0  # verified rows only
+
+
 def test_a_refused_size_is_probed_again() -> None:
     """Verified steps are measured `min_samples` times before they can be refused; a refused
     size is measured afresh every `probe_interval` refusals (its old samples dropped)."""
@@ -141,37 +179,62 @@ def test_a_refused_size_is_probed_again() -> None:
     costs.observe("plain", 2, 2, 0.01)
     costs.observe("plain", 2, 2, 0.01)
     costs.observe("verify", 2, 10, 1.0)
-    assert costs.pays(2, 8, 1.0)  # one sample: measure again
+    chances = [[0.3, 0.1, 0.05, 0.05]] * 2
+    full = [4, 4]
+    assert costs.plan(2, chances) == full  # one sample: measure again
     costs.observe("verify", 2, 10, 1.0)
-    assert [costs.pays(2, 8, 1.0) for _ in range(3)] == [False, False, True]
-    assert costs.pays(2, 8, 1.0)  # no sample since the probe: measuring
-    for _ in range(2):  # the stall that made it slow has gone: 12 ms, 2 x 12 < 10 x (2 + 1)
+    assert [costs.plan(2, chances) for _ in range(3)] == [[0, 0], [0, 0], full]
+    assert costs.plan(2, chances) == full  # no sample since the probe: measuring
+    for _ in range(2):  # the stall that made it slow has gone: 12 ms against 10 ms plain
         costs.observe("verify", 2, 10, 0.012)
         costs.observe("plain", 2, 2, 1.0)  # the plain step after a verified one: not counted
-    assert all(costs.pays(2, 8, 1.0) for _ in range(5))
+    assert all(sum(costs.plan(2, chances)) for _ in range(5))
 
 
-def test_draft_length_follows_acceptance() -> None:
-    """All kept: one more (up to the cap); some rejected: the number kept plus one; a request
-    that opts out, or an n > 1 prompt not split into its choices yet, drafts nothing."""
+def test_drafts_are_cut_where_the_next_one_would_not_pay() -> None:
+    """A step's drafts, most likely first, as many as give the most expected tokens per second:
+    plain 10 ms a row, 4 drafts 16 ms (sizes between taken linearly). A row that keeps most
+    drafts verifies all 4, one that keeps few verifies 1, one that keeps almost none none,
+    even right after a verified step whose switch back to plain steps is dear. Of two rows,
+    the likely one's drafts go first."""
+    costs = StepCosts(min_samples=1)
+    for kind in ("plain", "plain"):
+        costs.observe(kind, 1, 1, 0.010)
+    costs.observe("verify", 1, 5, 0.016)
+    costs.observe("plain", 1, 1, 0.010)
+    assert costs.plan(1, [[0.9, 0.81, 0.73, 0.66]]) == [4]
+    assert costs.plan(1, [[0.3, 0.09, 0.03, 0.01]]) == [1]
+    assert costs.plan(1, [[0.05, 0.0025, 0.0, 0.0]]) == [0]
+    costs.observe("verify", 1, 5, 0.016)
+    costs.observe("plain", 1, 1, 0.020)  # the switch back: paid once, whenever it comes
+    costs.observe("verify", 1, 5, 0.016)
+    assert costs.plan(1, [[0.05, 0.0025, 0.0, 0.0]]) == [0]
+    for kind in ("plain", "plain"):
+        costs.observe(kind, 2, 2, 0.012)
+    costs.observe("verify", 2, 10, 0.030)
+    assert costs.plan(2, [[0.9, 0.81, 0.73, 0.66], [0.2, 0.04, 0.01, 0.0]]) == [4, 0]
+
+
+def test_drafts_stop_at_the_limits() -> None:
+    """Every step proposes the most drafts (the plan cuts them); none past max_tokens, none for
+    a request that opts out or an n > 1 prompt not split into its choices yet."""
     spec = Speculator("ngram", 4)
     req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
     assert spec.propose(req) == [3, 1, 2, 3]
     spec.record("r", 4, 1)
-    assert spec.propose(req) == [3, 1]
-    spec.record("r", 2, 2)
-    assert len(spec.propose(req)) == 3
+    assert spec.propose(req) == [3, 1, 2, 3]
     req.token_ids.extend([3, 1])
-    assert spec.propose(req) == [2, 3, 1]  # the history grew by the outputs
+    assert spec.propose(req) == [2, 3, 1, 2]  # the history grew by the outputs
     spec.record("r", 3, 0)
+    req.params.max_tokens = 4  # the step's own token comes on top: no draft past max_tokens
     assert spec.propose(req) == [2]
-    req.params.max_tokens = 3  # the step's own token comes on top: no draft past max_tokens
+    req.params.max_tokens = 3
     assert spec.propose(req) == []
     assert spec.propose(Request("x", [1, 2, 1, 2], SamplingParams(speculative=False))) == []
     assert spec.propose(Request("y", [1, 2, 1, 2], SamplingParams(n=2), is_split=False)) == []
     assert spec.propose(Request("z", [1, 2, 1, 2], SamplingParams(n=2))) == [1, 2, 1, 2]
-    assert spec.stats.num_drafted == 9 and spec.stats.num_accepted == 3
-    assert spec.stats.accepted_per_pos == [2, 1, 0, 0]
+    assert spec.stats.num_drafted == 7 and spec.stats.num_accepted == 1
+    assert spec.stats.accepted_per_pos == [1, 0, 0, 0]
 
 
 # ---------------------------------------------------------------- verification (sampler only)
@@ -370,7 +433,7 @@ def test_config_refuses_what_speculation_cannot_do() -> None:
         EngineConfig(speculative_disable_by_batch_size=4)
     with pytest.raises(ValueError, match="on a prompt engine"):
         EngineConfig(speculative="ngram", engine_type="prompt")
-    assert EngineConfig(speculative="ngram").num_draft_tokens == 4
+    assert EngineConfig(speculative="ngram").num_draft_tokens == 8
     with pytest.raises(ValueError, match="speculative must be a bool"):
         SamplingParams(speculative=1)
 
