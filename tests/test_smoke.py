@@ -16,4 +16,4 @@ def test_cli_starts_and_lists_every_role() -> None:
     assert choices, done.stdout
     assert set(choices.group(1).split(",")) == {
         "up", "engine", "prompt-engine", "completion-engine", "router", "probe", "generate",
-        "bench", "sim", "profile", "keys", "plan", "role"}
+        "bench", "sim", "profile", "keys", "plan", "planner", "role"}
