@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 
 from baton_up import start_baton_up  # noqa: E402 - a sibling script
 
-from baton.protocol import PROMPT  # noqa: E402
+from baton.protocol import COMPLETION, PROMPT  # noqa: E402
 from baton.service.client import is_whole, probe_engine  # noqa: E402
 from baton.workload.words import WORDS  # noqa: E402
 from kv_transfer.auth import generate  # noqa: E402
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 stats = probe_engine(address, 2.0, baton.keys)
                 roles[engine] = stats.role if stats is not None else "?"
             roles_over_time.append({"t": round(time.monotonic() - t0, 1), "roles": roles,
-                                    "prompt": sum(r == PROMPT for r in roles.values())})
+                                    "prompt": sum(r == PROMPT for r in roles.values()),
+                                    "completion": sum(r == COMPLETION for r in roles.values())})
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -147,11 +148,10 @@ def _plot(samples: list[dict], total: int, phase_s: float, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    from planner_sim import plot_roles
+
     fig, ax = plt.subplots(figsize=(7, 3))
-    ts = [s["t"] for s in samples]
-    ax.step(ts, [s["prompt"] for s in samples], where="post", label="prompt engines")
-    ax.step(ts, [total - s["prompt"] for s in samples], where="post", label="completion engines")
-    ax.axvline(phase_s, color="grey", linestyle=":", label="chat -> retrieval")
+    plot_roles(ax, samples, phase_s, "chat -> retrieval")
     ax.set_xlabel("seconds")
     ax.set_ylabel("engines")
     ax.set_ylim(0, total)

@@ -201,6 +201,15 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def plot_roles(ax, roles: list[dict], phase_s: float, phase_label: str = "") -> None:
+    """Engines of each role over time (`roles`: {"t", "prompt", "completion"} samples) and the
+    phase change, on one matplotlib axis (bench/live_planner.py draws its live run with it)."""
+    t = [r["t"] for r in roles]
+    ax.step(t, [r["prompt"] for r in roles], where="post", label="prompt engines")
+    ax.step(t, [r["completion"] for r in roles], where="post", label="completion engines")
+    ax.axvline(phase_s, color="grey", linestyle=":", linewidth=1, label=phase_label or None)
+
+
 def plot(report: dict, path: Path, phase_s: float) -> None:
     import matplotlib
 
@@ -211,11 +220,7 @@ def plot(report: dict, path: Path, phase_s: float) -> None:
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.6 * len(names)), squeeze=False)
     for ax, name in zip(axes[:, 0], names, strict=True):
         w = report["workloads"][name]
-        roles = w["roles_over_time"]
-        t = [r["t"] for r in roles]
-        ax.step(t, [r["prompt"] for r in roles], where="post", label="prompt engines")
-        ax.step(t, [r["completion"] for r in roles], where="post", label="completion engines")
-        ax.axvline(phase_s, color="grey", linestyle=":", linewidth=1)
+        plot_roles(ax, w["roles_over_time"], phase_s)
         best = w["best_fixed"].split("P:")[0]
         ax.axhline(int(best), color="C0", linestyle="--", linewidth=0.8,
                    label=f"best fixed split {w['best_fixed']} (prompt)")

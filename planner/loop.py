@@ -34,7 +34,6 @@ from planner.core import Planner, Split
 logger = logging.getLogger(__name__)
 
 
-
 class Unsettled(Exception):  # noqa: N818 - a state, not a failure
     """The last change is still under way (the reason in the message): hold."""
 

@@ -71,11 +71,10 @@ class NoEngineError(Exception):
     """No live engine of a role can take the request (HTTP 503)."""
 
 
-def make_path_policy(config: RouterConfig, profile: Profile | None = None) -> PathPolicy:
+def make_path_policy(config: RouterConfig, profile: Profile | None) -> PathPolicy:
     """The mixed fleet's path policy: the static threshold when one is given, else the
-    profile's prediction, else the default threshold (router/path.py)."""
-    if profile is None and config.profile_path:
-        profile = load_profile(config.profile_path)
+    profile's prediction (`profile`, config.profile_path loaded), else the default threshold
+    (router/path.py)."""
     return build_path_policy(profile, config.pd_threshold_tokens, config.pd_handoff_ms)
 
 

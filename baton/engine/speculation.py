@@ -61,7 +61,7 @@ class _Drafting:
     history: list[int]
     num_prompt: int
     # Its own recent drafts and accepted ones, each verified row's weight decaying by
-    # _ACCEPTANCE_DECAY: what `expected_kept` judges its next row by.
+    # _ACCEPTANCE_DECAY: what `kept_chances` judges its next row by.
     drafted: float = 0.0
     accepted: float = 0.0
     # Drafts the batch dropped (verifying would not pay), kept to be checked against the
@@ -193,10 +193,6 @@ class Speculator:
             self.stats.num_shadow_rows += 1
             state.learn(len(state.shadow), kept)
             state.shadow = []
-
-    def expected_kept(self, num_drafts: int, request_id: str) -> float:
-        """Drafts the request's next row of `num_drafts` keeps on average: a + a^2 + ..."""
-        return sum(self.kept_chances(num_drafts, request_id))
 
     def record_step(self, request_ids: Sequence[str], seqlens_q: np.ndarray,
                     token_ids: np.ndarray) -> None:
