@@ -10,6 +10,7 @@ import re
 import pytest
 
 from baton.protocol import EngineStats
+from baton.service.client import is_whole, probe_engine
 from baton.service.metrics import EngineMetrics
 from baton.workload.fleet_metrics import (
     COUNTERS,
@@ -89,6 +90,7 @@ def test_the_fleet_is_what_moved_over_the_run():
 @pytest.mark.slow  # a multi-process deployment (tests/sim/test_mock_engines.py)
 def test_baton_bench_fills_the_fleet_from_mock_engines(tmp_path, capsys):
     from baton_cli.main import main as baton_main
+    from tests.cluster import KEYS, wait_for
     from tests.sim.test_mock_engines import _start, _stop
 
     proc, port, out, err = _start(["--prompt-engines", "1", "--completion-engines", "1"])
@@ -105,6 +107,15 @@ def test_baton_bench_fills_the_fleet_from_mock_engines(tmp_path, capsys):
                            "--max-concurrency", "2", "--label", "fleet",
                            "--results-dir", str(tmp_path),
                            "--engine-metrics", *urls.values(), "http://127.0.0.1:9/metrics"])
+        addresses = [m.group(1) for m in map(re.compile(
+            r"^\s+(?:prompt|completion)-\d+\s+(tcp://\S+)").search, out.lines) if m]
+
+        def whole() -> bool:  # no block owned, no lease, no pull on either engine
+            stats = [probe_engine(a, 5.0, keys=KEYS) for a in addresses]
+            return all(s is not None and is_whole(s) for s in stats)
+
+        assert len(addresses) == 2, out.lines
+        wait_for(whole, timeout_s=30, poll_s=0.2)
     finally:
         _stop(proc)
     assert code == 0

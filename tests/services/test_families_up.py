@@ -23,7 +23,7 @@ from tests.model.test_families import FAMILIES, NUM_NEW, _prompts, _reference, _
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from baton_up import start_baton_up  # noqa: E402 - bench/baton_up.py, a sibling script
+from baton_up import start_baton_up, wait_back_and_whole  # noqa: E402 - bench/baton_up.py
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,7 @@ def test_baton_up_serves_a_family_on_both_paths(tmp_path_factory) -> None:
             r'baton_router_path_total\{path="(\w+)",reason="threshold"\} (\S+)',
             _get(f"{baton.base_url}/metrics"))}
         assert paths == {"colocated": 2.0, "disaggregated": 1.0}, paths
+        wait_back_and_whole(baton, [])  # no block owned, no lease, no pull on any engine
     finally:
         baton.stop()
 
