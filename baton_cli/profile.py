@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name}: {dict(zip(cost.features, (round(c, 4) for c in cost.coef), strict=True))}"
               f" held-out error mean {100 * cost.fit.mean_rel_err:.1f}% "
               f"max {100 * cost.fit.max_rel_err:.1f}% ({cost.fit.num_held_out} points)")
-    print(f"sampling: {prof.sample_row_ms:.3f} ms/row + {prof.step_overhead_ms:.3f} ms/step; "
+    print(f"sampling: {prof.sample_row_ms:.3f} ms/row + {prof.step_overhead_ms:.3f} ms/step, "
+          f"a grammar row {prof.grammar_row_ms:.3f} ms more; "
           f"transfer {prof.transfer_latency_ms:.3f} ms + {prof.transfer_bytes_per_ms / 1e6:.2f} "
           f"GB/s; engine start {prof.engine_start_s:.1f} s")
     print(f"wrote {args.out}")

@@ -3,7 +3,10 @@
 The real engine runs real steps (the model loaded through the real loader, one torch thread by
 default so another process keeps the other core). Each step's forward is timed inside the
 runner's `execute` and the whole `LLMEngine.step()` around it; the difference is the engine's
-own work (`sampling.step_ms`, `sampling.row_ms`). Prefill: a prompt of `tokens` new tokens
+own work (`sampling.step_ms`, `sampling.row_ms`). Grammar: decode batches whose every row
+follows a JSON schema (`GRAMMAR_SCHEMA`), each after a plain batch of the same shape; what a
+grammar step takes beyond the plain one, per row, is `sampling.grammar_row_ms` (the mask built
+in the engine core and applied in the sampler). Prefill: a prompt of `tokens` new tokens
 behind `cached` tokens already in the prefix cache (put there by an earlier request). Decode:
 `batch` requests of `context` tokens each, several decode steps. KV transfer: a copy of `n`
 scattered blocks between two pools in this process (NIXL between processes is not measured
@@ -42,11 +45,17 @@ class Grid:
     decode_steps: int = 4  # decode steps timed per point (after one untimed)
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64, 128)
     repeats: int = 2  # each prefill point and transfer point, median kept
+    grammar_batch: tuple[int, ...] = (1, 4, 16)  # decode batches of grammar rows
 
 
 QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
              decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,
-             transfer_blocks=(1, 16, 64), repeats=1)
+             transfer_blocks=(1, 16, 64), repeats=1, grammar_batch=(1, 8))
+
+# Structured output as clients ask for it: a JSON object with free text, long enough to decode
+# every timed step of a grammar point (llguidance's Earley parser; a regex would cost less).
+GRAMMAR_SCHEMA = {"type": "object", "properties": {
+    "items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"]}
 
 
 class _Bar:
@@ -88,20 +97,26 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 
 def measure(model: str | None = None, quantization: str = "auto", num_threads: int = 1,
-            grid: Grid | None = None) -> Profile:
+            grid: Grid | None = None, load_cache_dir: str | None = None) -> Profile:
+    """`load_cache_dir`: the engines' load cache (None: the one `baton engine` uses)."""
     from baton.engine import EngineConfig, LLMEngine
+    from baton.load_cache import default_cache_dir
     from baton.sampling.params import SamplingParams
 
     grid = grid or Grid()
     t0 = time.perf_counter()
+    # Through the load cache, as `baton engine` loads (engine_start_s is what an engine of
+    # `baton up` takes, not a cold read of the model file).
     engine = LLMEngine(EngineConfig(model=model, quantization=quantization,
-                                    num_threads=num_threads, decode_threads=num_threads))
+                                    num_threads=num_threads, decode_threads=num_threads,
+                                    load_cache_dir=load_cache_dir or default_cache_dir()))
     start_s = time.perf_counter() - t0
     timed = _Timed(engine.runner)
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
-               + len(grid.decode_batch) * len(grid.decode_context) + len(grid.transfer_blocks))
+               + len(grid.decode_batch) * len(grid.decode_context) + len(grid.transfer_blocks)
+               + len(grid.grammar_batch))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
     pre_x, pre_y, dec_x, dec_y = [], [], [], []
     greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -144,6 +159,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                         dec_y.append(ms)
                         rows.append((n, ms, step_ms))
             bar.step(f"decode batch {batch} x {context}")
+    grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
     latency_ms, bytes_per_ms, method = _transfer(engine, grid, bar)
     x = np.array([(1.0, n) for n, _, _ in rows])
     y = np.array([s - f for _, f, s in rows])
@@ -159,11 +175,53 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     return Profile(
         model=m, prefill=fit_linear(PREFILL_FEATURES, pre_x, pre_y),
         decode=fit_linear(DECODE_FEATURES, dec_x, dec_y), sample_row_ms=float(row_ms),
-        step_overhead_ms=float(step_ms), transfer_latency_ms=latency_ms,
+        step_overhead_ms=float(step_ms),
+        grammar_row_ms=grammar_ms, transfer_latency_ms=latency_ms,
         transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s,
         machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                  "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "transfer_method": method})
+
+
+def _grammar_row_ms(engine, timed: _Timed, grid: Grid, rng: np.random.Generator, vocab: int,
+                    bar: _Bar) -> float:
+    """Per grid batch b: b plain rows, then b rows that follow GRAMMAR_SCHEMA, of the same
+    ~64-token prompts' shape, decoded back to back (so the machine's load falls on both alike);
+    grammar_row_ms is the least-squares slope, through 0, of (grammar step - plain step, medians)
+    against b, clipped at 0."""
+    import llguidance
+
+    from baton.sampling.params import SamplingParams
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(GRAMMAR_SCHEMA)
+    plain = SamplingParams(max_tokens=grid.decode_steps + 8, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=grid.decode_steps + 8, temperature=0.0,
+                                 ignore_eos=True, grammar=grammar)
+    sizes, extra = [], []
+    for batch in grid.grammar_batch:
+        medians = []
+        for params in (plain, constrained):
+            for _ in range(batch):
+                engine.add_request(None, _prompt(rng, 64, vocab), params)
+            steps = []
+            while engine.has_unfinished():
+                timed.calls.clear()
+                ts = time.perf_counter()
+                engine.step()
+                step_ms = (time.perf_counter() - ts) * 1e3
+                if len(timed.calls) == 1 and not timed.calls[0][0] and \
+                        len(timed.calls[0][2]) == batch == timed.calls[0][3]:
+                    steps.append(step_ms)
+            medians.append(float(np.median(steps)) if steps else None)
+        if None not in medians:
+            sizes.append(batch)
+            extra.append(medians[1] - medians[0])
+        bar.step(f"grammar batch {batch}")
+    if not sizes:
+        logger.warning("no grammar step was timed: sampling.grammar_row_ms is 0")
+        return 0.0
+    b, e = np.array(sizes, dtype=np.float64), np.array(extra)
+    return max(0.0, float((b * e).sum() / (b * b).sum()))
 
 
 def _transfer(engine, grid: Grid, bar: _Bar) -> tuple[float, float, str]:

@@ -145,7 +145,7 @@ class MockRunner:
         if self.on_step is None:
             # The call takes the forward's predicted time, this mock's own work in it (the
             # KV bytes, the tokens) included; the engine's own share runs for real around it.
-            forward_s = seconds - (prof.step_overhead_ms + prof.sample_row_ms * num_sampled) / 1e3
+            forward_s = seconds - prof.own_work_ms(num_sampled) / 1e3
             time.sleep(max(0.0, forward_s - (time.perf_counter() - start)))
         else:
             self.on_step(seconds)

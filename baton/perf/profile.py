@@ -76,18 +76,27 @@ class Profile:
     transfer_latency_ms: float  # one KV pull: fixed part
     transfer_bytes_per_ms: float  # one KV pull: bytes moved per millisecond
     engine_start_s: float  # process start to ready (weights loaded, pool allocated)
+    # A grammar-constrained sampled row's work beyond a plain row's (its token mask computed in
+    # the engine core, applied in the sampler). 0 in files measured before it was (docs/profile.md).
+    grammar_row_ms: float = 0.0
     machine: dict = field(default_factory=dict)  # host, cpu, threads, when
     version: int = PROFILE_VERSION
 
     # ------------------------------------------------------------------ predictions
     def step_ms(self, prompt_run: bool, seqlens_q: np.ndarray, seqlens_k: np.ndarray,
-                num_sampled: int) -> float:
-        """Predicted time of one engine step (forward + the engine's own work)."""
+                num_sampled: int, num_grammar: int = 0) -> float:
+        """Predicted time of one engine step (forward + the engine's own work); `num_grammar`
+        of the `num_sampled` rows follow a grammar."""
         if prompt_run:
             fwd = self.prefill.predict(prefill_features(seqlens_q, seqlens_k))
         else:
             fwd = self.decode.predict(decode_features(seqlens_k))
-        return fwd + self.step_overhead_ms + self.sample_row_ms * num_sampled
+        return fwd + self.own_work_ms(num_sampled, num_grammar)
+
+    def own_work_ms(self, num_sampled: int, num_grammar: int = 0) -> float:
+        """The engine's own share of a step (everything but the forward)."""
+        return (self.step_overhead_ms + self.sample_row_ms * num_sampled
+                + self.grammar_row_ms * num_grammar)
 
     def transfer_ms(self, num_blocks: int) -> float:
         """Predicted time of pulling `num_blocks` KV blocks (0 blocks: nothing to pull)."""
@@ -148,7 +157,8 @@ def to_dict(p: Profile) -> dict:
     return {
         "version": p.version, "machine": p.machine, "model": asdict(p.model),
         "prefill": _cost_dict(p.prefill), "decode": _cost_dict(p.decode),
-        "sampling": {"row_ms": p.sample_row_ms, "step_ms": p.step_overhead_ms},
+        "sampling": {"row_ms": p.sample_row_ms, "step_ms": p.step_overhead_ms,
+                     "grammar_row_ms": p.grammar_row_ms},
         "transfer": {"latency_ms": p.transfer_latency_ms, "bytes_per_ms": p.transfer_bytes_per_ms},
         "engine_start_s": p.engine_start_s,
     }
@@ -197,6 +207,9 @@ def from_dict(data: object) -> Profile:
         prefill=_cost(d, "prefill", PREFILL_FEATURES), decode=_cost(d, "decode", DECODE_FEATURES),
         sample_row_ms=_get(sampling, "row_ms", float, "sampling", minimum=0),
         step_overhead_ms=_get(sampling, "step_ms", float, "sampling", minimum=0),
+        # Optional: version-1 files written before grammar rows were measured lack it.
+        grammar_row_ms=_get(sampling, "grammar_row_ms", float, "sampling", minimum=0)
+        if "grammar_row_ms" in sampling else 0.0,
         transfer_latency_ms=_get(transfer, "latency_ms", float, "transfer", minimum=0),
         transfer_bytes_per_ms=_get(transfer, "bytes_per_ms", float, "transfer", positive=True),
         engine_start_s=_get(d, "engine_start_s", float, "profile", minimum=0),

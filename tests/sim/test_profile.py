@@ -36,6 +36,9 @@ def test_round_trip_and_prediction(tmp_path):
     assert again.step_ms(True, q, k, 2) == pytest.approx(want)
     assert again.step_ms(False, np.ones(3), np.array([10, 20, 30]), 3) == \
         pytest.approx(15.0 + 1.2 * 3 + 0.3 * 0.06 + 0.2 + 0.15)
+    # A grammar row costs its grammar_row_ms on top of a plain row (the file's 0.4 ms).
+    assert again.step_ms(False, np.ones(3), np.array([10, 20, 30]), 3, num_grammar=2) == \
+        pytest.approx(15.0 + 1.2 * 3 + 0.3 * 0.06 + 0.2 + 0.15 + 0.4 * 2)
     assert again.transfer_ms(0) == 0.0
     assert again.transfer_ms(10) == pytest.approx(2.0 + 10 * 737280 / 1e6)
     link = again.with_link(100.0, 0.5)  # 100 Gbit/s = 12.5e6 bytes per ms
@@ -50,6 +53,7 @@ def test_round_trip_and_prediction(tmp_path):
     (lambda d: d["decode"].update(features=["const", "batch"]), "decode.features"),
     (lambda d: d["transfer"].update(bytes_per_ms=0), "transfer.bytes_per_ms"),
     (lambda d: d["sampling"].update(row_ms=None), "sampling.row_ms"),
+    (lambda d: d["sampling"].update(grammar_row_ms=-0.1), "sampling.grammar_row_ms"),
     (lambda d: d.update(engine_start_s=-1), "engine_start_s"),
 ])
 def test_a_bad_field_is_named(edit, field):
@@ -68,3 +72,28 @@ def test_an_unknown_version_is_refused(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(P.ProfileError, match="bad.json"):
         P.load(tmp_path / "bad.json")
+
+
+def test_a_file_from_before_grammar_rows_reads_them_as_plain_rows():
+    d = _good()
+    del d["sampling"]["grammar_row_ms"]
+    assert P.from_dict(d).grammar_row_ms == 0.0
+
+
+def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
+    """`baton profile`'s measurement end to end through the real loader and engine (a tiny
+    random GGUF, a grid of a few points): every cost is fitted from real steps, and the grammar
+    rows (JSON schema decode batches against plain ones) give a number >= 0 the file keeps."""
+    from baton.perf.measure import Grid, measure
+    from tests.model.tiny_gguf import write_tiny_gguf
+    from tests.threads import TEST_THREADS
+
+    grid = Grid(prefill_tokens=(16, 64), prefill_cached=(0, 32), decode_batch=(1, 2),
+                decode_context=(32, 128), decode_steps=2, transfer_blocks=(1, 4), repeats=1,
+                grammar_batch=(1, 2))
+    prof = measure(str(write_tiny_gguf(tmp_path / "tiny.gguf")), "none", TEST_THREADS, grid,
+                   load_cache_dir=str(tmp_path / "load-cache"))
+    assert prof.decode.predict((1.0, 1.0, 0.1)) > 0 and prof.prefill.predict((1.0, 64, 2)) > 0
+    assert prof.grammar_row_ms >= 0.0 and prof.sample_row_ms >= 0.0
+    assert prof.model.name == "tiny.gguf" and prof.engine_start_s > 0
+    assert P.from_dict(P.to_dict(prof)) == prof
