@@ -53,6 +53,7 @@ from baton.workload.results import (  # noqa: F401 - the benchmark's names, as b
 )
 from baton.workload.synthetic import (  # noqa: F401
     DATASETS,
+    STRUCTURED_SCHEMA,
     RequestSpec,
     WorkloadConfig,
     arrival_offsets,
@@ -112,6 +113,9 @@ def _payload(cfg: BenchConfig, spec: RequestSpec, model: str, ignore_eos: bool,
         body["messages"] = messages
     else:  # the completions endpoint has no roles: the turns one after another
         body["prompt"] = "\n\n".join(m["content"] for m in messages)
+    if spec.structured:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "items", "schema": STRUCTURED_SCHEMA}}
     return body
 
 

@@ -93,7 +93,8 @@ class SimEngine:
     def __init__(self, sim: Simulation, name: str, role: str) -> None:
         self.sim, self.name, self.role = sim, name, role
         cfg = sim.config
-        self.runner = MockRunner(sim.profile, cfg.num_blocks, on_step=self._on_step)
+        self.runner = MockRunner(sim.profile, cfg.num_blocks, on_step=self._on_step,
+                                 structured=self._structured)
         self.keys: set[int] = set()  # what its KV events said it holds
         self._build(role)
         self.busy = False
@@ -127,6 +128,12 @@ class SimEngine:
         """S41: no new work from now on; the switch happens once it is empty."""
         self.draining_to = role
         self.kick()
+
+    def _structured(self, seq_id: int) -> bool:
+        """Whether the request of this sequence asked for structured output (its sampled rows
+        cost `grammar_row_ms` more)."""
+        flight = self.sim.flights.get(self.engine.requests.by_seq(seq_id).request_id)
+        return flight is not None and flight.spec.structured
 
     def _on_step(self, seconds: float) -> None:
         self._step_s += seconds

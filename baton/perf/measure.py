@@ -4,7 +4,7 @@ The real engine runs real steps (the model loaded through the real loader, one t
 default so another process keeps the other core). Each step's forward is timed inside the
 runner's `execute` and the whole `LLMEngine.step()` around it; the difference is the engine's
 own work (`sampling.step_ms`, `sampling.row_ms`). Grammar: decode batches whose every row
-follows a JSON schema (`GRAMMAR_SCHEMA`), each after a plain batch of the same shape; what a
+follows a JSON schema (`STRUCTURED_SCHEMA`), each after a plain batch of the same shape; what a
 grammar step takes beyond the plain one, per row, is `sampling.grammar_row_ms` (the mask built
 in the engine core and applied in the sampler). Prefill: a prompt of `tokens` new tokens
 behind `cached` tokens already in the prefix cache (put there by an earlier request). Decode:
@@ -52,10 +52,6 @@ QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
              decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,
              transfer_blocks=(1, 16, 64), repeats=1, grammar_batch=(1, 8))
 
-# Structured output as clients ask for it: a JSON object with free text, long enough to decode
-# every timed step of a grammar point (llguidance's Earley parser; a regex would cost less).
-GRAMMAR_SCHEMA = {"type": "object", "properties": {
-    "items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"]}
 
 
 class _Bar:
@@ -185,15 +181,16 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
 
 def _grammar_row_ms(engine, timed: _Timed, grid: Grid, rng: np.random.Generator, vocab: int,
                     bar: _Bar) -> float:
-    """Per grid batch b: b plain rows, then b rows that follow GRAMMAR_SCHEMA, of the same
+    """Per grid batch b: b plain rows, then b rows that follow STRUCTURED_SCHEMA, of the same
     ~64-token prompts' shape, decoded back to back (so the machine's load falls on both alike);
     grammar_row_ms is the least-squares slope, through 0, of (grammar step - plain step, medians)
     against b, clipped at 0."""
     import llguidance
 
     from baton.sampling.params import SamplingParams
+    from baton.workload.synthetic import STRUCTURED_SCHEMA
 
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(GRAMMAR_SCHEMA)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(STRUCTURED_SCHEMA)
     plain = SamplingParams(max_tokens=grid.decode_steps + 8, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=grid.decode_steps + 8, temperature=0.0,
                                  ignore_eos=True, grammar=grammar)

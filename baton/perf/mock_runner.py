@@ -69,10 +69,14 @@ class MockRunner:
     """Deterministic tokens at the profile's predicted step time."""
 
     def __init__(self, profile: Profile, num_blocks: int = 0,
-                 on_step: Callable[[float], None] | None = None, kv_pool: bool = False) -> None:
+                 on_step: Callable[[float], None] | None = None, kv_pool: bool = False,
+                 structured: Callable[[int], bool] | None = None) -> None:
         """`num_blocks`: the pool (null block included), 0 = the profiled engine's.
         `on_step(seconds)`: where a step's predicted time goes; None sleeps it.
-        `kv_pool`: allocate the tiny KV pool a mock engine process transfers."""
+        `kv_pool`: allocate the tiny KV pool a mock engine process transfers.
+        `structured(seq_id)`: whether that sequence's request asked for structured output: its
+        sampled rows are charged `grammar_row_ms` too (the simulator's; mock tokens follow no
+        grammar, so no grammar runs)."""
         m = profile.model
         self.profile = profile
         self.config = MockModelConfig(vocab_size=m.vocab_size, max_position=m.max_position)
@@ -88,6 +92,7 @@ class MockRunner:
         self.kv_cache = (np.zeros((self._num_blocks, 1, 2, m.block_size, 1, MOCK_HEAD_DIM),
                                   dtype=np.uint8) if kv_pool else None)
         self.on_step = on_step
+        self.structured = structured
         self.num_steps = 0
         self.busy_s = 0.0  # predicted time of every step run
 
@@ -129,23 +134,24 @@ class MockRunner:
         n = len(seq_ids)
         tokens = np.zeros(n, dtype=np.int32)
         vocab = self.config.vocab_size
-        num_sampled = 0
+        num_sampled = num_grammar = 0
         for i, p in enumerate(params):
             if p is None:
                 continue
             num_sampled += 1
+            num_grammar += self.structured is not None and self.structured(int(seq_ids[i]))
             prompt = prompt_token_ids[i]
             tokens[i] = mock_token(len(prompt), prompt[-1] if len(prompt) else 0,
                                    len(output_token_ids[i]), vocab)
         prof = self.profile
         seconds = prof.step_ms(bool(sched_out.prompt_run), sched_out.seqlens_q,
-                               sched_out.seqlens_k, num_sampled) / 1e3
+                               sched_out.seqlens_k, num_sampled, num_grammar) / 1e3
         self.num_steps += 1
         self.busy_s += seconds
         if self.on_step is None:
             # The call takes the forward's predicted time, this mock's own work in it (the
             # KV bytes, the tokens) included; the engine's own share runs for real around it.
-            forward_s = seconds - prof.own_work_ms(num_sampled) / 1e3
+            forward_s = seconds - prof.own_work_ms(num_sampled, num_grammar) / 1e3
             time.sleep(max(0.0, forward_s - (time.perf_counter() - start)))
         else:
             self.on_step(seconds)

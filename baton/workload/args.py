@@ -14,6 +14,7 @@ from baton.workload.synthetic import (
     WorkloadConfig,
     arrival_offsets,
     build_workload,
+    mark_structured,
 )
 from baton.workload.trace import TraceConfig, build_trace_workload
 
@@ -56,6 +57,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{name}", type=_range, default=default, metavar="LO:HI")
     g.add_argument("--long-fraction", type=float, default=w.long_fraction,
                    help="mix: share of long prompts among the chat traffic")
+    g.add_argument("--structured-fraction", type=float, default=w.structured_fraction,
+                   help="any workload, a trace too: share of requests asking for JSON-schema "
+                        "output (a grammar on every token; docs/profile.md grammar_row_ms)")
 
 
 def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadConfig, TraceConfig | None]:
@@ -68,7 +72,8 @@ def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadConfig, TraceC
         short_output_range=args.short_output_range, long_fraction=args.long_fraction,
         long_input_range=args.long_input_range, long_output_range=args.long_output_range,
         turns=args.turns, system_prompt_len=args.system_prompt_len,
-        num_system_prompts=args.num_system_prompts)
+        num_system_prompts=args.num_system_prompts,
+        structured_fraction=args.structured_fraction)
     if not args.trace:
         if args.time_scale != 1.0 or args.length_scale != 1.0:
             raise ValueError("--time-scale and --length-scale apply to --trace only")
@@ -84,9 +89,9 @@ def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadConfig, TraceC
 
 def build_specs(workload: WorkloadConfig, trace: TraceConfig | None,
                 num_requests: int) -> list[RequestSpec]:
-    if trace is not None:
-        return build_trace_workload(trace)
-    return build_workload(workload, num_requests)
+    specs = build_trace_workload(trace) if trace is not None else \
+        build_workload(workload, num_requests)
+    return mark_structured(specs, workload.structured_fraction, workload.seed)
 
 
 def unit_arrivals(units: list[list[RequestSpec]], rate: float, seed: int) -> list[float]:
@@ -101,4 +106,5 @@ def workload_record(workload: WorkloadConfig, trace: TraceConfig | None) -> dict
     """The result JSON's `workload` section."""
     if trace is None:
         return asdict(workload)
-    return {"dataset": "trace", "seed": workload.seed, **asdict(trace)}
+    return {"dataset": "trace", "seed": workload.seed,
+            "structured_fraction": workload.structured_fraction, **asdict(trace)}

@@ -11,6 +11,12 @@ from baton.workload.words import words
 
 DATASETS = ("fixed", "uniform", "mix", "multi-turn", "shared-prefix")
 
+# What a structured request asks for (OpenAI's response_format json_schema): a JSON object with
+# a list of free strings, long enough to fill any max_tokens. `baton profile` times its grammar
+# rows (`sampling.grammar_row_ms`), `baton bench` sends it, `baton sim` charges it.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "items": {"type": "array", "items": {"type": "string"}}}, "required": ["items"]}
+
 
 @dataclass
 class WorkloadConfig:
@@ -33,6 +39,8 @@ class WorkloadConfig:
     turns: int = 6  # multi-turn: turns per conversation (num_requests counts conversations)
     system_prompt_len: int = 512  # multi-turn, shared-prefix: words of each system prompt
     num_system_prompts: int = 4  # shared-prefix
+    # Any dataset (a trace's too): the share of requests that ask for STRUCTURED_SCHEMA output.
+    structured_fraction: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -42,8 +50,9 @@ class WorkloadConfig:
             raise ValueError(f"turns and num_system_prompts must be >= 1 and system_prompt_len "
                              f">= 0, got {self.turns}/{self.num_system_prompts}/"
                              f"{self.system_prompt_len}")
-        if not 0.0 <= self.long_fraction <= 1.0:
-            raise ValueError(f"long_fraction must be in [0, 1], got {self.long_fraction}")
+        for name in ("long_fraction", "structured_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("input_range", "output_range", "short_input_range", "short_output_range",
                      "long_input_range", "long_output_range"):
             lo, hi = getattr(self, name)
@@ -65,6 +74,7 @@ class RequestSpec:
     conversation: int = -1  # multi-turn: the conversation and turn of this request
     turn: int = 0
     arrival_s: float | None = None  # a trace's arrival (since its start); None = drawn
+    structured: bool = False  # asks for STRUCTURED_SCHEMA output (a grammar on every token)
 
     @property
     def text(self) -> str:
@@ -106,6 +116,16 @@ def build_workload(cfg: WorkloadConfig, num_requests: int) -> list[RequestSpec]:
             continue
         kind, num_in, num_out = _lengths(cfg, rng)
         specs.append(RequestSpec(idx, kind, words(rng, num_in), num_in, num_out))
+    return specs
+
+
+def mark_structured(specs: list[RequestSpec], fraction: float, seed: int) -> list[RequestSpec]:
+    """Draw which requests ask for structured output, from their own random stream: the prompts,
+    lengths and arrivals are the same whatever the fraction."""
+    if fraction > 0.0:
+        rng = random.Random(seed + 104729)
+        for spec in specs:
+            spec.structured = rng.random() < fraction
     return specs
 
 

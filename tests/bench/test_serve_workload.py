@@ -43,6 +43,26 @@ def test_shared_prefix_draws_from_a_few_system_prompts() -> None:
     assert body["prompt"].startswith(specs[0].system) and body["prompt"].endswith(specs[0].prompt)
 
 
+def test_structured_fraction_marks_requests_without_changing_the_prompts() -> None:
+    """--structured-fraction draws which requests ask for JSON-schema output from its own random
+    stream (same prompts and lengths as without), and those carry OpenAI's response_format."""
+    import pytest
+
+    from baton.workload.args import build_specs
+    from baton.workload.synthetic import STRUCTURED_SCHEMA
+
+    plain = build_specs(WorkloadConfig(seed=4), None, 200)
+    marked = build_specs(WorkloadConfig(seed=4, structured_fraction=0.25), None, 200)
+    assert [(s.prompt, s.max_tokens) for s in marked] == [(s.prompt, s.max_tokens) for s in plain]
+    assert not any(s.structured for s in plain) and 30 <= sum(s.structured for s in marked) <= 70
+    one = next(s for s in marked if s.structured)
+    assert _payload(BenchConfig(), one, "m", True)["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "items", "schema": STRUCTURED_SCHEMA}}
+    assert "response_format" not in _payload(BenchConfig(), plain[0], "m", True)
+    with pytest.raises(ValueError, match="structured_fraction"):
+        WorkloadConfig(structured_fraction=1.5)
+
+
 def _served(chunks: list[dict]):
     """One request through the client, answered by this SSE body (the client's rules only; the
     whole path, a real router and mock engine: tests/sim/test_mock_engines.py)."""

@@ -108,3 +108,21 @@ def test_an_engine_steps_again_after_a_step_that_ran_nothing():
     rec = simulate(PROFILE, cfg, WorkloadConfig(), trace)
     assert rec["summary"]["num_completed"] == 40
     _drained(rec)
+
+
+def test_structured_requests_cost_their_grammar_rows():
+    """--structured-fraction 1: every sampled row is charged the profile's grammar_row_ms (0.4
+    ms in the test profile), one request alone at a time, so each output token after the first
+    takes exactly that much longer; the same requests, prompts and lengths otherwise."""
+    def run(fraction: float) -> dict:
+        cfg = SimConfig(fleet=FleetConfig(num_normal=1), request_rate=0.2, num_requests=6)
+        return simulate(PROFILE, cfg, WorkloadConfig(dataset="fixed", input_len=64,
+                                                     output_len=32, seed=3,
+                                                     structured_fraction=fraction))
+
+    plain, structured = run(0.0), run(1.0)
+    assert structured["workload"]["structured_fraction"] == 1.0
+    tpot = [s["summary"]["tpot_ms"]["median"] for s in (plain, structured)]
+    assert tpot[1] - tpot[0] == pytest.approx(PROFILE.grammar_row_ms, rel=1e-6)
+    assert [r["prompt_tokens"] for r in structured["requests"]] == \
+        [r["prompt_tokens"] for r in plain["requests"]]
