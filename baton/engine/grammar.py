@@ -32,6 +32,9 @@ _tokenizers: dict[int, llguidance.LLTokenizer] = {}
 
 def ll_tokenizer(tokenizer: Tokenizer, eos_token_ids: Sequence[int] = ()) -> llguidance.LLTokenizer:
     """llguidance's view of `tokenizer` (about a second to build: once per tokenizer)."""
+    if getattr(tokenizer, "backend", None) is None:  # a mock engine's word tokenizer
+        raise ValueError("structured output needs the model's tokenizer; this engine's "
+                         f"({type(tokenizer).__name__}) cannot run a grammar")
     key = id(tokenizer)
     found = _tokenizers.get(key)
     if found is None:

@@ -46,6 +46,25 @@ print("ok", worker.handoff.side_channel)
     assert done.returncode == 0 and "ok tcp://" in done.stdout, done.stderr[-3000:]
 
 
+def test_a_structured_request_to_a_mock_engine_is_refused_by_name():
+    """Mock tokens follow no grammar (the simulator charges grammar rows instead): the engine
+    core refuses a structured request at admission with a reason, and holds nothing of it."""
+    import llguidance
+
+    from baton.engine import EngineConfig, LLMEngine
+    from baton.perf.mock_runner import MockRunner
+    from baton.perf.profile import load
+    from baton.sampling.params import SamplingParams
+    from baton.workload.synthetic import STRUCTURED_SCHEMA
+
+    engine = LLMEngine(EngineConfig(num_blocks=64),
+                       runner=MockRunner(load(PROFILE), 64, on_step=lambda s: None))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(STRUCTURED_SCHEMA)
+    with pytest.raises(ValueError, match="structured output needs the model's tokenizer"):
+        engine.add_request(None, "time year people", SamplingParams(max_tokens=4, grammar=grammar))
+    assert not engine.has_unfinished() and engine.num_free_blocks() == engine.num_total_blocks()
+
+
 def test_mock_flags_that_mean_nothing_are_refused():
     from baton_cli.main import main as baton_main
 
