@@ -2,7 +2,10 @@
 launcher, acting in place.
 
 Every `--planner-interval` seconds `PlannerLoop.tick` reads the router's finished requests of
-the last `--planner-window` seconds, lets the planner decide on the fleet's current split,
+the last `--planner-window` seconds and the engines' stats (`InPlaceActuator` probes every
+engine for its role and draining state anyway: the same probe's queues, KV usage and busy
+seconds are the planner's view of their load, planner/signals.py), lets the planner decide on
+the fleet's current split,
 publishes the decision in the registry (every router's `GET /planner` and
 `baton_router_planner_recommended_engines`) and, in apply mode, hands a change to
 `InPlaceActuator`: it moves the engines the change needs (the least busy of the role that gives
@@ -44,6 +47,10 @@ class InPlaceActuator:
         return Split(sum(r == PROMPT for r in roles.values()),
                      sum(r == COMPLETION for r in roles.values()))
 
+    def engine_stats(self) -> list:
+        """The stats of the engines that answered the last `current_split`'s probe."""
+        return [s for s in self._stats.values() if s is not None]
+
     def apply(self, target: Split) -> None:
         """Move engines to reach `target`: completion -> prompt when it has more prompt
         engines, else prompt -> completion; the least busy first."""
@@ -73,7 +80,9 @@ class LivePlanner(PlannerLoop):
         cfg = launcher.config
         observe = RouterObservations(f"http://{cfg.host}:{cfg.router_port}", window_s,
                                      cfg.launcher_key())
-        super().__init__(planner, InPlaceActuator(launcher), observe, None, interval_s)
+        actuator = InPlaceActuator(launcher)
+        super().__init__(planner, actuator, observe, None, interval_s,
+                         observe_engines=actuator.engine_stats)
         self.launcher = launcher
         self.window_s = window_s
 

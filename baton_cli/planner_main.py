@@ -5,8 +5,9 @@ Deployments' replica counts (planner/kubernetes.py).
 The same decision and flags as `baton up --planner` (planner/core.py: --goodput,
 --planner-profile, --planner-interval, --planner-window, --planner-cooldown, --planner
 advise|apply): every interval it reads the router's finished requests (`--router-url`,
-`GET /planner/observations`, with the router's API key when it has keys), the fleet's current
-split from the actuator, decides, publishes the decision in the registry (signed with the
+`GET /planner/observations`, with the router's API key when it has keys), the engines' load
+from their registry records (queues and KV usage; its egress reaches the registry, not the
+engines, so no busy time), the fleet's current split from the actuator, decides, publishes the decision in the registry (signed with the
 cluster key) where every router serves it (`GET /planner`,
 `baton_router_planner_recommended_engines`), and in apply mode acts through the actuator.
 With --port it serves `GET /health` (200 while its loop comes round) and `GET /metrics`.
@@ -85,7 +86,7 @@ def build(args: argparse.Namespace):
     from baton.workload.results import parse_slos
     from planner.core import Planner, PlannerConfig
     from planner.kubernetes import KubeConfig, KubernetesActuator
-    from planner.loop import PlannerLoop, RouterObservations
+    from planner.loop import PlannerLoop, RegistryLoads, RouterObservations
     from simulator.fleet import FleetConfig
 
     if not args.planner_profile:
@@ -105,7 +106,8 @@ def build(args: argparse.Namespace):
         url=args.redis_url, prefix=args.registry_prefix,
         password_file=args.redis_password_file, signing_key=record_signing_key(keys)))
     observe = RouterObservations(args.router_url, args.planner_window, _api_key(args))
-    return PlannerLoop(planner, actuator, observe, registry, args.planner_interval)
+    return PlannerLoop(planner, actuator, observe, registry, args.planner_interval,
+                       observe_engines=RegistryLoads(registry))
 
 
 def run(args: argparse.Namespace) -> int:

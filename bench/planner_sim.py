@@ -3,8 +3,9 @@
     .venv/bin/python bench/planner_sim.py [--budget 16] [--phase-s 600] [--workloads ...]
 
 Three workloads on one engine budget (the profile's step times, tests/data/profile_test.json
-unless --profile), each two phases of --phase-s (10 minutes: a fleet runs for hours, so the
-planner's first decisions are a fair part of a run, not half of it):
+unless --profile), each two phases of --phase-s (5 minutes: a stationary workload is 10
+simulated minutes, the span of the steady-load target, and the planner's first decisions are a
+fair part of a run, not half of it):
   - retrieval: long prompts (1500-3000 tokens), short answers (10-40), at --retrieval-rate;
     its prefill load needs most of the budget as prompt engines,
   - chat: short prompts (100-400 tokens), answers of a few hundred tokens (200-800), at
@@ -104,7 +105,10 @@ def recorded_sweep(path: str, name: str, profile, specs, args, slos: dict) -> di
     """The fixed splits' goodput from an earlier result of this same workload: the simulator
     is deterministic in virtual time, so the recorded best split is run again and must give
     the recorded goodput, or the record is refused."""
-    fixed = json.loads(Path(path).read_text())["workloads"][name]["fixed_goodput"]
+    recorded = json.loads(Path(path).read_text())["workloads"]
+    if name not in recorded:  # not in that run: swept here
+        return sweep(profile, specs, args.budget, slos, args.full_sweep, None)
+    fixed = recorded[name]["fixed_goodput"]
     best = max(fixed, key=fixed.get)
     p = int(best.split("P:")[0])
     again = run(profile, specs, (p, args.budget - p), slos)["summary"]["goodput"]
@@ -127,6 +131,7 @@ def one_workload(profile, name: str, args, slos: dict) -> dict:
     fixed = (recorded_sweep(args.fixed_from, name, profile, specs, args, slos)
              if args.fixed_from else sweep(profile, specs, args.budget, slos, args.full_sweep,
                                            args.splits and [int(p) for p in args.splits.split(",")]))
+    sweep_wall_s = time.perf_counter() - wall0
     best = max(fixed, key=fixed.get)
     middle = (args.budget // 2, args.budget - args.budget // 2)
     planner = Planner(profile, PlannerConfig(
@@ -152,7 +157,7 @@ def one_workload(profile, name: str, args, slos: dict) -> dict:
         "phases": phases, "num_replays": sum(not d["reason"].startswith("load within")
                                              for d in decisions if d["action"] == "hold"),
         "roles_over_time": rec["fleet"]["roles_over_time"], "decisions": decisions,
-        "wall_s": time.perf_counter() - wall0}
+        "sweep_wall_s": sweep_wall_s, "wall_s": time.perf_counter() - wall0}
 
 
 def main() -> None:
@@ -161,11 +166,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--chat-rate", type=float, default=12.0, help="requests/s")
     ap.add_argument("--retrieval-rate", type=float, default=6.0, help="requests/s")
-    ap.add_argument("--phase-s", type=float, default=600.0, help="seconds of each phase")
+    ap.add_argument("--phase-s", type=float, default=300.0, help="seconds of each phase")
     ap.add_argument("--goodput", default="ttft:2000,tpot:100")
     ap.add_argument("--interval", type=float, default=20.0)
     ap.add_argument("--window", type=float, default=40.0)
-    ap.add_argument("--cooldown", type=float, default=600.0)
+    ap.add_argument("--cooldown", type=float, default=300.0)
     ap.add_argument("--candidates", type=int, default=8)
     ap.add_argument("--chat-lengths", default="100-400:200-800",
                     help="prompt:output token ranges of a chat request")

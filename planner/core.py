@@ -5,6 +5,10 @@ Every `interval_s` the planner takes the requests that arrived in the last `wind
 time, prompt tokens, output tokens), replays them through the simulator (simulator/run.py: the
 real scheduler over the profile's step times) on each candidate prompt:completion split of the
 budget, and keeps the split with the most goodput (requests meeting every SLO per second).
+The replay runs the window twice in a row and scores the second copy (`warmup`): a fleet that
+has served a load for a while holds the decodes of its last minute, and a replay from an empty
+fleet would not (answers of a few hundred tokens outlive a 40-s window; from empty, a split
+short of completion engines looks as good as the right one until its KV runs out).
 It decides from its first interval on, once the window holds `min_observations` requests
 (the window need not be full yet). It acts only when
   - it saw at least `min_observations` requests (a quiet window says nothing),
@@ -21,6 +25,12 @@ The target is the split nearest the current one among those within `tie` of the 
 goodput (fewer engines drained for the same gain, and no jump to an extreme split that the
 prediction rates equal), and every engine of the move changes at once (one drain, not one per
 cooldown).
+The engines' own load (planner/signals.py: queues, KV usage, busy fractions per role, from the
+same `EngineStats` a live engine answers a probe with and `baton sim` fills from its engines)
+weighs in beside the prediction: a role saturated while the other idles confirms a predicted
+move toward it at once, and turns a small predicted move the other way into a wait; nearly full
+completion KV turns a small predicted shrink of the completion engines into a wait; and a role
+saturated beside an idle one is replayed at once, not held on an unmoved load.
 The prediction sees lengths and arrival times, not prompt contents: prefix-cache hits are not
 in it (it predicts as if every prompt were new).
 A replay costs a simulation per candidate, so a steady load is not replayed every interval: when
@@ -39,10 +49,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from baton.perf.profile import Profile
+from baton.protocol import EngineStats
 from baton.workload.synthetic import RequestSpec
 from baton.workload.words import WORDS
+from planner.signals import Evidence, LoadMeter, RoleLoad, evidence
 
 logger = logging.getLogger(__name__)
+
+NO_EVIDENCE = Evidence(0, False, "")
 
 
 class Observation(NamedTuple):
@@ -76,6 +90,14 @@ class PlannerConfig:
     tie: float = 0.02  # splits within this of the best are equal: the nearest one wins
     reuse_tolerance: float = 0.10  # a held load moved less than this: hold without a replay
     max_reuses: int = 5  # ... at most this many decisions in a row (0: replay every time)
+    warmup: bool = True  # replay the window twice, score the second copy (a steady fleet)
+    # The engines' load (planner/signals.py): a prompt engine this busy, or a role with this
+    # many requests queued per engine, or completion engines with this share of KV in use, is
+    # saturated; a role less busy than busy_low with nothing queued idles.
+    busy_high: float = 0.9
+    busy_low: float = 0.5
+    queue_high: float = 4.0
+    kv_high: float = 0.9
 
     def __post_init__(self) -> None:
         if not self.slos_ms:
@@ -96,6 +118,11 @@ class PlannerConfig:
                              f"{self.reuse_tolerance}, {self.max_reuses}")
         if not 0 <= self.tie < 1:
             raise ValueError(f"tie must be in [0, 1), got {self.tie}")
+        if not (0 <= self.busy_low <= self.busy_high <= 1 and 0 < self.kv_high <= 1
+                and 0 < self.queue_high < math.inf):
+            raise ValueError(f"0 <= busy_low <= busy_high <= 1, 0 < kv_high <= 1 and "
+                             f"queue_high > 0 needed, got {self.busy_low}, {self.busy_high}, "
+                             f"{self.kv_high}, {self.queue_high}")
 
 
 @dataclass
@@ -104,36 +131,43 @@ class Decision:
     target: Split
     reason: str
     predicted: dict[str, float] = field(default_factory=dict)  # split name -> goodput
+    engines: str = ""  # what the engines' load said (planner/signals.py), when it was read
 
 
 def candidates(current: Split, budget: int, limit: int) -> list[Split]:
-    """The current split, the two extremes (one engine of a role: a big shift is reached in
-    one change, not in several cooldowns), then moves of 1, 2, 4, ... engines either way,
-    nearest first; at most `limit`, every split with at least one engine of each role."""
+    """The current split, then moves of 1, 2, 4, 8, ... engines either way (nearest first; a
+    move past an end is the extreme split, one engine of a role: a big shift is reached in one
+    change, not in several cooldowns); at most `limit`, every split with at least one engine
+    of each role."""
     out = [current]
 
     def add(p: int) -> None:
-        if 1 <= p <= budget - 1 and Split(p, budget - p) not in out and len(out) < limit:
+        p = min(budget - 1, max(1, p))
+        if Split(p, budget - p) not in out and len(out) < limit:
             out.append(Split(p, budget - p))
 
-    add(1)
-    add(budget - 1)
     step = 1
-    while len(out) < limit and step < budget:
+    while len(out) < limit and step < 2 * budget:
         add(current.num_prompt + step)
         add(current.num_prompt - step)
         step *= 2
     return out
 
 
-def observations_to_specs(observations: list[Observation], seed: int = 0) -> list[RequestSpec]:
+def observations_to_specs(observations: list[Observation], seed: int = 0,
+                          copies: int = 1) -> list[RequestSpec]:
     """The window as a replayable workload: arrivals from its first, prompts of random words
-    (one token each for the mock runner's tokenizer) of the observed lengths."""
+    (one token each for the mock runner's tokenizer) of the observed lengths; `copies` times
+    in a row, each starting one mean gap after the last arrival of the one before (the
+    copies before the last are of kind "warmup", the last one's "observed")."""
     rng = random.Random(seed)
     t0 = observations[0].arrival_s
-    return [RequestSpec(i, "observed", " ".join(rng.choices(WORDS, k=o.prompt_tokens)),
-                        o.prompt_tokens, max(1, o.output_tokens), arrival_s=o.arrival_s - t0)
-            for i, o in enumerate(observations)]
+    span = observations[-1].arrival_s - t0
+    period = span + span / len(observations)
+    return [RequestSpec(c * len(observations) + i, "observed" if c == copies - 1 else "warmup",
+                        " ".join(rng.choices(WORDS, k=o.prompt_tokens)), o.prompt_tokens,
+                        max(1, o.output_tokens), arrival_s=o.arrival_s - t0 + c * period)
+            for c in range(copies) for i, o in enumerate(observations)]
 
 
 class Planner:
@@ -149,38 +183,53 @@ class Planner:
         # The last full decision, when it held: the split, its load, its predictions.
         self._held: tuple[Split, tuple[float, float], dict[str, float]] | None = None
         self._num_reuses = 0
+        self.meter = LoadMeter()
+        self.loads: dict[str, RoleLoad] = {}  # per role, at the last decision that read them
 
     def predict(self, split: Split, specs: list[RequestSpec]) -> float:
+        """Goodput of `split` on the replay: of its last copy when it has several (`warmup`),
+        over the time from that copy's first arrival to the end."""
         from dataclasses import replace
 
+        from baton.workload.results import RequestResult, meets_slos
         from simulator.run import SimConfig, simulate
 
         fleet = replace(self.fleet_base, num_normal=0, num_prompt=split.num_prompt,
                         num_completion=split.num_completion)
         cfg = SimConfig(fleet=fleet, slos_ms=self.config.slos_ms, label=split.name)
         record = simulate(self.profile, cfg, None, None, specs=specs)
-        return record["summary"]["goodput"]
+        first = next(i for i, spec in enumerate(specs) if spec.kind != "warmup")
+        measured = [RequestResult(**r) for r in record["requests"] if r["idx"] >= first]
+        num_good = sum(meets_slos(r, self.config.slos_ms) for r in measured)
+        return num_good / max(1e-9, record["summary"]["duration_s"] - specs[first].arrival_s)
 
-    def decide(self, now_s: float, current: Split, observations: list[Observation]) -> Decision:
+    def decide(self, now_s: float, current: Split, observations: list[Observation],
+               engines: list[EngineStats] | None = None) -> Decision:
+        """The decision at `now_s` on the current split, from the arrivals observed and, when
+        given, the engines' stats (planner/signals.py)."""
         cfg = self.config
         current = Split(*current)
+        if engines is not None:
+            self.loads = self.meter.read(now_s, engines)
+        ev = evidence(self.loads, cfg.busy_high, cfg.busy_low, cfg.queue_high, cfg.kv_high)
         window = [Observation(*o) for o in observations if o[0] >= now_s - cfg.window_s]
         if len(window) < cfg.min_observations:
             return Decision("hold", current, f"{len(window)} requests in the window "
-                                             f"(< {cfg.min_observations})")
+                                             f"(< {cfg.min_observations})", engines=ev.reason)
         self._first_seen_s = min(self._first_seen_s, window[0].arrival_s)
         span = max(1e-9, min(cfg.window_s, now_s - self._first_seen_s))
         load = (sum(o.prompt_tokens for o in window) / span,
                 sum(o.output_tokens for o in window) / span)
-        if self._is_held(current, load):
+        if self._is_held(current, load) and not ev.direction:
             self._num_reuses += 1
             return Decision("hold", current, f"load within {100 * cfg.reuse_tolerance:.0f}% of "
-                            "the last replay's, which held", self._held[2])
-        specs = observations_to_specs(window)
+                            "the last replay's, which held", self._held[2], ev.reason)
+        specs = observations_to_specs(window, copies=2 if cfg.warmup else 1)
         budget = current.num_prompt + current.num_completion
         splits = candidates(current, budget, cfg.max_candidates)
         predicted = {s.name: self.predict(s, specs) for s in splits}
-        decision = self._judge(now_s, current, splits, predicted)
+        decision = self._judge(now_s, current, splits, predicted, ev)
+        decision.engines = ev.reason
         self._held = (current, load, predicted) if decision.action == "hold" else None
         self._num_reuses = 0
         return decision
@@ -194,9 +243,9 @@ class Planner:
         return all(abs(a - b) <= tol * b for a, b in zip(load, self._held[1], strict=True))
 
     def _judge(self, now_s: float, current: Split, splits: list[Split],
-               predicted: dict[str, float]) -> Decision:
-        """The decision on these predictions (split name -> goodput): hysteresis, confirmations
-        and cooldown, as the module docstring says."""
+               predicted: dict[str, float], ev: Evidence = NO_EVIDENCE) -> Decision:
+        """The decision on these predictions (split name -> goodput) and what the engines
+        said: hysteresis, confirmations and cooldown, as the module docstring says."""
         cfg = self.config
         top = max(predicted.values())
         near = [s for s in splits if predicted[s.name] >= top * (1 - cfg.tie)]
@@ -208,12 +257,18 @@ class Planner:
                             f"of the best predicted goodput", predicted)
         urgent = best_good > now_good * (1 + cfg.urgent_margin)
         direction = 1 if best.num_prompt > current.num_prompt else -1  # engines to prompt?
+        gain = f"{best.name} predicted {best_good:.2f} vs {current.name} {now_good:.2f} req/s"
+        if not urgent and (ev.direction == -direction or (direction > 0 and ev.kv_full)):
+            self._pending, self._pending_count = 0, 0
+            why = "completion KV nearly full" if ev.direction != -direction else \
+                "the engines' load says the other way"
+            return Decision("wait", best, f"{gain}; {why} ({ev.reason})", predicted)
         if direction == self._pending:
             self._pending_count += 1
         else:
             self._pending, self._pending_count = direction, 1
-        gain = f"{best.name} predicted {best_good:.2f} vs {current.name} {now_good:.2f} req/s"
-        needed = 1 if urgent else cfg.confirmations
+        confirmed = ev.direction == direction  # the engines' load says so too
+        needed = 1 if urgent or confirmed else cfg.confirmations
         if self._pending_count < needed:
             return Decision("wait", best, f"{gain} ({self._pending_count} of {needed} "
                             "confirmations)", predicted)
@@ -225,5 +280,6 @@ class Planner:
         if not cfg.apply:
             return Decision("advise", best, f"would change: {gain}", predicted)
         self._last_change_s = now_s
-        return Decision("change", best, f"{gain} of goodput" + (" (urgent)" if urgent else ""),
+        return Decision("change", best, f"{gain} of goodput" + (" (urgent)" if urgent else "")
+                        + (f"; the engines' load agrees ({ev.reason})" if confirmed else ""),
                         predicted)

@@ -7,7 +7,11 @@ Every `interval_s` seconds, `PlannerLoop.tick`:
    change is still under way (an engine draining, a Deployment rolling) raises `Unsettled` and
    the loop holds: it decides on the fleet that change makes, not on one half-made;
 2. reads the requests the router finished in the last `window_s` seconds
-   (`GET /planner/observations`: arrival, prompt tokens, output tokens; no content);
+   (`GET /planner/observations`: arrival, prompt tokens, output tokens; no content), and the
+   engines' load where an `observe_engines` is given (their `EngineStats`: queues, KV usage,
+   busy seconds; planner/signals.py): `baton up`'s probes of its engines, `baton planner`'s
+   registry records (queues and KV, no busy time). A failure to read them is logged and the
+   planner decides on the requests alone;
 3. lets the planner decide (planner/core.py: the same code and hysteresis as in the simulator);
 4. publishes the decision in the registry (signed with the cluster key, like engine records),
    where every router serves it (`GET /planner`, `baton_router_planner_recommended_engines`);
@@ -28,7 +32,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
-from baton.protocol import COMPLETION, PROMPT
+from baton.protocol import COMPLETION, PROMPT, EngineStats
 from planner.core import Planner, Split
 
 logger = logging.getLogger(__name__)
@@ -63,13 +67,30 @@ class RouterObservations:
                                     body["observations"]]
 
 
+class RegistryLoads:
+    """The engines' load as their registry records carry it (requests running and queued, KV
+    blocks free of total; no busy time): what `baton planner` reads beside a fleet whose
+    engines it may not probe (on Kubernetes its egress reaches the registry, not the engines)."""
+
+    def __init__(self, registry) -> None:
+        self.registry = registry
+
+    def __call__(self) -> list[EngineStats]:
+        return [EngineStats(r.engine_id, r.role, num_free_blocks=r.num_free_blocks,
+                            num_total_blocks=r.num_total_blocks, num_running=r.num_running,
+                            num_waiting=r.num_waiting, draining=r.draining)
+                for role in (PROMPT, COMPLETION) for r in self.registry.list(role)]
+
+
 class PlannerLoop:
     """`tick()` every `interval_s` on a thread (`start`/`stop`) or in the caller's
     (`run_forever`); `decisions` keeps the latest published records."""
 
     def __init__(self, planner: Planner, actuator: Actuator,
-                 observe: Callable[[], tuple[float, list]], registry, interval_s: float) -> None:
+                 observe: Callable[[], tuple[float, list]], registry, interval_s: float,
+                 observe_engines: Callable[[], list[EngineStats]] | None = None) -> None:
         self.planner, self.actuator, self.observe = planner, actuator, observe
+        self.observe_engines = observe_engines
         self.registry = registry  # baton.ops.registry.RedisRegistry (publish_plan), or None
         self.interval_s = interval_s
         self.decisions: deque[dict] = deque(maxlen=1000)  # the latest published records
@@ -113,9 +134,10 @@ class PlannerLoop:
             logger.info("planner: holding: %s", exc)
             return None
         now, observations = self.observe()
-        decision = self.planner.decide(now, current, observations)
+        decision = self.planner.decide(now, current, observations, self._engines())
         record = {"t": now, "action": decision.action, "target": decision.target.name,
-                  "reason": decision.reason, "current": current.name,
+                  "reason": decision.reason, "engines": decision.engines,
+                  "current": current.name,
                   "recommended": {PROMPT: decision.target.num_prompt,
                                   COMPLETION: decision.target.num_completion},
                   "predicted": decision.predicted, "observations": len(observations)}
@@ -129,3 +151,12 @@ class PlannerLoop:
         if decision.action == "change":
             self.actuator.apply(decision.target)
         return record
+
+    def _engines(self) -> list[EngineStats] | None:
+        if self.observe_engines is None:
+            return None
+        try:
+            return self.observe_engines()
+        except Exception as exc:  # noqa: BLE001 - decide on the requests alone
+            logger.warning("planner: the engines' load not read: %s", exc)
+            return None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from baton.engine import AllocStatus, EngineConfig, LLMEngine
 from baton.perf.mock_runner import MockRunner
 from baton.perf.profile import Profile
-from baton.protocol import COMPLETION, NORMAL, PROMPT
+from baton.protocol import COMPLETION, NORMAL, PROMPT, EngineStats
 from baton.sampling.params import SamplingParams
 from baton.workload.results import RequestResult
 from baton.workload.synthetic import RequestSpec
@@ -124,6 +124,18 @@ class SimEngine:
         return (not e.has_unfinished() and e.num_free_blocks() == e.num_total_blocks()
                 and self.num_inflight == 0 and not self.admissions and not self.busy)
 
+    def stats(self) -> EngineStats:
+        """This engine's stats as a live engine answers a probe (baton/service/engine_service.py
+        `stats`): its queues (a completion engine's hand-offs waiting for blocks count as
+        waiting), its pool, its steps and its busy seconds (the profile's step times)."""
+        counts = self.engine.stats()
+        return EngineStats(self.name, self.role, num_free_blocks=int(counts["num_free_blocks"]),
+                           num_total_blocks=int(counts["num_total_blocks"]),
+                           num_running=int(counts["num_running"]),
+                           num_waiting=int(counts["num_waiting"]) + len(self.admissions),
+                           num_steps=self.runner.num_steps, draining=bool(self.draining_to),
+                           extra={"busy_s": self.runner.busy_s, "uptime_s": self.sim.now})
+
     def start_change(self, role: str) -> None:
         """S41: no new work from now on; the switch happens once it is empty."""
         self.draining_to = role
@@ -161,6 +173,8 @@ class SimEngine:
                 self.sim.at(self.sim.now, self._step)
             else:
                 self.busy = False
+                if self.draining_to and self.is_empty():  # its last request ended the step
+                    self.sim.switched(self)  # before: S41's switch waits for no event
             return
         self.num_empty_in_row = 0
         self.sim.at(self.sim.now + self._step_s, self._deliver, outputs)
@@ -290,9 +304,11 @@ class Simulation:
             return  # a change is still draining: decide on the fleet it makes
         counts = self._counts()
         current = (counts[PROMPT], counts[COMPLETION])
-        decision = self.planner.decide(self.now, current, self.observations)
+        engines = [e.stats() for es in self.engines.values() for e in es]
+        decision = self.planner.decide(self.now, current, self.observations, engines)
         self.decisions.append({"t": self.now, "action": decision.action,
-                               "target": decision.target.name, "reason": decision.reason})
+                               "target": decision.target.name, "reason": decision.reason,
+                               "engines": decision.engines})
         if decision.action != "change":
             return
         logger.info("planner at %.0f s: %dP:%dD -> %s (%s)", self.now, *current,

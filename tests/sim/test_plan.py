@@ -4,6 +4,7 @@ an SLO no shape meets gets a plan that says so and names the nearest feasible SL
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,19 @@ def _plan(slos: dict, engines: int = 3) -> dict:
     return plan(PROFILE, engines, base, WORKLOAD, None)
 
 
-def test_the_sweep_tries_all_normal_and_every_split():
-    assert shapes(3) == [Shape(3, 0, 0), Shape(0, 1, 2), Shape(0, 2, 1)]
+def test_the_sweep_tries_all_normal_every_split_and_a_coarse_mixed_grid():
+    assert shapes(3) == [Shape(3, 0, 0), Shape(0, 1, 2), Shape(0, 2, 1), Shape(1, 1, 1)]
     assert shapes(1) == [Shape(1, 0, 0)]
+    assert shapes(2) == [Shape(2, 0, 0), Shape(0, 1, 1)]  # no room for all three roles
+    sixteen = shapes(16)
+    mixed = [s for s in sixteen if s.num_normal and s.num_prompt]
+    assert len(sixteen) == 1 + 15 + len(mixed) and len(set(sixteen)) == len(sixteen)
+    assert {s.num_normal for s in mixed} == {4, 8, 12}  # a quarter, half, three quarters
+    assert all(s.num_completion >= 1 and sum((s.num_normal, s.num_prompt, s.num_completion))
+               == 16 for s in mixed)
+    assert [(s.name, s.path_policy) for s in (Shape(16, 0, 0), Shape(0, 3, 13), mixed[0])] == [
+        ("16 normal", "co-located"), ("3P:13D", "disaggregated"),
+        ("4 normal + 3P:9D", "per request")]
     with pytest.raises(ValueError, match="--engines must be >= 1"):
         shapes(0)
 
@@ -34,7 +45,8 @@ def test_the_sweep_tries_all_normal_and_every_split():
 def test_a_loose_slo_is_feasible_and_shapes_are_ranked_by_goodput():
     record = _plan({"ttft": 60_000.0, "tpot": 5_000.0})
     assert record["feasible"] and "nearest_feasible_slos_ms" not in record
-    assert {s["name"] for s in record["shapes"]} == {"3 normal", "1P:2D", "2P:1D"}
+    assert {s["name"] for s in record["shapes"]} == {"3 normal", "1P:2D", "2P:1D",
+                                                     "1 normal + 1P:1D"}
     goodputs = [s["goodput"] for s in record["shapes"]]
     assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > 0
     assert record["best"]["name"] == record["shapes"][0]["name"]
@@ -60,6 +72,9 @@ def test_baton_plan_cli(tmp_path, capsys):
     assert baton_main(["plan", *common, "--goodput", "ttft:60000", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "best:" in text and json.loads(out.read_text())["engines"] == 2
+    assert baton_main(["plan", *common[:3], "3", *common[4:], "--goodput", "ttft:60000"]) == 0
+    text = capsys.readouterr().out  # the mixed shape, with its path policy, in the table
+    assert re.search(r"^1 normal \+ 1P:1D\s+per request\s+\d", text, re.MULTILINE), text
     assert baton_main(["plan", *common, "--goodput", "ttft:1"]) == 1
     assert "nearest feasible SLO: --goodput ttft:" in capsys.readouterr().out
     assert baton_main(["plan", *common, "--goodput", "ttft:x"]) == 2

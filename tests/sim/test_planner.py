@@ -4,16 +4,20 @@ split a shifted workload needs, holds on a steady one, never loses a request to 
 
 from __future__ import annotations
 
+import functools
 import random
+import re
 from pathlib import Path
 
 import pytest
 
 from baton.perf.profile import load
+from baton.protocol import EngineStats
 from baton.workload.synthetic import RequestSpec
 from baton.workload.words import WORDS
 from baton_cli.main import main as baton_main
-from planner.core import Planner, PlannerConfig, Split, candidates
+from planner.core import Decision, Planner, PlannerConfig, Split, candidates
+from planner.signals import LoadMeter, RoleLoad, evidence
 from simulator.fleet import FleetConfig
 from simulator.run import SimConfig, simulate
 
@@ -35,13 +39,16 @@ def _specs(phases: list[str], rate: float = 1.5, phase_s: float = 40.0) -> list[
     return specs
 
 
-def _run(phases: list[str], start: tuple[int, int], apply: bool = True) -> dict:
+@functools.cache
+def _run(phases: tuple[str, ...], start: tuple[int, int], apply: bool = True) -> dict:
+    """One planner run (deterministic: the tests that read the same run share it; none
+    changes the record)."""
     planner = Planner(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=8, window_s=12,
                                              min_observations=8, cooldown_s=20,
                                              max_candidates=3, apply=apply))
     fleet = FleetConfig(num_normal=0, num_prompt=start[0], num_completion=start[1])
     return simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None,
-                    specs=_specs(phases), planner=planner)
+                    specs=_specs(list(phases)), planner=planner)
 
 
 class _Scripted(Planner):
@@ -56,10 +63,10 @@ class _Scripted(Planner):
         self.table: dict[str, float] = {}
         self.num_predictions = 0
 
-    def decide(self, now_s, current, prompt_tokens=10):
+    def decide(self, now_s, current, prompt_tokens=10, engines=None):
         self.table = next(self.script)
         arrivals = [(float(t), prompt_tokens, 10) for t in range(int(now_s))]  # 1 req/s
-        return super().decide(now_s, current, arrivals)
+        return super().decide(now_s, current, arrivals, engines)
 
     def predict(self, split, specs):
         self.num_predictions += 1
@@ -142,6 +149,85 @@ def test_a_steady_load_is_not_replayed_every_interval():
     assert p.num_predictions == 3 * 8
 
 
+def _engines(now_s: float, prompt_busy: float, completion_busy: float, prompt_queue: int = 0,
+             completion_kv: float = 0.2, completion_queue: int = 0) -> list[EngineStats]:
+    """Two engines of each role whose busy seconds grew at these fractions since t = 0."""
+    def one(name, role, busy, queue, kv):
+        return EngineStats(name, role, num_total_blocks=100, num_free_blocks=round(100 * (1 - kv)),
+                           num_running=4, num_waiting=queue, extra={"busy_s": busy * now_s})
+
+    return [one(f"p{i}", "prompt", prompt_busy, prompt_queue, 0.3) for i in range(2)] + [
+        one(f"c{i}", "completion", completion_busy, completion_queue, completion_kv)
+        for i in range(2)]
+
+
+def test_the_load_meter_reads_busy_fractions_queues_and_kv_per_role():
+    meter = LoadMeter()
+    first = meter.read(10.0, _engines(10.0, 0.95, 0.3, prompt_queue=6, completion_kv=0.5))
+    assert first["prompt"] == RoleLoad(2, 6.0, 0.3, None)  # one reading: no busy fraction yet
+    loads = meter.read(30.0, _engines(30.0, 0.95, 0.3, prompt_queue=6, completion_kv=0.5))
+    assert loads["prompt"].busy_fraction == pytest.approx(0.95)
+    assert loads["completion"] == pytest.approx(RoleLoad(2, 0.0, 0.5, 0.3))
+    # a draining engine is left out; a counter that went down (a restart) counts from zero
+    again = _engines(40.0, 0.95, 0.3)
+    again[0].draining = True
+    again[2].extra["busy_s"] = 2.0
+    loads = meter.read(40.0, again)
+    assert loads["prompt"].num_engines == 1
+    assert loads["completion"].busy_fraction == pytest.approx((0.2 + 0.3) / 2)
+
+
+def test_evidence_a_saturated_role_beside_an_idle_one():
+    def ev(prompt: RoleLoad, completion: RoleLoad):
+        return evidence({"prompt": prompt, "completion": completion}, 0.9, 0.5, 4.0, 0.9)
+
+    idle, busy = RoleLoad(2, 0.0, 0.2, 0.3), RoleLoad(2, 0.0, 0.2, 0.97)
+    assert ev(busy, idle).direction == 1  # prompt engines busy, completion idle
+    assert ev(RoleLoad(2, 5.0, 0.2, 0.7), idle).direction == 1  # ... or queued
+    assert ev(idle, RoleLoad(2, 6.0, 0.5, 1.0)).direction == -1  # completion queued
+    assert ev(idle, RoleLoad(2, 0.0, 0.95, 1.0)) [:2] == (-1, True)  # completion KV full
+    # a busy completion engine is not saturated (it steps while anything decodes)
+    assert ev(idle, RoleLoad(2, 0.0, 0.5, 1.0)).direction == 0
+    assert ev(busy, busy).direction == 0  # both saturated: no role to take engines from
+    assert ev(busy, RoleLoad(2, 0.0, 0.2, None)).direction == 0  # busy time not known
+    assert evidence({}, 0.9, 0.5, 4.0, 0.9).direction == 0  # no engines read
+
+
+def test_the_engines_load_confirms_vetoes_and_guards_kv():
+    small = {"8P:8D": 5.0, "10P:6D": 6.0}  # 20%: normally two confirmations
+    prompt_saturated = dict(prompt_busy=0.97, completion_busy=0.3)
+    # it agrees: one sighting is enough (the first reading sets the meter, the second decides)
+    p = _Scripted([{"8P:8D": 5.0}, small])
+    p.decide(20.0, Split(8, 8), engines=_engines(20.0, **prompt_saturated))
+    d = p.decide(40.0, Split(8, 8), engines=_engines(40.0, **prompt_saturated))
+    assert (d.action, d.target.name) == ("change", "10P:6D") and "agrees" in d.reason
+    assert d.engines.startswith("prompt busy 97%")
+    # it disagrees (completion queued, prompt idle): the small move waits, an urgent one acts
+    p = _Scripted([{"8P:8D": 5.0}, small, small, {"8P:8D": 2.0, "10P:6D": 6.0}])
+    against = dict(prompt_busy=0.2, completion_busy=1.0, completion_queue=8)
+    actions = [p.decide(20.0 * i, Split(8, 8), engines=_engines(20.0 * i, **against)).action
+               for i in (1, 2, 3, 4)]
+    assert actions == ["hold", "wait", "wait", "change"]
+    # completion KV nearly full: a small shrink of the completion engines waits
+    p = _Scripted([small] * 3)
+    full = dict(prompt_busy=0.7, completion_busy=1.0, completion_kv=0.95)
+    d = [p.decide(20.0 * i, Split(8, 8), engines=_engines(20.0 * i, **full)) for i in (1, 2, 3)]
+    assert [x.action for x in d] == ["wait"] * 3 and "KV nearly full" in d[-1].reason
+    # without the engines' load: the two confirmations of before
+    p = _Scripted([small] * 2)
+    assert [p.decide(20.0 * i, Split(8, 8)).action for i in (1, 2)] == ["wait", "change"]
+
+
+def test_a_held_load_is_replayed_when_the_engines_say_a_role_saturates():
+    p = _Scripted([{"8P:8D": 5.0}] * 4, max_reuses=5)
+    calm = dict(prompt_busy=0.7, completion_busy=0.3)
+    p.decide(20.0, Split(8, 8), engines=_engines(20.0, **calm))
+    p.decide(40.0, Split(8, 8), engines=_engines(40.0, **calm))
+    assert p.num_predictions == 8  # held on an unmoved load: one replay
+    p.decide(60.0, Split(8, 8), engines=_engines(60.0, **calm, prompt_queue=6))
+    assert p.num_predictions == 2 * 8
+
+
 def test_advise_never_records_a_change():
     p = _Scripted([{"8P:8D": 1.0, "12P:4D": 6.0}] * 3, apply=False)
     acts = _actions(p, Split(8, 8), 3)
@@ -149,13 +235,21 @@ def test_advise_never_records_a_change():
 
 
 def test_candidates_are_the_current_split_and_its_neighbours():
-    assert candidates(Split(4, 4), 8, 5) == [(4, 4), (1, 7), (7, 1), (5, 3), (3, 5)]
-    assert candidates(Split(1, 3), 4, 8) == [(1, 3), (3, 1), (2, 2)]
+    assert candidates(Split(4, 4), 8, 5) == [(4, 4), (5, 3), (3, 5), (6, 2), (2, 6)]
+    assert candidates(Split(1, 3), 4, 8) == [(1, 3), (2, 2), (3, 1)]
+    # moves of 1, 2, 4, 8: one past an end is the extreme split (a big shift in one change)
+    assert candidates(Split(2, 14), 16, 8) == [(2, 14), (3, 13), (1, 15), (4, 12), (6, 10),
+                                               (10, 6), (15, 1)]
+    assert candidates(Split(8, 8), 16, 9)[-2:] == [(15, 1), (1, 15)]
 
 
 def test_a_shift_to_long_prompts_moves_engines_to_the_prompt_role():
-    rec = _run(["chat", "retrieval"], (1, 3))
+    rec = _run(("chat", "retrieval"), (1, 3))
     s, fleet = rec["summary"], rec["fleet"]
+    # the simulated engines' load reached the planner (planner/signals.py), as a live one's
+    read = [d["engines"] for d in fleet["planner_decisions"][1:]]
+    assert read and all(re.match(r"prompt busy \d+%, [\d.]+ queued/engine, KV \d+%; "
+                                 r"completion busy \d+%", e) for e in read), read
     assert s["num_failed"] == 0 and s["num_completed"] == s["num_issued"]  # none lost
     changes = [d for d in fleet["planner_decisions"] if d["action"] == "change"]
     assert changes and all(d["t"] > 40 for d in changes), fleet["planner_decisions"]
@@ -167,11 +261,11 @@ def test_a_shift_to_long_prompts_moves_engines_to_the_prompt_role():
 
 
 def test_advise_decides_but_changes_nothing():
-    fleet = _run(["chat", "retrieval"], (1, 3), apply=False)["fleet"]
+    fleet = _run(("chat", "retrieval"), (1, 3), apply=False)["fleet"]
     assert any(d["action"] == "advise" for d in fleet["planner_decisions"])
     assert {(r["prompt"], r["completion"]) for r in fleet["roles_over_time"]} == {(1, 3)}
     # deterministic: advise saw what apply acted on, at the same times
-    applied = _run(["chat", "retrieval"], (1, 3))["fleet"]["planner_decisions"]
+    applied = _run(("chat", "retrieval"), (1, 3))["fleet"]["planner_decisions"]
     first_change = next(d for d in applied if d["action"] == "change")
     first_advice = next(d for d in fleet["planner_decisions"] if d["action"] == "advise")
     assert (first_advice["t"], first_advice["target"]) == (first_change["t"],
@@ -179,7 +273,7 @@ def test_advise_decides_but_changes_nothing():
 
 
 def test_a_steady_workload_on_a_fitting_split_holds():
-    fleet = _run(["chat", "chat"], (1, 3))["fleet"]
+    fleet = _run(("chat", "chat"), (1, 3))["fleet"]
     assert not [d for d in fleet["planner_decisions"] if d["action"] == "change"]
 
 
@@ -229,3 +323,26 @@ def test_a_planner_that_holds_scores_what_its_fixed_split_scores():
     fixed, held = (simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None, specs=specs,
                             planner=p)["summary"] for p in (None, holder))
     assert (held["duration_s"], held["goodput"]) == (fixed["duration_s"], fixed["goodput"])
+
+
+def test_every_engine_of_a_change_switches_once_it_is_empty():
+    # A change under a decode-heavy load: an engine whose last request ends just before a step
+    # that runs nothing switches then too (it waited for an event that never came, and the
+    # planner, which holds while a change drains, never decided again).
+    class Forced(Planner):
+        def decide(self, now_s, current, observations, engines=None):
+            target = Split(4, 4) if now_s == 10.0 else Split(*current)
+            return Decision("change" if target != Split(*current) else "hold", target, "test")
+
+    rng, specs, t = random.Random(1), [], 0.0
+    while (t := t + rng.expovariate(6.0)) < 20.0:
+        n = rng.randint(100, 400)
+        specs.append(RequestSpec(len(specs), "chat", " ".join(rng.choices(WORDS, k=n)), n,
+                                 rng.randint(200, 800), arrival_s=t))
+    fleet = FleetConfig(num_normal=0, num_prompt=2, num_completion=6)
+    planner = Forced(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=10))
+    rec = simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None, specs=specs,
+                   planner=planner)
+    last = rec["fleet"]["roles_over_time"][-1]
+    assert (last["prompt"], last["completion"], last["draining"]) == (4, 4, 0)
+    assert rec["summary"]["num_completed"] == len(specs)
