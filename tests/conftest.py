@@ -72,21 +72,24 @@ def lora_folders(tmp_path_factory):
     return write_lora_folders(tmp_path_factory.mktemp("lora"))
 
 
-# The files that take longest (seconds of one run here, 4 December 2026, two xdist workers),
-# sent to the workers first: `make test` distributes whole files (`--dist loadfile`, in
-# collection order with `--no-loadscope-reorder`), and a long file drawn last leaves the other
-# worker idle at the end. A stale figure costs balance, never a test.
+# The files that take longest (seconds of one clean-clone run here, 6 December 2026, two xdist
+# workers, idle host; the planner's three after their cuts that day), sent to the workers
+# first: `make test` distributes whole files (`--dist loadfile`, in collection order with
+# `--no-loadscope-reorder`), and a long file drawn last leaves the other worker idle at the
+# end. A stale figure costs balance, never a test.
 _LONGEST_FIRST = {
-    "tests/router/test_e2e.py": 166, "tests/stress/test_soak_short.py": 110,
-    "tests/services/test_disaggregated.py": 125, "tests/stress/test_chaos.py": 60,
-    "tests/engine/test_engine.py": 58, "tests/router/test_migration_e2e.py": 55,
-    "tests/model/test_quantization.py": 48, "tests/engine/test_pipeline.py": 41,
-    "tests/model/test_sampler.py": 37, "tests/sim/test_mock_engines.py": 37,
-    "tests/deploy/test_multihost.py": 37, "tests/router/test_quantized_deployments.py": 35,
-    "tests/engine/test_speculation.py": 33, "tests/services/test_families_disaggregated.py": 28,
-    "tests/router/test_path_choice_e2e.py": 27, "tests/services/test_launcher.py": 27,
-    "tests/services/test_metrics.py": 26, "tests/router/test_role_change.py": 23,
-    "tests/engine/test_prefix_cache.py": 22, "tests/sim/test_live_planner.py": 21,
+    "tests/router/test_e2e.py": 182, "tests/services/test_disaggregated.py": 101,
+    "tests/stress/test_soak_short.py": 100, "tests/router/test_migration_e2e.py": 51,
+    "tests/router/test_path_choice_e2e.py": 50, "tests/services/test_launcher.py": 44,
+    "tests/model/test_quantization.py": 43, "tests/sim/test_mock_engines.py": 42,
+    "tests/engine/test_speculation.py": 41, "tests/engine/test_engine.py": 41,
+    "tests/deploy/test_multihost.py": 35, "tests/services/test_families_disaggregated.py": 26,
+    "tests/router/test_quantized_deployments.py": 24, "tests/services/test_metrics.py": 23,
+    "tests/engine/test_prefix_cache.py": 17, "tests/sim/test_live_planner.py": 16,
+    "tests/sim/test_planner.py": 15, "tests/router/test_role_change.py": 15,
+    "tests/model/test_kv_dtype.py": 14, "tests/model/test_load_cache.py": 14,
+    "tests/services/test_auth.py": 14, "tests/model/test_llama_reference.py": 14,
+    "tests/services/test_fuzz.py": 14, "tests/router/test_hostile.py": 13,
 }
 
 
