@@ -91,8 +91,8 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch threads (0 = this engine's share of the cores)")
     if role != PROMPT:  # a prompt engine runs no step without a prompt in it
         g.add_argument("--decode-threads", type=int, default=0,
-                       help="torch threads for a step with no prompt in it (0 = auto: 1 in the "
-                            "quantized modes, --num-threads in the exact one)")
+                       help="torch threads for a step with no prompt in it (0 = auto: "
+                            "--num-threads; 1 can be faster on a host whose cores are busy)")
         g.add_argument("--decode-kv", choices=("rows", "pool"), default="rows",
                        help="what the quantized modes' decode attention reads K/V from: a dense "
                             "copy per decoding sequence (rows: half the KV budget buys blocks, "

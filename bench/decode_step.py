@@ -1,7 +1,8 @@
 """Decode step time per mode (--quantization) at each batch and context, one process, modes
 interleaved so a shared machine's load falls on all alike. A step: the mean of `steps` (64)
 decode-only engine steps, timed after the batch's prompts are prefilled, for `batch` distinct
-prompts of `context` tokens (64), greedy, 2 threads. Prints a table (median ms per step, min-max over the repeats,
+prompts of `context` tokens (64), greedy, 2 threads (--threads: the prompt steps'; a decode step takes
+the engine's own count, one in the quantized modes, unless --decode-threads says). Prints a table (median ms per step, min-max over the repeats,
 ratio to the first mode) and writes JSON.
 
     .venv/bin/python bench/decode_step.py [--modes none,int4] [--batches 1,8] [--repeats 5]
@@ -9,6 +10,7 @@ ratio to the first mode) and writes JSON.
         [--modes int4@avx2,int4@avx512]   # MODE@PATH: the block kernels through that path
         [--decode-kv pool,rows]   # each mode's fused decode op over the block pool / dense rows
         [--profile int4:1]   # also print torch.profiler's top ops for that mode and batch
+        [--decode-threads 2]   # decode steps on 2 threads (EngineConfig.decode_threads)
 
 With --decode-kv, every mode runs once per source (`CPUBackend(decode_kv=...)`; a mode without
 the fused op, the exact one, keeps its dense rows either way) and the table first gives what the
@@ -79,15 +81,17 @@ def load(mode: str):
 
 
 def make_engine(mode: str, threads: int, loaded, decode_kv: str | None = None,
-                kv_bytes: int = 512 * 2**20, kv_dtype: str = "auto"):
+                kv_bytes: int = 512 * 2**20, kv_dtype: str = "auto", decode_threads: int = 0):
     """An engine for MODE on `loaded`; `decode_kv` "pool" / "rows": its backend's fused decode
-    op reads the block pool / dense rows (None: the default backend)."""
+    op reads the block pool / dense rows (None: the default backend); `decode_threads`: its
+    decode steps' threads (0: the engine's default)."""
     from baton.engine import EngineConfig, LLMEngine
     from baton.model.backends import CPUBackend
     from baton.model.runner import build_runner
 
     config = EngineConfig(num_threads=threads, max_num_seqs=64, kv_cache_memory_bytes=kv_bytes,
-                          quantization=mode.partition("@")[0], kv_cache_dtype=kv_dtype)
+                          quantization=mode.partition("@")[0], kv_cache_dtype=kv_dtype,
+                          decode_threads=decode_threads)
     if decode_kv is None:  # the engine's own backend
         return LLMEngine(config, loaded=loaded)
     # the backend get_backend gives the mode, with this source
@@ -120,6 +124,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--decode-threads", type=int, default=0, help="0: the engine's default")
     ap.add_argument("--profile", default="", help="MODE:BATCH to profile after the runs")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -134,7 +139,8 @@ def main() -> None:
     for m, weights in loaded.items():
         for src in sources:
             name = m if src is None else f"{m}/{src}"
-            engines[name] = make_engine(m, args.threads, weights, src, int(args.kv_gib * 2**30))
+            engines[name] = make_engine(m, args.threads, weights, src, int(args.kv_gib * 2**30),
+                                        decode_threads=args.decode_threads)
     modes = list(engines)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -171,6 +177,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "machine": platform.processor() or platform.machine(), "threads": args.threads,
+        "decode_threads": args.decode_threads,
         "load_avg": os.getloadavg(), "uptime_start": uptime_start,
         "uptime_end": os.popen("uptime").read().strip(),
         "steps": args.steps, "capacity": caps, "rows": rows}, indent=2) + "\n")

@@ -53,14 +53,17 @@ class EngineConfig:
     # engine); freed keyed blocks stay cached until the pool needs them.
     enable_prefix_caching: bool = True
     num_threads: int = 2  # torch intra-op threads; 0 = leave torch's default (all cores)
-    # Threads for a step with no prompt in it; 0 = auto: one in the quantized modes, num_threads
-    # in the others. On a small host each parallel region's barrier waits for a thread that the
-    # router, a client or the other engine may hold; the block kernels' decode steps gained
-    # nothing from a second thread even on an idle machine (co-located int4, 2 cores: c1 TPOT
-    # 18.4 ms on one, 20.3 on two; c32 70.1 vs 72.7 tok/s; 51-61 ms vs 31-34 at c1 beside a
-    # compile), while the exact mode's MKL GEMMs do (c32 66.8 vs 51.8 tok/s). In the exact mode
-    # a value other than num_threads lets MKL round a decode row differently in a decode-only
-    # step (a completion engine) than beside a prompt (a normal engine).
+    # Threads for a step with no prompt in it; 0 = auto: num_threads. A 1-row int4 step streams
+    # every weight from memory, and one core reads ~13 GB/s here, two ~25: on the 2-core Xeon,
+    # idle, a c1 step (256 tokens) took 6.5 ms on two threads against 9.5 on one, c32 81 against
+    # 129 ms (bench/decode_step.py --decode-threads). (Until the block kernels were built with
+    # OpenMP, their at::parallel_for ran on one thread whatever this said, and one thread was
+    # the default in the quantized modes: a second only added barriers.) Each parallel region's
+    # barrier waits for a thread that the router, a client or another process may hold, so on a
+    # host whose cores are busy with other work 1 can be the faster choice (a c1 step beside a
+    # busy loop on the other core: 24.6 ms on two threads, 9.4 on one). In the exact mode a
+    # value other than num_threads lets MKL round a decode row differently in a decode-only step
+    # (a completion engine) than beside a prompt (a normal engine).
     decode_threads: int = 0
     # What the quantized modes' decode attention reads a decoding sequence's K/V from: "rows"
     # (a dense copy per decoding sequence beside the pool: half the budget buys blocks) or

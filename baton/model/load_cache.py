@@ -37,7 +37,7 @@ from baton.load_cache import (
 )
 from baton.model.config import ModelConfig, resolve_dtype
 from baton.model.loader import LoadedModel, default_device, load_model
-from baton.model.quant import QuantizedWeight, kernels
+from baton.model.quant import QuantizedWeight, arrange_tiles, kernels
 from baton.model_files import default_model_path
 
 logger = logging.getLogger(__name__)
@@ -229,6 +229,7 @@ def restore(file: Path, key: dict, device: torch.device, path: str | None = None
             if isinstance(v, torch.Tensor) and v.is_meta:
                 raise CacheMiss(f"{mod_name}.{attr} is not in the cache file")
     model.eval()
+    arrange_tiles(model)
     logger.info("loaded %s from the load cache: %d layers, hidden %d, vocab %d, %s on %s, %s",
                 meta["path"], config.num_layers, config.hidden_size, config.vocab_size,
                 config.dtype, device, meta["quantization"])

@@ -29,8 +29,10 @@ in Q4_0 next to a Q4_1 part is rewritten as Q4_1 (offset -8 d, exact in fp16).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,6 +203,49 @@ _LAYER_WEIGHTS = {  # fused parameter -> the HF tensors it is made of, in row or
 HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the untied head, else the tied one
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def _huge_page_bytes(num_bytes: int) -> torch.Tensor:
+    """uint8 [num_bytes], 2 MiB aligned, advised to the kernel as huge pages before anything
+    touches it (Linux with transparent huge pages on `madvise`; elsewhere plain memory)."""
+    raw = torch.empty(num_bytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -(-raw.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    if sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(num_bytes // _HUGE_PAGE
+                                                                 * _HUGE_PAGE), _MADV_HUGEPAGE)
+        except (OSError, AttributeError):  # no madvise: plain pages, the same bits
+            pass
+    offset = start - raw.data_ptr()
+    return raw[offset:offset + num_bytes]
+
+
+def arrange_tiles(model: torch.nn.Module) -> None:
+    """Move the AVX-512 tiles of every layer's four projections and of the vocabulary
+    projection into one buffer, in the order a decode step multiplies them, on huge pages.
+    A 1-row decode step streams all of them from memory (96 MB for SmolLM2 in int4): end to
+    end, each GEMM's prefetch runs on into the next one's first tiles, and the huge pages spare
+    the TLB a miss every 4 KiB (on the 2-core Xeon, one thread: a step's GEMMs 0.79-0.81x the
+    time over separate tensors, 0.94-0.97x in one buffer of 4 KiB pages). The same bytes."""
+    weights = [getattr(layer, attr, None) for layer in getattr(model, "layers", ())
+               for attr in _LAYER_WEIGHTS]
+    weights.append(getattr(model, "lm_head", None))
+    weights = [w for w in weights if isinstance(w, QuantizedWeight) and w.tiles is not None]
+    if not weights:
+        return
+    sizes = [-(-w.tiles.numel() // 64) * 64 for w in weights]  # each tile run 64-byte aligned
+    arena = _huge_page_bytes(sum(sizes))
+    offset = 0
+    for w, size in zip(weights, sizes, strict=True):
+        tiles = arena[offset:offset + w.tiles.numel()].view(w.tiles.shape)
+        tiles.copy_(w.tiles)
+        w.tiles = tiles
+        offset += size
+
+
 def _replace(module: torch.nn.Module, name: str, weight: QuantizedWeight) -> None:
     delattr(module, name)  # a Parameter slot refuses a non-Parameter value
     setattr(module, name, weight)
@@ -280,6 +325,7 @@ def quantize_model(model: torch.nn.Module, quantization: str,
     q = QuantizedWeight.of(b if is_stored else Blocks.of_float(weights[head_name], HEAD_KIND), dtype,
                            head.data if is_stored else None)
     _replace(model, "lm_head", q)
+    arrange_tiles(model)
     logger.info("quantized %s: layer weights %.0f MiB (fp32 %.0f MiB), %d tensors as stored; "
                 "vocabulary projection %s %s; kernel path %s", quantization, quant_bytes / 2**20,
                 float_bytes / 2**20, kept, HEAD_KIND, "as stored" if is_stored else "from float",

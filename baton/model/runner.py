@@ -279,9 +279,9 @@ def build_runner(config, loaded: LoadedModel | None = None,
                          config.kv_cache_memory_bytes, backend=backend,
                          kv_cache_dtype=config.kv_cache_dtype, decode_kv=config.decode_kv)
     threads = torch.get_num_threads()
-    # Decode steps of the quantized modes run on one thread unless told otherwise (see
-    # EngineConfig.decode_threads for the measurements).
-    decode = config.decode_threads or (1 if loaded.quantization != "none" else threads)
+    # Decode steps run on num_threads unless told otherwise (see EngineConfig.decode_threads
+    # for the measurements).
+    decode = config.decode_threads or threads
     runner.step_threads = {True: threads, False: decode}
     runner.startup = {"weights": t1 - t0, "kv pool + runner": time.perf_counter() - t1,
                       "load cache": outcome}

@@ -35,7 +35,8 @@
 //
 // The ops are torch custom ops (TORCH_LIBRARY) threaded with at::parallel_for over output
 // columns, so they use torch's own intra-op pool: a second pool would fight torch's spinning
-// OpenMP threads on a small machine. The module is a Python extension only so that importing it
+// OpenMP threads on a small machine. The module must be compiled with OpenMP (CMakeLists.txt):
+// without it ATen's header runs the body on the calling thread alone. The module is a Python extension only so that importing it
 // registers the ops (`import baton._qkernels`) wherever Python finds the package.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

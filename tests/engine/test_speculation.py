@@ -337,6 +337,24 @@ def test_greedy_equals_plain_decoding_token_for_token(engines, copy_prompt) -> N
 
 
 @pytest.mark.slow
+def test_verified_drafts_extend_the_decode_rows(engines, copy_prompt) -> None:
+    """A step that verifies drafts keeps each sequence's dense decode row (its tokens before
+    the drafts; beside rows that decode plainly in the same step), and the next plain step
+    appends the kept drafts' K/V from the pool: a whole row is gathered once per sequence, when
+    it first decodes, and the tokens are the plain run's."""
+    tokenizer = baton_model().tokenizer
+    prompts = [copy_prompt, tokenizer.encode("1, 2, 3, 4,"),
+               tokenizer.encode("The cat sat on the mat. The cat sat on")]
+    rows = engines[1].runner.backend.decode_rows
+    gathered, appended = rows.num_gathered, rows.num_appended
+    want, got, accepted = run_both(engines, prompts, SamplingParams(temperature=0, max_tokens=48))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert accepted > 10
+    assert rows.num_gathered - gathered <= len(prompts)
+    assert rows.num_appended - appended > len(prompts)
+
+
+@pytest.mark.slow
 def test_stops_and_lengths_as_without_drafts(engines, copy_prompt) -> None:
     """max_tokens cuts inside a verified row, a stop token among the kept drafts ends the
     output there, ignore_eos runs on; penalties see the drafts before each position."""

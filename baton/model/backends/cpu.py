@@ -97,9 +97,12 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DecodeGroup:
-    """The batch entries whose rows live in one `RowGroup`, viewed as `kv [num_layers, 2, n,
-    num_kv_heads, max_len, head_dim]`; each layer writes its new K/V there too and runs one masked
-    attention call over its slice. Rows are a permutation of the entries: `rows[i]` is entry i's."""
+    """The batch entries whose rows live in one `RowGroup`, viewed as `kv [num_layers, 2, R,
+    num_kv_heads, max_len, head_dim]` (R: the first rows, up to the last entry's); each layer
+    writes its new K/V there too and runs one masked attention call over its slice. `rows[i]`
+    is entry i's row; R = n (rows a permutation of the entries) unless a row among them belongs
+    to a sequence that verifies drafts this step (kept for its next step): the eager path
+    then attends over that row too, and drops what it gives."""
 
     group: RowGroup
     index: torch.Tensor | None  # int64 [n] entries of the decode batch; None = all of them
@@ -107,8 +110,9 @@ class DecodeGroup:
     permutation: torch.Tensor | None  # = rows, or None when rows are 0..n-1 in entry order
     new_pos: torch.Tensor  # int64 [n] position of the new token (context length - 1)
     lens: np.ndarray  # int64 [n] context length of each entry after this step
-    # additive [n, 1, 1, max_len] in row order: 0 up to the length, -inf after; None when every
-    # row is max_len long (batch 1 always): adding zeros changes nothing but costs a dispatch.
+    # additive [R, 1, 1, max_len] in row order: 0 up to the length, -inf after (0 for a row
+    # that is no entry's); None when every entry is max_len long (batch 1 always): adding zeros
+    # changes nothing but costs a dispatch.
     mask: torch.Tensor | None
     kv: torch.Tensor  # the workspace view described above, in the pool's dtype
     dtype: torch.dtype  # the compute dtype: the masks', and what attention reads the rows as
@@ -121,8 +125,8 @@ class DecodeGroup:
             return self._window_masks[window]
         mask = self.mask
         if int(self.lens.max()) > window:
-            pos = self.new_pos if self.permutation is None else \
-                torch.empty_like(self.new_pos).index_copy_(0, self.rows, self.new_pos)
+            pos = self.new_pos if self.permutation is None else self.new_pos.new_full(
+                (self.kv.shape[2],), self.kv.shape[4] - 1).index_copy_(0, self.rows, self.new_pos)
             keys = torch.arange(self.kv.shape[4], device=pos.device)
             far = torch.zeros((len(pos), self.kv.shape[4]), dtype=self.dtype, device=pos.device)
             far.masked_fill_(keys[None, :] <= pos[:, None] - window, float("-inf"))
@@ -180,7 +184,9 @@ class AttentionMetadata:
 
 def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarray,
                  seq_ids: np.ndarray, block_tables: torch.Tensor, kv_cache: torch.Tensor,
-                 decode_rows: DecodeRows, dtype: torch.dtype) -> DecodeBatch | None:
+                 decode_rows: DecodeRows, dtype: torch.dtype,
+                 keep: np.ndarray | None = None) -> DecodeBatch | None:
+    """`keep`: the sequences verifying drafts this step, whose rows stay for their next."""
     dec = np.flatnonzero(seqlens_q == 1)
     if len(dec) == 0:
         return None
@@ -189,23 +195,25 @@ def build_decode(seqlens_q: np.ndarray, seqlens_k: np.ndarray, starts: np.ndarra
     is_all = len(dec) == len(seqlens_q)
     tables = block_tables if is_all else block_tables[torch.as_tensor(dec, device=device)]
     groups = []
-    prepared = decode_rows.prepare(seq_ids[dec], lens, tables, kv_cache, kv_cache.shape[3])
+    prepared = decode_rows.prepare(seq_ids[dec], lens, tables, kv_cache, kv_cache.shape[3], keep)
     for group, index, rows in prepared:
         glens = lens[index]
         n, max_len = len(index), int(glens.max())
-        identity = bool((rows == torch.arange(n, device=device)).all())
+        num_rows = int(rows.max()) + 1  # n, unless kept rows lie among the entries'
+        identity = num_rows == n and bool((rows == torch.arange(n, device=device)).all())
         lens_t = torch.as_tensor(glens, device=device)
-        row_lens = lens_t if identity else torch.empty_like(lens_t).index_copy_(0, rows, lens_t)
+        row_lens = lens_t if identity else \
+            lens_t.new_full((num_rows,), max_len).index_copy_(0, rows, lens_t)
         mask = None
         if int(glens.min()) < max_len:
-            mask = torch.zeros((n, max_len), dtype=dtype, device=device)
+            mask = torch.zeros((num_rows, max_len), dtype=dtype, device=device)
             mask.masked_fill_(torch.arange(max_len, device=device)[None, :] >= row_lens[:, None],
                               float("-inf"))
             mask = mask[:, None, None, :]
         groups.append(DecodeGroup(
             group, None if len(prepared) == 1 else torch.as_tensor(index, device=device), rows,
             None if identity else rows, lens_t - 1, glens, mask,
-            group.ws[:, :, :n, :, :max_len], dtype))
+            group.ws[:, :, :num_rows, :, :max_len], dtype))
     tokens = None if is_all else torch.as_tensor(starts[dec], device=device)
     return DecodeBatch(tokens, groups)
 
@@ -220,9 +228,15 @@ def build_metadata(batch: StepBatch, seq_ids: np.ndarray, kv_cache: torch.Tensor
     if decode_rows is None:
         decode = build_pool_decode(seqlens_q, seqlens_k, starts, block_tables, kv_cache)
     else:
-        decode_rows.forget(seq_ids[seqlens_q > 1])  # their K/V is being (re)written by a prefill
+        chunks = seqlens_q > 1
+        keep = None
+        if batch.decode_step:  # verified drafts: their rows keep the tokens before the chunk
+            keep = seq_ids[chunks]
+            decode_rows.truncate(keep, (seqlens_k - seqlens_q)[chunks])
+        else:  # their K/V is being (re)written by a prefill
+            decode_rows.forget(seq_ids[chunks])
         decode = build_decode(seqlens_q, seqlens_k, starts, seq_ids, block_tables, kv_cache,
-                              decode_rows, dtype)
+                              decode_rows, dtype, keep)
     prefills = build_prefill(seqlens_q, seqlens_k, starts, block_tables, block_size)
     last = None  # an all-decode batch: every token is its sequence's last
     if decode is None or decode.tokens is not None:
@@ -297,8 +311,9 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Decode
     dense[:, g.rows, :, g.new_pos] = torch.stack((k, v), dim=1)
     # The query heads sharing a KV head ride as its query rows: no K/V repeat, no copy.
     qd = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if g.permutation is not None:
-        qd = torch.empty_like(qd).index_copy_(0, g.permutation, qd)
+    if g.permutation is not None:  # zeros for a kept row that is no entry's (its output dropped)
+        qd = (torch.empty_like(qd) if g.kv.shape[2] == n else
+              qd.new_zeros((g.kv.shape[2], *qd.shape[1:]))).index_copy_(0, g.permutation, qd)
     keys, vals = dense[0], dense[1]  # [n, Hkv, max_len, D]
     if keys.dtype != q.dtype:  # rows in another KV dtype: attention runs in the compute dtype
         keys, vals = keys.to(q.dtype), vals.to(q.dtype)

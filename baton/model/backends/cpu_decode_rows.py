@@ -6,7 +6,10 @@ K/V per step (at batch 32 x 1000 tokens of SmolLM2, 1.5 GB read and written for 
 so the rows persist: a sequence keeps its row from step to step and each layer appends only the
 new token (`LlamaLayer` writes it into the pool and the row alike). Blocks are gathered only for a
 sequence that is new to decoding, or whose row no longer holds exactly the tokens before this
-step's (recomputed, or skipped by a step).
+step's (recomputed, or skipped by a step). A speculative step's verified drafts run as a chunk
+over the pool: the row keeps the tokens before the chunk (`truncate`), and the next decode step
+appends the kept drafts' K/V from the pool instead of gathering the whole row again (a whole
+row of 256 tokens made the next step of SmolLM2 cost ~2x a plain one).
 
 Rows live in groups by length class (up to 512 tokens, 2048, 8192, ...): a dense workspace pads
 every row to its longest member, so one 1500-token prompt among chat turns of 100 tokens would
@@ -19,7 +22,8 @@ A group's layout is `[num_layers, 2, rows, num_kv_heads, capacity, head_dim]`: p
 a sequence's keys are contiguous, the layout transformers' own cache has, which the CPU attention
 kernel reads fastest. Its active rows are always 0..n-1 (a freed row is filled by moving the last
 one into it), so attention runs on views of the first n rows, in row order; `rows` maps the batch
-order onto them. Memory: 46 KB per token-row for SmolLM2 in fp32.
+order onto them (a step that verifies drafts keeps those sequences' rows among them, which the
+eager path attends over and drops). Memory: 46 KB per token-row for SmolLM2 in fp32.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class DecodeRows:
     def num_gathered(self) -> int:
         return sum(g.num_gathered for g in self.groups)
 
+    @property
+    def num_appended(self) -> int:
+        return sum(g.num_appended for g in self.groups)
+
     def reset(self) -> None:
         self._class = {}
         for g in self.groups:
@@ -57,11 +65,19 @@ class DecodeRows:
         for g in self.groups:
             g.forget(seq_ids)
 
+    def truncate(self, seq_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """These sequences' K/V from `num_tokens` on is being written by a chunk of verified
+        drafts: their rows keep the tokens before it (see `RowGroup.truncate`)."""
+        for g in self.groups:
+            g.truncate(seq_ids, num_tokens)
+
     def prepare(self, seq_ids: np.ndarray, seqlens_k: np.ndarray, tables: torch.Tensor,
-                kv_cache: torch.Tensor, block_size: int) -> list[tuple[RowGroup, np.ndarray, torch.Tensor]]:
+                kv_cache: torch.Tensor, block_size: int, keep: np.ndarray | None = None,
+                ) -> list[tuple[RowGroup, np.ndarray, torch.Tensor]]:
         """Rows for every sequence of a decode batch: (group, the batch entries it serves, their
         rows), one per non-empty group; see `RowGroup.prepare`. Every group is visited, so a
-        sequence that left the batch (or moved up a class) loses its old row."""
+        sequence that left the batch (or moved up a class) loses its old row, except those in
+        `keep` (sequences of the same step that verify drafts: they decode again next step)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
         if key != self._pool_key:  # another pool: nothing here describes it
             self._pool_key = key
@@ -71,14 +87,17 @@ class DecodeRows:
         cls = np.searchsorted(_LIMITS, seqlens_k)  # the first class whose limit is >= k
         for i, s in enumerate(ids):  # never move down: a row only grows
             cls[i] = max(cls[i], self._class.get(s, 0))
-        self._class = dict(zip(ids, cls.tolist(), strict=True))
+        kept = {} if keep is None else \
+            {int(s): self._class[int(s)] for s in keep if int(s) in self._class}
+        self._class = {**kept, **dict(zip(ids, cls.tolist(), strict=True))}
         out = []
         for c, group in enumerate(self.groups):
             index = np.flatnonzero(cls == c)
             if len(index) == 0 and group.num_rows == 0:
                 continue  # nothing to serve, nothing to release
             sub = tables if len(index) == len(seq_ids) else tables[torch.as_tensor(index, device=tables.device)]
-            rows = group.prepare(seq_ids[index], seqlens_k[index], sub, kv_cache, block_size)
+            rows = group.prepare(seq_ids[index], seqlens_k[index], sub, kv_cache, block_size,
+                                 kept)
             if len(index):
                 out.append((group, index, rows))
         return out
@@ -95,6 +114,7 @@ class RowGroup:
         self._seq_of: list[int] = []  # row -> seq id, rows 0..n-1 active
         self._held = np.zeros(0, dtype=np.int64)  # tokens each row holds, -1 = unknown
         self.num_gathered = 0  # rows filled from the pool (tests and metrics)
+        self.num_appended = 0  # rows that got only their newest tokens from the pool
 
     @property
     def num_rows(self) -> int:
@@ -112,19 +132,31 @@ class RowGroup:
             if row is not None:
                 self._held[row] = -1
 
+    def truncate(self, seq_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Rows keep at most `num_tokens` tokens: the pool's K/V from there on is being
+        rewritten (verified drafts); the tokens before it stay the row's."""
+        for s, k in zip(seq_ids.tolist(), num_tokens.tolist(), strict=True):
+            row = self._row_of.get(s)
+            if row is not None:
+                self._held[row] = min(int(self._held[row]), k)
+
     def prepare(self, seq_ids: np.ndarray, seqlens_k: np.ndarray, tables: torch.Tensor,
-                kv_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+                kv_cache: torch.Tensor, block_size: int, keep=()) -> torch.Tensor:
         """Make rows hold tokens [0, k - 1) of each sequence (k = its context after this step;
-        the layers write token k - 1). Sequences not in this batch lose their rows. Returns the
-        row of each batch entry, int64 [n]: a permutation of 0..n-1."""
+        the layers write token k - 1): a row holding fewer of them gets the rest from the pool
+        (a row's tokens always match the pool's: a chunk that rewrites them forgets or
+        truncates it). Sequences not in this batch nor in `keep` lose their rows. Returns the
+        row of each batch entry, int64 [n]: a permutation of 0..n-1 unless kept rows lie among
+        them."""
         ids = [int(s) for s in seq_ids]
-        keep = set(ids)
+        keep = set(ids).union(keep)
         for s in [s for s in self._seq_of if s not in keep]:
             self._release(s)
         n = len(ids)
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=kv_cache.device)
-        self._ensure(n, int(seqlens_k.max()), kv_cache)
+        self._ensure(len(self._seq_of) + sum(s not in self._row_of for s in ids),
+                     int(seqlens_k.max()), kv_cache)
         rows = np.empty(n, dtype=np.int64)
         for i, s in enumerate(ids):
             row = self._row_of.get(s)
@@ -135,7 +167,10 @@ class RowGroup:
                 self._held[row] = -1
             rows[i] = row
             need = int(seqlens_k[i]) - 1
-            if self._held[row] != need:
+            held = int(self._held[row])
+            if 0 < held < need:
+                self._append(row, tables[i], held, need, kv_cache, block_size)
+            elif held != need:
                 self._gather(row, tables[i], need, kv_cache, block_size)
         return torch.as_tensor(rows, device=kv_cache.device)
 
@@ -196,3 +231,15 @@ class RowGroup:
             self.ws[:, :, row, :, start:num_tokens] = src[:, :, :, :num_tokens - start]
         self._held[row] = num_tokens
         self.num_gathered += 1
+
+    def _append(self, row: int, table: torch.Tensor, held: int, num_tokens: int,
+                kv_cache: torch.Tensor, block_size: int) -> None:
+        """Tokens [held, num_tokens) of the row from the pool (the ones before are the row's)."""
+        pos = torch.arange(held, num_tokens, device=kv_cache.device)
+        blocks = table[pos // block_size]
+        assert bool((blocks > 0).all()), "a released block after a decode row's tokens"
+        # Advanced indices on dims 0 and 3 around slices: [T, L, 2, Hkv, D].
+        src = kv_cache[blocks, :, :, pos % block_size]
+        self.ws[:, :, row, :, held:num_tokens] = src.permute(1, 2, 3, 0, 4)
+        self._held[row] = num_tokens
+        self.num_appended += 1
