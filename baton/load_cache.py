@@ -18,16 +18,22 @@ Each file holds its key and checksums of its payload (`checksum`, `bulk_checksum
 do not match their checksums, is a miss (a warning), rebuilt, never used. Writers write a
 temporary file beside the final one, fsync it and rename it over: two engines starting at once
 both write whole files, and a reader sees one of them or none. A directory keeps the
-`KEEP_MODEL_FILES` most recently used model files (and `KEEP_TOKENIZER_FILES` tokenizers).
+most recently used model files that fit in `KEEP_MODEL_BYTES` (a budget in bytes, not a count:
+the test suite's tiny checkpoints once pushed the default model's 540 MB files out, and every
+run's first engines parsed the GGUF again) and `KEEP_TOKENIZER_FILES` tokenizers. Engines that
+miss together (a fleet starting) take turns on a lock per file (`miss_lock`): the first parses
+and writes, the others then read its file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -37,10 +43,12 @@ from baton.model_files import default_model_path
 logger = logging.getLogger(__name__)
 
 LOAD_CACHE_ENV = "BATON_LOAD_CACHE_DIR"
-# Files of each kind kept in a cache directory, the most recently used (a hit touches its file):
-# an edit of the loader code keys every model anew, and the default model's int4 file is 636 MB.
-KEEP_MODEL_FILES = 4
+# What a cache directory keeps, the most recently used first (a hit touches its file): model
+# files up to this many bytes (the newest always; the default model's files are 540 MB exact
+# and 636 MB int4, and an edit of the loader code keys every model anew), and tokenizers.
+KEEP_MODEL_BYTES = 4 << 30
 KEEP_TOKENIZER_FILES = 16
+MISS_LOCK_TIMEOUT_S = 600.0  # how long an engine waits for another's parse of the same model
 FORMAT = 1  # of the cache files themselves
 _EDGE = 2**20  # bytes hashed at each end of a weight file
 _ROOT = Path(__file__).resolve().parent
@@ -137,18 +145,57 @@ def touch(file: Path) -> None:
         pass
 
 
-def evict(cache_dir: str | os.PathLike, pattern: str, keep: int) -> None:
-    """Delete all but the `keep` most recently used files matching `pattern` (a reader that
-    has one mapped keeps its pages: unlinking leaves the inode until it is unmapped)."""
+def evict(cache_dir: str | os.PathLike, pattern: str, keep: int = 0,
+          keep_bytes: int = 0) -> None:
+    """Delete the files matching `pattern` past the `keep` most recently used (`keep` > 0), or
+    past those that fit in `keep_bytes` together (the newest always stays). A reader that has
+    one mapped keeps its pages: unlinking leaves the inode until it is unmapped."""
     files = []
     for f in Path(cache_dir).glob(pattern):
         try:
-            files.append((f.stat().st_mtime, f))
+            st = f.stat()
         except OSError:
             continue  # deleted by another engine meanwhile
-    for _, f in sorted(files, reverse=True)[keep:]:
+        files.append((st.st_mtime, st.st_size, f))
+    total = 0
+    for i, (_, size, f) in enumerate(sorted(files, key=lambda e: e[0], reverse=True)):
+        total += size
+        if (keep and i < keep) or (not keep and (i == 0 or total <= keep_bytes)):
+            continue
         f.unlink(missing_ok=True)
+        Path(f"{f}.lock").unlink(missing_ok=True)  # miss_lock's, if it had one
         logger.info("load cache: evicted %s", f)
+
+
+@contextlib.contextmanager
+def miss_lock(file: Path, timeout_s: float = MISS_LOCK_TIMEOUT_S):
+    """Hold `file`.lock exclusively while this process builds `file`, so engines that miss at
+    once parse the model once: the others wait here and then find the file. Past `timeout_s`
+    (a builder stuck), or where the lock cannot be taken at all, the caller goes on unlocked:
+    two writers are safe (temporary file, then rename), only slower."""
+    try:
+        import fcntl
+
+        fd = os.open(f"{file}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    except (ImportError, OSError) as e:
+        logger.warning("load cache: no lock for %s (%s): building it unlocked", file, e)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    logger.warning("load cache: %s still locked after %.0f s: building it "
+                                   "unlocked", file, timeout_s)
+                    break
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -185,7 +232,7 @@ def save_tokenizer(cache_dir: str | os.PathLike, path: str | os.PathLike | None,
                               "context_length": context_length}, sort_keys=True)
         doc = json.dumps({"key": key, "sum": checksum(payload.encode()), "payload": payload})
         atomic_write(_tokenizer_file(cache_dir, key), lambda f: f.write(doc.encode()))
-        evict(cache_dir, "tokenizer-*.json", KEEP_TOKENIZER_FILES)
+        evict(cache_dir, "tokenizer-*.json", keep=KEEP_TOKENIZER_FILES)
     except OSError as e:
         logger.warning("load cache: cannot write the tokenizer cache in %s: %s", cache_dir, e)
 

@@ -23,13 +23,14 @@ import torch
 from torch import nn
 
 from baton.load_cache import (
-    KEEP_MODEL_FILES,
+    KEEP_MODEL_BYTES,
     atomic_write,
     bulk_checksum,
     checksum,
     evict,
     key_digest,
     make_key,
+    miss_lock,
     save_tokenizer,
     tokenizer_from_state,
     tokenizer_state,
@@ -68,27 +69,48 @@ def load_with_cache(path: str | os.PathLike | None, dtype: str | torch.dtype,
     except OSError:  # no such model: the loader says so in its own words
         return load_model(path, dtype, device, quantization), "off"
     file = Path(cache_dir) / f"model-{key_digest(key)}.pt"
-    outcome = "miss"
-    if file.exists():
-        t0 = time.perf_counter()
-        try:
-            loaded = restore(file, key, dev, _read_path(path))
-            touch(file)
-            logger.info("load cache: hit %s (%.2f s)", file, time.perf_counter() - t0)
-            return loaded, "hit"
-        except CacheMiss as e:
-            logger.warning("load cache: %s not used (%s): rebuilding it", file, e)
-            outcome = "bad"
+    found = _restore(file, key, dev, path)
+    if isinstance(found, LoadedModel):
+        return found, "hit"
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # save says so below
+    with miss_lock(file):
+        if found == "miss":  # another engine may have built it while this one waited
+            again = _restore(file, key, dev, path)
+            if isinstance(again, LoadedModel):
+                return again, "hit"
+        return _build(file, key, path, dtype, device, quantization, cache_dir), found
+
+
+def _restore(file: Path, key: dict, dev: torch.device, path) -> LoadedModel | str:
+    """The cached model, else "miss" (no file) or "bad" (a file not used)."""
+    if not file.exists():
+        return "miss"
+    t0 = time.perf_counter()
+    try:
+        loaded = restore(file, key, dev, _read_path(path))
+    except CacheMiss as e:
+        logger.warning("load cache: %s not used (%s): rebuilding it", file, e)
+        return "bad"
+    touch(file)
+    logger.info("load cache: hit %s (%.2f s)", file, time.perf_counter() - t0)
+    return loaded
+
+
+def _build(file: Path, key: dict, path, dtype, device, quantization: str,
+           cache_dir) -> LoadedModel:
     loaded = load_model(path, dtype, device, quantization)
     t0 = time.perf_counter()
     try:
         save(file, key, loaded)
-        evict(cache_dir, "model-*.pt", KEEP_MODEL_FILES)
+        evict(cache_dir, "model-*.pt", keep_bytes=KEEP_MODEL_BYTES)
         save_tokenizer(cache_dir, path, loaded.tokenizer, loaded.config.max_position)
         logger.info("load cache: wrote %s (%.2f s)", file, time.perf_counter() - t0)
     except OSError as e:
         logger.warning("load cache: cannot write %s: %s", file, e)
-    return loaded, outcome
+    return loaded
 
 
 # ---------------------------------------------------------------- write

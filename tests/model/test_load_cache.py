@@ -193,12 +193,67 @@ def _greedy_default(cache_dir: Path | None) -> tuple[list, str]:
 def test_eviction_keeps_the_most_recently_used(tiny: Path, tmp_path: Path, monkeypatch) -> None:
     import baton.model.load_cache as model_cache
 
-    monkeypatch.setattr(model_cache, "KEEP_MODEL_FILES", 1)
+    monkeypatch.setattr(model_cache, "KEEP_MODEL_BYTES", 1)  # the newest file only
     load_with_cache(tiny, "float32", "cpu", "none", tmp_path)
     load_with_cache(tiny, "float32", "cpu", "auto", tmp_path)
     assert len(list(tmp_path.glob("model-*.pt"))) == 1
     assert load_with_cache(tiny, "float32", "cpu", "auto", tmp_path)[1] == "hit"
     assert load_with_cache(tiny, "float32", "cpu", "none", tmp_path)[1] == "miss"
+
+
+def test_eviction_counts_bytes_so_small_files_keep_a_large_one(tmp_path: Path) -> None:
+    """The budget is bytes: small newer files do not push out an older large one that fits
+    (the suite's tiny checkpoints once evicted the default model's 540 MB files every run)."""
+    import os
+    import time
+
+    from baton.load_cache import evict
+
+    for i, (name, size) in enumerate([("big", 600), ("a", 10), ("b", 10), ("c", 10),
+                                      ("d", 10), ("e", 500)]):
+        f = tmp_path / f"model-{name}.pt"
+        f.write_bytes(b"x" * size)
+        os.utime(f, (time.time() - 100 + i, time.time() - 100 + i))
+    evict(tmp_path, "model-*.pt", keep_bytes=1200)
+    assert sorted(f.name for f in tmp_path.glob("model-*.pt")) == [
+        "model-a.pt", "model-b.pt", "model-big.pt", "model-c.pt", "model-d.pt", "model-e.pt"]
+    evict(tmp_path, "model-*.pt", keep_bytes=600)  # e (500) and d, c, b, a fit; big does not
+    assert not (tmp_path / "model-big.pt").exists() and (tmp_path / "model-a.pt").exists()
+    evict(tmp_path, "model-*.pt", keep_bytes=1)  # the newest stays whatever its size
+    assert [f.name for f in tmp_path.glob("model-*.pt")] == ["model-e.pt"]
+
+
+def test_engines_that_miss_together_parse_once(tiny: Path, tmp_path: Path) -> None:
+    """Two loads of one model that miss at once: the second waits on the first's lock and
+    reads the file it wrote (a fleet starting parses the model once, not once an engine)."""
+    import threading
+
+    from baton.load_cache import miss_lock
+
+    results = []
+    probe = tmp_path / "probe.pt"
+    with miss_lock(probe):  # the lock is exclusive: a second holder waits for the first
+        waiter = threading.Thread(target=lambda: results.append(_locked_after(probe)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()
+    waiter.join(10)
+    assert results == [True]
+    outcomes = []
+    threads = [threading.Thread(target=lambda: outcomes.append(
+        load_with_cache(tiny, "float32", "cpu", "none", tmp_path)[1])) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(outcomes) == ["hit", "miss"]
+
+
+def _locked_after(file: Path) -> bool:
+    from baton.load_cache import miss_lock
+
+    with miss_lock(file):
+        return True
 
 
 def _tiny_hf_folder(folder: Path, tiny_gguf: Path) -> Path:
