@@ -143,23 +143,10 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
             shared = _prompt(rng, max(0, context - 16), vocab)
             for _ in range(batch):
                 engine.add_request(None, shared + _prompt(rng, min(16, context), vocab), params)
-            first = True
-            while engine.has_unfinished():
-                timed.calls.clear()
-                ts = time.perf_counter()
-                engine.step()
-                step_ms = (time.perf_counter() - ts) * 1e3
-                if len(timed.calls) == 1 and not timed.calls[0][0]:
-                    _, q, k, n, ms = timed.calls[0]
-                    if len(k) == batch and first:
-                        # Untimed: the batch's first decode step fills the CPU backend's decode
-                        # rows from the pool (sized up when the batch or context outgrows
-                        # them: 5-10x a step here), a once-per-request cost, not a step's.
-                        first = False
-                    elif len(k) == batch:
-                        dec_x.append(decode_features(k))
-                        dec_y.append(ms)
-                        rows.append((n, ms, step_ms))
+            for k, n, ms, step_ms in _decode_steps(engine, timed, batch):
+                dec_x.append(decode_features(k))
+                dec_y.append(ms)
+                rows.append((n, ms, step_ms))
             bar.step(f"decode batch {batch} x {context}")
     grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
     latency_ms, bytes_per_ms, method = _transfer(engine, grid, bar)
@@ -185,6 +172,25 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                  "transfer_method": method})
 
 
+def _decode_steps(engine, timed: _Timed, batch: int):
+    """Step the engine until its requests finish; (context per row, sampled rows, forward ms,
+    whole step ms) of each decode-only step of all `batch` rows but the first. The first one is
+    left out: it fills the CPU backend's decode rows from the pool (sized up when the batch or
+    context outgrows them: 5-10x a step here), a once-per-request cost, not a step's."""
+    out, first = [], True
+    while engine.has_unfinished():
+        timed.calls.clear()
+        ts = time.perf_counter()
+        engine.step()
+        step_ms = (time.perf_counter() - ts) * 1e3
+        if len(timed.calls) == 1 and not timed.calls[0][0] and len(timed.calls[0][2]) == batch:
+            _, _q, k, n, ms = timed.calls[0]
+            if not first:
+                out.append((k, n, ms, step_ms))
+            first = False
+    return out
+
+
 def _grammar_row_ms(engine, timed: _Timed, grid: Grid, rng: np.random.Generator, vocab: int,
                     bar: _Bar) -> float:
     """Per grid batch b: b plain rows, then b rows that follow STRUCTURED_SCHEMA, of the same
@@ -198,9 +204,9 @@ def _grammar_row_ms(engine, timed: _Timed, grid: Grid, rng: np.random.Generator,
 
     grammar = llguidance.LLMatcher.grammar_from_json_schema(STRUCTURED_SCHEMA)
     # A grammar row costs ~1-3% of a step: medians of 16 steps or more each side.
-    steps = max(grid.decode_steps, 16) + 1
-    plain = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True,
+    max_tokens = max(grid.decode_steps, 16) + 2
+    plain = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                  grammar=grammar)
     sizes, extra = [], []
     for batch in grid.grammar_batch:
@@ -208,15 +214,8 @@ def _grammar_row_ms(engine, timed: _Timed, grid: Grid, rng: np.random.Generator,
         for params in (plain, constrained):
             for _ in range(batch):
                 engine.add_request(None, _prompt(rng, 64, vocab), params)
-            steps = []
-            while engine.has_unfinished():
-                timed.calls.clear()
-                ts = time.perf_counter()
-                engine.step()
-                step_ms = (time.perf_counter() - ts) * 1e3
-                if len(timed.calls) == 1 and not timed.calls[0][0] and \
-                        len(timed.calls[0][2]) == batch == timed.calls[0][3]:
-                    steps.append(step_ms)
+            steps = [step_ms for _, n, _, step_ms in _decode_steps(engine, timed, batch)
+                     if n == batch]
             medians.append(float(np.median(steps)) if steps else None)
         if None not in medians:
             sizes.append(batch)
