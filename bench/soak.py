@@ -33,7 +33,9 @@ request, on memory, fd or thread growth, and on a pool not whole at the end.
 7. Verdict: exit 1 on a wrong or failed request, a pool not whole, an engine that died unkilled,
    or growth in a process that survived the soak: from --warmup seconds after the last pool
    warm-up of its life (an engine: once it has written its whole pool), the Theil-Sen slope of
-   its RSS (robust to a one-time step; the least-squares one is printed beside it) over
+   its RSS with its largest single rise taken out (a one-time step is not a leak; the step and
+   the raw least-squares slope are printed beside it, and the private heap's slope, RSS less
+   file-backed and shared pages, is in the JSON) over
    --max-rss-slope MiB/min, or its fds or threads more than --fd-tolerance /
    --thread-tolerance higher in the last third than in the first (a process too young for that
    window is shown without a trend). Prints a
@@ -375,8 +377,11 @@ class Sampler:
         for name, proc in procs:
             try:
                 with proc.oneshot():
+                    mem = proc.memory_info()  # shared: file-backed and shm pages (the weights'
+                    # map, NIXL's segments); rss - shared is the private, anonymous heap
                     self.samples.append({"t": at, "name": name, "pid": proc.pid,
-                                         "rss_mib": round(proc.memory_info().rss / 2**20, 2),
+                                         "rss_mib": round(mem.rss / 2**20, 2),
+                                         "anon_mib": round((mem.rss - mem.shared) / 2**20, 2),
                                          "fds": proc.num_fds(), "threads": proc.num_threads()})
             except psutil.NoSuchProcess:
                 continue  # killed between the listing and the sample
@@ -405,11 +410,28 @@ def _blocks_written(stats) -> int:
     return stats.num_prompt_tokens // 16
 
 
+def without_largest_step(points: list[tuple[float, float]], span: int = 3
+                         ) -> tuple[list[tuple[float, float]], float]:
+    """The series with its largest rise over at most `span` sample intervals taken out (the
+    samples inside it dropped, every later one lowered by it), and that rise. A one-time step
+    (a heap's high-water mark raised once by the first batch bigger than any before: 38 MiB
+    over two samples, 27 to 35 s, of a short soak's 44 s window, flat before and after) is not
+    a leak; a leak grows on, over many intervals, and a few removed barely move its slope."""
+    best = (0.0, 0, 0)
+    for i in range(len(points)):
+        for j in range(i + 1, min(i + span, len(points) - 1) + 1):
+            best = max(best, (points[j][1] - points[i][1], i, j))
+    rise, i, j = best
+    if rise <= 0:
+        return points, 0.0
+    return points[:i + 1] + [(t, v - rise) for t, v in points[j:]], rise
+
+
 def robust_slope_per_min(points: list[tuple[float, float]]) -> float:
     """Theil-Sen: the median of the pairwise slopes, per minute. A leak grows steadily and
-    moves it; a one-time step (a heap's high-water mark raised by a restarted engine's first
-    long requests: 40-80 MiB, flat for minutes after, in a 10-minute soak) does not, while it
-    tilts a least-squares line over a short window."""
+    moves it; a one-time step near either end of the window does not, while it tilts a
+    least-squares line over a short window. A step near the middle does (half the pairs
+    straddle it), hence `without_largest_step` first."""
     slopes = sorted((v2 - v1) / (t2 - t1) for i, (t1, v1) in enumerate(points)
                     for t2, v2 in points[i + 1:] if t2 > t1)
     return 60.0 * slopes[len(slopes) // 2] if slopes else 0.0
@@ -459,12 +481,18 @@ def trends(samples: list[dict], cfg: SoakConfig, warmups: list[float],
                "rss_first_mib": points[0]["rss_mib"], "rss_last_mib": points[-1]["rss_mib"],
                "fds_first": points[0]["fds"], "fds_last": points[-1]["fds"],
                "threads_first": points[0]["threads"], "threads_last": points[-1]["threads"],
-               "rss_slope_mib_min": None, "rss_lsq_slope_mib_min": None, "fd_growth": None,
+               "rss_slope_mib_min": None, "rss_lsq_slope_mib_min": None, "rss_step_mib": None,
+               "anon_slope_mib_min": None, "fd_growth": None,
                "thread_growth": None}
         if row["survived"] and len(settled) >= 6 and settled[-1]["t"] - settled[0]["t"] >= 30:
             rss = [(p["t"], p["rss_mib"]) for p in settled]
-            row["rss_slope_mib_min"] = round(robust_slope_per_min(rss), 3)
+            stepless, step = without_largest_step(rss)
+            row["rss_slope_mib_min"] = round(robust_slope_per_min(stepless), 3)
             row["rss_lsq_slope_mib_min"] = round(slope_per_min(rss), 3)
+            row["rss_step_mib"] = round(step, 2)
+            if all("anon_mib" in p for p in settled):
+                row["anon_slope_mib_min"] = round(robust_slope_per_min(without_largest_step(
+                    [(p["t"], p["anon_mib"]) for p in settled])[0]), 3)
             row["fd_growth"] = _growth([p["fds"] for p in settled])
             row["thread_growth"] = _growth([p["threads"] for p in settled])
         rows.append(row)
@@ -507,12 +535,13 @@ def print_table(soak: Soak, rows: list[dict], restarts: list[float]) -> None:
     print(f"{'all':<12}" + "".join(f"{sum(counts[(k, s)] for k in kinds):>9}" for s in statuses))
     print(f"\nkills: {len(soak.kills)}; restart to ready: {restarts} s")
     print(f"\n{'process':<14}{'pid':>8}{'from s':>8}{'judged':>8}{'samples':>8}{'RSS MiB':>16}"
-          f"{'MiB/min TS / LSQ':>18}{'fds':>10}{'+fds':>6}{'threads':>10}{'+thr':>6}")
+          f"{'MiB/min TS / LSQ':>18}{'step':>7}{'fds':>10}{'+fds':>6}{'threads':>10}{'+thr':>6}")
     for r in rows:
         slope = f"{_dash(r['rss_slope_mib_min'])} / {_dash(r['rss_lsq_slope_mib_min'])}"
         judged = "-" if r["rss_slope_mib_min"] is None else f"{r['judged_from_s']:.0f}"
         print(f"{r['name']:<14}{r['pid']:>8}{r['from_s']:>8.0f}{judged:>8}{r['samples']:>8}"
               f"{r['rss_first_mib']:>8.1f}{r['rss_last_mib']:>8.1f}{slope:>18}"
+              f"{_dash(r['rss_step_mib']):>7}"
               f"{r['fds_first']:>5}{r['fds_last']:>5}{_dash(r['fd_growth']):>6}"
               f"{r['threads_first']:>5}{r['threads_last']:>5}{_dash(r['thread_growth']):>6}")
 
