@@ -71,12 +71,17 @@ inline std::shared_ptr<SchedulerOutputs> Scheduler::schedule_decode_() {
   end_decode_rows_(rows);
   // The batch is youngest first and running keeps oldest first, so running is
   // the batch reversed: the tail it was taken from. The next step's LCFS order
-  // is then usually already in place.
-  running.erase(running.begin(), running.begin() + first_scheduled);
-  if (first_scheduled != 0) running_epoch_ += 1;
-  // A preempted sequence may still sit in `running` (a lone sequence preempting
-  // itself); otherwise what is left is the batch, finished-free and in order.
-  running_clean_ = !preempted;
+  // is then usually already in place. [0, l) were preempted from the head and
+  // [r, first_scheduled) is a lone sequence that preempted itself; [l, r) stays:
+  // sequences a batch full at max_num_seqs left out (none while admission keeps
+  // running within the info slots, S26), still running.
+  const size_t kept_head = r > l ? r - l : 0;
+  running.erase(running.begin() + std::max(l, r), running.begin() + first_scheduled);
+  running.erase(running.begin(), running.begin() + l);
+  if (first_scheduled != kept_head) running_epoch_ += 1;
+  // What is left is the batch, finished-free and in order, behind any sequence
+  // it left out; one left out did not grow, so the order may not hold next step.
+  running_clean_ = !preempted && kept_head == 0;
   out->running_epoch = running_epoch_;
   return out;
 }
@@ -134,8 +139,13 @@ inline void Scheduler::drop_finished_waiting_(SchedulerOutputs &out) {
   }
 }
 
+// The room under max_num_seqs is counted in info slots (S26), as S19 counts it: a prompt
+// that a prefill step still in flight admitted holds one and joins `running` only when that
+// step is booked. Counting `running` let a decode step scheduled beside that prefill step
+// admit past max_num_seqs, and the batch, full at max_num_seqs, then left the oldest
+// sequence out of `running` for good (a fork stranded with its slot and blocks).
 inline void Scheduler::admit_prompted_(SchedulerOutputs &out) {
-  while (!prompted.empty() && static_cast<int>(running.size()) < cfg_.max_num_seqs) {
+  while (!prompted.empty() && num_used_info_slots_ < cfg_.max_num_seqs) {
     auto [seq, forked] = prompted.front();
     if (seq->is_finished()) {
       report_(*seq, out.finished);

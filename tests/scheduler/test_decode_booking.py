@@ -94,6 +94,37 @@ def test_s26_lcfs_order_kept_when_the_running_pass_is_skipped() -> None:
     drain(sched)
 
 
+def test_s26_admission_counts_the_slots_of_a_prefill_step_in_flight() -> None:
+    """A decode step scheduled beside an unbooked prefill step admits from `prompted` only into
+    the info slots left (the prompts of that step hold theirs): counting `running` admitted a
+    fifth sequence under max_num_seqs 4, and the next full batch then dropped the oldest from
+    `running` without finishing it (found by test_s42_window_traces)."""
+    sched = create_scheduler(max_num_seqs=4, block_size=4, num_blocks=32)
+    add_requests(sched, create_requests(2, prompt_len=4, prefix="a"), max_tokens=10)
+    step(sched)
+    sched.fork_seq("a0", "c", "b1")  # a prompt done: the child waits in `prompted`
+    add_requests(sched, create_requests(2, prompt_len=4, prefix="d"), max_tokens=10)
+    prefill = sched.schedule()
+    assert prefill.prompt_run and len(prefill) == 2 and sched.num_used_info_slots() == 4
+    decode = sched.schedule()  # two steps in flight: every slot is taken, c must wait
+    assert not decode.prompt_run and len(decode) == 2 and sched.prompted_ids() == ["c"]
+    assert sched.num_used_info_slots() == 4
+    sched.process_outputs(prefill, sampled(prefill))
+    full = sched.schedule()
+    assert len(full) == 4 and sorted(sched.running_ids()) == ["a0", "a1", "d0", "d1"]
+    sched.process_outputs(decode, sampled(decode))
+    sched.process_outputs(full, sampled(full))
+    done = set()
+    for _ in range(30):  # every sequence runs to max_tokens, c included
+        sched.check_invariants()
+        out, res = step(sched)
+        done |= {rid for rid, _ in [*out.finished, *res.finished]}
+        if not sched.has_unfinished():
+            break
+    assert done == {"a0", "a1", "c", "d0", "d1"}
+    drain(sched)
+
+
 def test_s27_terminate_or_recompute() -> None:
     sched = _prefilled(2, num_blocks=3)  # 2 blocks, both used
     out, _ = step(sched)
