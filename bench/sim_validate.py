@@ -44,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 
+from baton.ops.cpus import parse_cpus  # noqa: E402
 from baton.ops.ports import free_port  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.results import parse_slos  # noqa: E402
@@ -115,6 +116,20 @@ class RealFleet:
 
     def __init__(self, setup: str, args: argparse.Namespace) -> None:
         self.setup, self.args, self.port = setup, args, free_port()
+
+    def pin_client(self, cpus: set[int]) -> None:
+        """This process (the bench client) and the launcher's non-engine children (the router
+        and its workers, redis) onto `cpus`; the engines keep the cores `baton up` gave them."""
+        import psutil
+
+        os.sched_setaffinity(0, cpus)
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if "--engine-id" not in child.cmdline():
+                    child.cpu_affinity(sorted(cpus))
+            except psutil.NoSuchProcess:
+                continue
+        psutil.Process(self.proc.pid).cpu_affinity(sorted(cpus))
 
     def __enter__(self) -> RealFleet:
         f = SETUPS[self.setup]
@@ -231,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument("--client-cpus", default="",
+                   help="pin the bench client, the router and redis to these CPUs once the "
+                        "fleet is up (e.g. the completion engine's core, 1, so the prompt "
+                        "engine has core 0 alone: what sharing its core costs the TTFT)")
     p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -244,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     for setup in args.setups:
         with RealFleet(setup, args) as fleet:
+            if args.client_cpus:
+                fleet.pin_client(parse_cpus(args.client_cpus))
             for kind in args.workloads:
                 cap = capacity(profile, kind, setup, args)
                 for level, frac in zip(LEVELS, args.load_fractions, strict=True):

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -76,6 +77,14 @@ def _wait_healthy(url: str, counts: dict[str, int]) -> None:
             return
         assert time.monotonic() < deadline, health.text
         time.sleep(0.2)
+
+
+def _together(*calls):
+    """Independent requests sent at once, their results in order: the engines batch them (a
+    step of six rows costs little more than one of one here), so a test of several requests
+    takes about as long as its longest, and each result is checked as before."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
 
 
 def _openai(url: str):
@@ -198,13 +207,18 @@ def _engine_ids(engine: EngineProcess, info, ids: list[int], **sampling) -> list
 
 def _both(deployments, path: str, body: dict) -> dict:
     """The same request through the co-located and the disaggregated router: equal answers."""
+    def post(deployment: str) -> httpx.Response:
+        return httpx.post(f"{deployments[deployment]}{path}", json={"model": MODEL, **body},
+                          timeout=120)
+
     answers = []
-    for deployment in ("normal", "pd"):
-        response = httpx.post(f"{deployments[deployment]}{path}", json={"model": MODEL, **body},
-                              timeout=120)
+    for response in _together(lambda: post("normal"), lambda: post("pd")):
         assert response.status_code == 200, response.text
         answers.append(response.json())
-    strip = [({**a["choices"][0]}, a["usage"]) for a in answers]
+    # Usage less its cached tokens: which of several requests sent at once meets another's
+    # prefix in the cache is a race (test_prefix_cache_hits_are_reported_and_exact checks them).
+    strip = [({**a["choices"][0]}, {k: v for k, v in a["usage"].items()
+                                    if k != "prompt_tokens_details"}) for a in answers]
     assert strip[0] == strip[1], answers
     return answers[0]
 
@@ -215,47 +229,44 @@ def test_logit_bias_penalties_and_min_tokens_through_the_router(deployments, mod
     tok, engine = model_info.tokenizer, deployments["normal_engine"]
     prompt = "The capital of France is"
     ids = tok.encode(prompt)
-    plain = _engine_ids(engine, model_info, ids, max_tokens=8)
-    biased = _engine_ids(engine, model_info, ids, max_tokens=8, logit_bias={plain[0]: -100.0})
-    assert biased[0] != plain[0]
-    done = _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 8,
-                                                   "temperature": 0,
-                                                   "logit_bias": {str(plain[0]): -100}})
-    assert done["choices"][0]["text"] == tok.decode(biased)
-
     penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
-    long_plain = _engine_ids(engine, model_info, ids, max_tokens=24)
-    penalised = _engine_ids(engine, model_info, ids, max_tokens=24, **penalties)
-    assert penalised != long_plain
-    done = _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
-                                                   "temperature": 0, **penalties})
-    assert done["choices"][0]["text"] == tok.decode(penalised)
-
-    k = next(i for i in range(2, 24) if long_plain[i] not in long_plain[:i])
-    stopped = _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
-                                                      "temperature": 0,
-                                                      "stop_token_ids": [long_plain[k]]})
-    assert stopped["choices"][0]["finish_reason"] == "stop"
-    assert stopped["usage"]["completion_tokens"] == k + 1, k  # the stop id is output
-
     messages = [{"role": "user", "content": "Answer with one word: is water wet?"}]
-    short = _both(deployments, "/v1/chat/completions", {"messages": messages, "max_tokens": 40,
-                                                         "temperature": 0})
+    chat = {"messages": messages, "max_tokens": 40, "temperature": 0}
+    # Two rounds of requests sent at once: the second needs the first's tokens.
+    plain, long_plain, penalised, done_penalised, short = _together(
+        lambda: _engine_ids(engine, model_info, ids, max_tokens=8),
+        lambda: _engine_ids(engine, model_info, ids, max_tokens=24),
+        lambda: _engine_ids(engine, model_info, ids, max_tokens=24, **penalties),
+        lambda: _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                                        "temperature": 0, **penalties}),
+        lambda: _both(deployments, "/v1/chat/completions", chat))
+    assert penalised != long_plain
+    assert done_penalised["choices"][0]["text"] == tok.decode(penalised)
     num_short = short["usage"]["completion_tokens"]
     assert short["choices"][0]["finish_reason"] == "stop" and num_short < 30
-    longer = _both(deployments, "/v1/chat/completions", {
-        "messages": messages, "max_tokens": 40, "temperature": 0, "min_tokens": num_short + 6})
+    k = next(i for i in range(2, 24) if long_plain[i] not in long_plain[:i])
+    first_word = short["choices"][0]["message"]["content"].split()[0]
+    biased, done_biased, stopped, longer, cut, held = _together(
+        lambda: _engine_ids(engine, model_info, ids, max_tokens=8, logit_bias={plain[0]: -100.0}),
+        lambda: _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                                        "temperature": 0,
+                                                        "logit_bias": {str(plain[0]): -100}}),
+        lambda: _both(deployments, "/v1/completions", {"prompt": prompt, "max_tokens": 24,
+                                                        "temperature": 0,
+                                                        "stop_token_ids": [long_plain[k]]}),
+        lambda: _both(deployments, "/v1/chat/completions", {**chat, "min_tokens": num_short + 6}),
+        # A stop string in the first min_tokens tokens does not stop the request.
+        lambda: _both(deployments, "/v1/chat/completions", {**chat, "stop": [first_word]}),
+        lambda: _both(deployments, "/v1/chat/completions", {**chat, "stop": [first_word],
+                                                             "min_tokens": num_short + 6}))
+    assert biased[0] != plain[0]
+    assert done_biased["choices"][0]["text"] == tok.decode(biased)
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == k + 1, k  # the stop id is output
     assert longer["usage"]["completion_tokens"] >= num_short + 6
     assert longer["choices"][0]["message"]["content"].startswith(
         short["choices"][0]["message"]["content"])
-    # A stop string in the first min_tokens tokens does not stop the request.
-    first_word = short["choices"][0]["message"]["content"].split()[0]
-    cut = _both(deployments, "/v1/chat/completions", {"messages": messages, "max_tokens": 40,
-                                                       "temperature": 0, "stop": [first_word]})
     assert cut["choices"][0]["message"]["content"] == ""
-    held = _both(deployments, "/v1/chat/completions", {
-        "messages": messages, "max_tokens": 40, "temperature": 0, "stop": [first_word],
-        "min_tokens": num_short + 6})
     assert held["choices"][0]["message"]["content"].startswith(first_word)
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
@@ -295,12 +306,15 @@ def test_n_choices_fork_one_prompt(deployments, model_info):
     assert _completion_choices(deployments["normal"], body)[0] == normal
     from baton.service.client import EngineClient
 
-    with EngineClient(engine.address, keys=KEYS) as direct:
-        for i, (text, _) in enumerate(normal):
-            alone = direct.generate(tok.encode(prompt), SamplingOptions(
+    def alone(i: int):
+        with EngineClient(engine.address, keys=KEYS) as direct:
+            return direct.generate(tok.encode(prompt), SamplingOptions(
                 max_tokens=6, temperature=1.0, seed=11, sample_index=i,
                 stop_token_ids=list(model_info.stop_token_ids)), timeout_s=120)
-            assert tok.decode(alone.token_ids) == text, i
+
+    alones = _together(*(lambda i=i: alone(i) for i in range(len(normal))))
+    for i, ((text, _), result) in enumerate(zip(normal, alones, strict=True)):
+        assert tok.decode(result.token_ids) == text, i
     prompts, completion = deployments["prompts"], deployments["completion"]
     before = [sum(e.stats().num_prompt_tokens for e in prompts),
               completion.stats().extra["kv_pulls_done"]]
@@ -314,7 +328,8 @@ def test_n_choices_fork_one_prompt(deployments, model_info):
     assert _completion_choices(deployments["normal"], body, stream=True)[0] == normal
 
     messages = [{"role": "user", "content": "Name a fruit."}]
-    for deployment in ("normal", "pd"):
+
+    def choices_alike(deployment: str) -> None:
         client = _openai(deployments[deployment])
         one = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                              max_tokens=8)
@@ -334,6 +349,8 @@ def test_n_choices_fork_one_prompt(deployments, model_info):
         assert [c.text.startswith(prompt) for c in echoed.choices] == [True, True]
         assert echoed.choices[0].logprobs == echoed.choices[1].logprobs
         assert echoed.choices[0].logprobs.token_logprobs[0] is None
+
+    _together(lambda: choices_alike("normal"), lambda: choices_alike("pd"))
     too_many = httpx.post(f"{deployments['normal']}/v1/completions",
                           json={"model": MODEL, "prompt": prompt, "n": 17})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
@@ -435,27 +452,29 @@ def test_structured_outputs_validate(deployments, deployment):
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": _PERSON,
                                                   "strict": True}}
-    done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                          max_tokens=60, response_format=fmt)
+    done, streamed, loose, choice, regex = _together(
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                               max_tokens=60, response_format=fmt),
+        lambda: "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0.9, seed=5, max_tokens=60,
+            response_format=fmt, stream=True) if c.choices),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                               max_tokens=60,
+                                               response_format={"type": "json_object"}),
+        lambda: client.completions.create(
+            model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
+            extra_body={"structured_outputs": {"choice": [" yes", " no"]}}),
+        lambda: client.completions.create(
+            model=MODEL, prompt="A date:", max_tokens=12, temperature=0,
+            extra_body={"structured_outputs": {"regex": r" \d{4}-\d{2}"}}))
     assert done.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(done.choices[0].message.content), _PERSON)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0.9, seed=5, max_tokens=60,
-        response_format=fmt, stream=True) if c.choices)
     jsonschema.validate(json.loads(streamed), _PERSON)
-    loose = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                           max_tokens=60, response_format={"type": "json_object"})
     text = loose.choices[0].message.content
     if loose.choices[0].finish_reason == "stop":  # an open-ended object may run to max_tokens
         assert isinstance(json.loads(text), dict)
     assert text.lstrip().startswith("{")
-    choice = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:",
-                                       max_tokens=5, temperature=0,
-                                       extra_body={"structured_outputs": {"choice": [" yes", " no"]}})
     assert choice.choices[0].text in (" yes", " no")
-    regex = client.completions.create(model=MODEL, prompt="A date:", max_tokens=12,
-                                      temperature=0,
-                                      extra_body={"structured_outputs": {"regex": r" \d{4}-\d{2}"}})
     assert re.fullmatch(r" \d{4}-\d{2}", regex.choices[0].text), regex.choices[0].text
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
@@ -481,34 +500,38 @@ def test_tool_calls_validate(deployments, deployment):
     client = _openai(deployments[deployment])
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (_WEATHER, _TIME)}
-    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        done = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                              max_tokens=80, tools=[_WEATHER, _TIME],
-                                              tool_choice=choice)
+    forced = ("required", {"type": "function", "function": {"name": "get_time"}})
+    turn2_messages = [*messages, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
+    *calls, chunks, auto, plain, turn2 = _together(
+        *(lambda c=choice: client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=80, tools=[_WEATHER, _TIME],
+            tool_choice=c) for choice in forced),
+        lambda: [c.choices[0] for c in client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=60, tools=[_WEATHER],
+            tool_choice="required", stream=True) if c.choices],
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                               max_tokens=60, tools=[_WEATHER]),
+        lambda: client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                               max_tokens=8, tools=[_WEATHER],
+                                               tool_choice="none"),
+        lambda: client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8,
+                                               messages=turn2_messages))
+    for choice, done in zip(forced, calls, strict=True):
         assert done.choices[0].finish_reason == "tool_calls", done.choices[0]
         call = done.choices[0].message.tool_calls[0]
         assert choice == "required" or call.function.name == "get_time"
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-    chunks = [c.choices[0] for c in client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=60, tools=[_WEATHER],
-        tool_choice="required", stream=True) if c.choices]
     deltas = [d for c in chunks if c.delta.tool_calls for d in c.delta.tool_calls]
     assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
     assert chunks[-1].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(deltas[0].function.arguments), schemas["get_weather"])
-    auto = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                          max_tokens=60, tools=[_WEATHER])
     message = auto.choices[0].message
     assert (auto.choices[0].finish_reason == "tool_calls") == bool(message.tool_calls)
     assert message.tool_calls or isinstance(message.content, str)
-    plain = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                           max_tokens=8, tools=[_WEATHER], tool_choice="none")
     assert plain.choices[0].message.tool_calls is None
-    turn2 = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=[
-        *messages, {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}])
     assert turn2.choices[0].finish_reason in ("stop", "length")
     wait_whole([deployments["normal_engine"], *deployments["prompts"], deployments["completion"]])
 
