@@ -118,38 +118,53 @@ def _ask(port: int, i: int) -> tuple[str, str, int]:
         resp.usage.completion_tokens
 
 
+@pytest.fixture(scope="module")
+def fleets():
+    """`baton up --mock` fleets by their flags, started on first use and shared by this module's
+    tests (each start is a few seconds of processes importing the router and engine code)."""
+    started: dict[tuple[str, ...], tuple] = {}
+
+    def get(fleet: list[str]) -> tuple[subprocess.Popen, int, _Lines, _Lines]:
+        if tuple(fleet) not in started:
+            started[tuple(fleet)] = _start(fleet)
+        return started[tuple(fleet)]
+
+    try:
+        yield get
+    finally:
+        for proc, *_ in started.values():
+            _stop(proc)
+
+
 @pytest.mark.slow  # multi-process deployments, as tests/services/test_launcher.py
 @pytest.mark.parametrize("fleet", [["--prompt-engines", "1", "--completion-engines", "1"],
                                    ["--normal-engines", "1"]], ids=["pd-1+1", "normal-1"])
-def test_baton_up_mock_serves_the_openai_client(fleet):
-    proc, port, out, err = _start(fleet)
-    try:
-        engines = {m.group(1): m.group(2) for m in map(
-            re.compile(r"^\s+((?:prompt|completion|normal)-\d+)\s+(tcp://\S+)").search,
-            out.lines) if m}
-        assert len(engines) == (2 if "--prompt-engines" in fleet else 1), out.lines
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda i: _ask(port, i), range(NUM_REQUESTS)))
-        assert all(a[1:] == ("length", MAX_TOKENS) and a[0] for a in answers), answers
-        # Deterministic tokens: the same prompt, the same text (here through the prefix cache).
-        assert len({a[0] for a in answers[0::2]}) == 1
-        deadline = time.monotonic() + 20
-        while True:
-            stats = {e: probe_engine(a, timeout_s=5.0, keys=KEYS) for e, a in engines.items()}
-            if all(s is not None and is_whole(s) for s in stats.values()):
-                break
-            assert time.monotonic() < deadline, f"pools not whole: {stats}"
-            time.sleep(0.2)
-        if "completion-0" in stats:  # NIXL moved the mock pool's bytes
-            extra = stats["completion-0"].extra
-            assert extra["kv_pulls_done"] == NUM_REQUESTS and extra["kv_bytes_total"] > 0
-        for child in psutil.Process(proc.pid).children():
-            argv = child.cmdline()
-            if "--engine-id" in argv:  # no torch library mapped in an engine process
-                assert "--mock" in argv
-                assert not [m.path for m in child.memory_maps() if "libtorch" in m.path]
-    finally:
-        _stop(proc)
+def test_baton_up_mock_serves_the_openai_client(fleets, fleet):
+    proc, port, out, err = fleets(fleet)
+    engines = {m.group(1): m.group(2) for m in map(
+        re.compile(r"^\s+((?:prompt|completion|normal)-\d+)\s+(tcp://\S+)").search,
+        out.lines) if m}
+    assert len(engines) == (2 if "--prompt-engines" in fleet else 1), out.lines
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: _ask(port, i), range(NUM_REQUESTS)))
+    assert all(a[1:] == ("length", MAX_TOKENS) and a[0] for a in answers), answers
+    # Deterministic tokens: the same prompt, the same text (here through the prefix cache).
+    assert len({a[0] for a in answers[0::2]}) == 1
+    deadline = time.monotonic() + 20
+    while True:
+        stats = {e: probe_engine(a, timeout_s=5.0, keys=KEYS) for e, a in engines.items()}
+        if all(s is not None and is_whole(s) for s in stats.values()):
+            break
+        assert time.monotonic() < deadline, f"pools not whole: {stats}"
+        time.sleep(0.2)
+    if "completion-0" in stats:  # NIXL moved the mock pool's bytes
+        extra = stats["completion-0"].extra
+        assert extra["kv_pulls_done"] == NUM_REQUESTS and extra["kv_bytes_total"] > 0
+    for child in psutil.Process(proc.pid).children():
+        argv = child.cmdline()
+        if "--engine-id" in argv:  # no torch library mapped in an engine process
+            assert "--mock" in argv
+            assert not [m.path for m in child.memory_maps() if "libtorch" in m.path]
 
 
 @pytest.mark.slow
@@ -194,7 +209,7 @@ SPECIAL_FIRST = " ".join(["time"] * 13 + ["court"])
 
 
 @pytest.mark.slow
-def test_a_request_whose_only_token_decodes_to_no_text_is_served():
+def test_a_request_whose_only_token_decodes_to_no_text_is_served(fleets):
     """The one failed request of 2,000 in bench/mock_fleet.py: max_tokens 1 and a mock token
     that is a special id of the router's tokenizer (skipped in text). The router ends the stream
     properly (finish_reason length, one completion token, no text); the benchmark's client
@@ -216,25 +231,22 @@ def test_a_request_whose_only_token_decodes_to_no_text_is_served():
     first = mock_token(len(ids), ids[-1], 0, 49152)
     assert TextStream(tok).add([first]) == "" and tok.decode([first]) == ""  # the premise
 
-    proc, port, _, err = _start(["--normal-engines", "1"])
-    try:
-        cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
-                             progress=False)
+    _, port, _, err = fleets(["--normal-engines", "1"])  # the serving test's, when it ran
+    cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
+                         progress=False)
 
-        async def ask(max_tokens: int):
-            spec = RequestSpec(0, "short", SPECIAL_FIRST, 14, max_tokens)
-            async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as client:
-                model = (await client.get("/v1/models")).json()["data"][0]["id"]
-                return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
+    async def ask(max_tokens: int):
+        spec = RequestSpec(0, "short", SPECIAL_FIRST, 14, max_tokens)
+        async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
 
-        one = asyncio.run(ask(1))
-        assert one.ok, (one.error, "".join(err.lines[-20:]))
-        assert (one.text, one.output_tokens, one.prompt_tokens) == ("", 1, 14)
-        assert 0 < one.ttft_s <= one.e2e_s
-        two = asyncio.run(ask(2))  # the second token has text: TTFT at its chunk
-        assert two.ok and two.output_tokens == 2 and two.text, two.error
-    finally:
-        _stop(proc)
+    one = asyncio.run(ask(1))
+    assert one.ok, (one.error, "".join(err.lines[-20:]))
+    assert (one.text, one.output_tokens, one.prompt_tokens) == ("", 1, 14)
+    assert 0 < one.ttft_s <= one.e2e_s
+    two = asyncio.run(ask(2))  # the second token has text: TTFT at its chunk
+    assert two.ok and two.output_tokens == 2 and two.text, two.error
 
 
 def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step(monkeypatch):
