@@ -115,7 +115,8 @@ def _run(mode: EngineType, ops, small_pool: bool) -> None:
             sched.abort_sequence(pick)
             handed[:] = [h for h in handed if h != pick]
             if pick in allocated:
-                kv.forget_blocks(allocated.pop(pick)[0])
+                blocks, _, num_cached = allocated.pop(pick)
+                kv.forget_blocks(blocks[num_cached:])  # its cache hits stay valid for others
         elif op == "fork" and mode == EngineType.NORMAL and pick:
             try:
                 sched.fork_seq(pick, f"f{n}", "b")  # S16 pins the parent's blocks, keyed or not
