@@ -31,6 +31,23 @@ weighs in beside the prediction: a role saturated while the other idles confirms
 move toward it at once, and turns a small predicted move the other way into a wait; nearly full
 completion KV turns a small predicted shrink of the completion engines into a wait; and a role
 saturated beside an idle one is replayed at once, not held on an unmoved load.
+What the requests met weighs in too (planner/signals.py `slo_report`: the requests that ended
+in the window, TTFT and TPOT p50/p90 and the share within every SLO, a failed or refused
+request outside it; the router reports them live, `baton sim` from its requests), counting
+only requests that ended since its last change (those before ran on a split the fleet no longer
+has). The SLO is missed when that share is under `slo_target` (over at least
+`min_observations` requests):
+  - a missed SLO while the prediction wants engines moved past the margin makes the move
+    urgent: it acts on its first sighting and after `urgent_cooldown_s` (the fleet is failing
+    its SLOs in fact, not only in the replay); the engines' load saying the other way still
+    makes it wait (only an urgent prediction overrides them);
+  - a missed SLO replays a held load at once;
+  - between decisions, every `slo_check_s`, a miss that began since the last decision brings
+    the next decision forward (once per miss: `due`), so a fleet that starts failing requests
+    2 s after a decision does not fail them for a whole interval.
+A missed SLO alone never moves engines: with the prediction within the margin it holds (no
+split predicts better: the load is past what the budget serves, or the misses come from
+elsewhere).
 The prediction sees lengths and arrival times, not prompt contents: prefix-cache hits are not
 in it (it predicts as if every prompt were new).
 A replay costs a simulation per candidate, so a steady load is not replayed every interval: when
@@ -52,7 +69,7 @@ from baton.perf.profile import Profile
 from baton.protocol import EngineStats
 from baton.workload.synthetic import RequestSpec
 from baton.workload.words import WORDS
-from planner.signals import Evidence, LoadMeter, RoleLoad, evidence
+from planner.signals import Evidence, LoadMeter, Outcome, RoleLoad, SloReport, evidence, slo_report
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +115,11 @@ class PlannerConfig:
     busy_low: float = 0.5
     queue_high: float = 4.0
     kv_high: float = 0.9
+    # What the requests met (planner/signals.py): under this share of the window's requests
+    # within the SLOs, the SLO is missed; checked every slo_check_s between decisions (0: only
+    # at decisions).
+    slo_target: float = 0.95
+    slo_check_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.slos_ms:
@@ -123,6 +145,9 @@ class PlannerConfig:
             raise ValueError(f"0 <= busy_low <= busy_high <= 1, 0 < kv_high <= 1 and "
                              f"queue_high > 0 needed, got {self.busy_low}, {self.busy_high}, "
                              f"{self.kv_high}, {self.queue_high}")
+        if not (0 < self.slo_target <= 1 and 0 <= self.slo_check_s < math.inf):
+            raise ValueError(f"0 < slo_target <= 1 and slo_check_s >= 0 and finite needed, got "
+                             f"{self.slo_target}, {self.slo_check_s}")
 
 
 @dataclass
@@ -132,6 +157,7 @@ class Decision:
     reason: str
     predicted: dict[str, float] = field(default_factory=dict)  # split name -> goodput
     engines: str = ""  # what the engines' load said (planner/signals.py), when it was read
+    slo: str = ""  # what the requests met (planner/signals.py `SloReport`), when it was read
 
 
 def candidates(current: Split, budget: int, limit: int) -> list[Split]:
@@ -185,6 +211,8 @@ class Planner:
         self._num_reuses = 0
         self.meter = LoadMeter()
         self.loads: dict[str, RoleLoad] = {}  # per role, at the last decision that read them
+        self.slo: SloReport | None = None  # at the last decision that was given outcomes
+        self._was_missed = False  # whether the last decision saw the SLO missed
 
     def predict(self, split: Split, specs: list[RequestSpec]) -> float:
         """Goodput of `split` on the replay: of its last copy when it has several (`warmup`),
@@ -204,35 +232,63 @@ class Planner:
         return num_good / max(1e-9, record["summary"]["duration_s"] - specs[first].arrival_s)
 
     def decide(self, now_s: float, current: Split, observations: list[Observation],
-               engines: list[EngineStats] | None = None) -> Decision:
+               engines: list[EngineStats] | None = None,
+               outcomes: list[Outcome] | None = None) -> Decision:
         """The decision at `now_s` on the current split, from the arrivals observed and, when
-        given, the engines' stats (planner/signals.py)."""
+        given, the engines' stats and the outcomes of the requests that ended
+        (planner/signals.py)."""
         cfg = self.config
         current = Split(*current)
         if engines is not None:
             self.loads = self.meter.read(now_s, engines)
         ev = evidence(self.loads, cfg.busy_high, cfg.busy_low, cfg.queue_high, cfg.kv_high)
+        missed = self._read_slo(now_s, outcomes)
+        slo = self.slo.describe() if outcomes is not None else ""
         window = [Observation(*o) for o in observations if o[0] >= now_s - cfg.window_s]
         if len(window) < cfg.min_observations:
             return Decision("hold", current, f"{len(window)} requests in the window "
-                                             f"(< {cfg.min_observations})", engines=ev.reason)
+                                             f"(< {cfg.min_observations})", engines=ev.reason,
+                            slo=slo)
         self._first_seen_s = min(self._first_seen_s, window[0].arrival_s)
         span = max(1e-9, min(cfg.window_s, now_s - self._first_seen_s))
         load = (sum(o.prompt_tokens for o in window) / span,
                 sum(o.output_tokens for o in window) / span)
-        if self._is_held(current, load) and not ev.direction:
+        if self._is_held(current, load) and not ev.direction and not missed:
             self._num_reuses += 1
             return Decision("hold", current, f"load within {100 * cfg.reuse_tolerance:.0f}% of "
-                            "the last replay's, which held", self._held[2], ev.reason)
+                            "the last replay's, which held", self._held[2], ev.reason, slo)
         specs = observations_to_specs(window, copies=2 if cfg.warmup else 1)
         budget = current.num_prompt + current.num_completion
         splits = candidates(current, budget, cfg.max_candidates)
         predicted = {s.name: self.predict(s, specs) for s in splits}
-        decision = self._judge(now_s, current, splits, predicted, ev)
-        decision.engines = ev.reason
+        decision = self._judge(now_s, current, splits, predicted, ev, missed)
+        decision.engines, decision.slo = ev.reason, slo
         self._held = (current, load, predicted) if decision.action == "hold" else None
         self._num_reuses = 0
         return decision
+
+    def due(self, now_s: float, outcomes: list[Outcome]) -> bool:
+        """Between decisions: whether the SLO is missed now and was not at the last decision
+        (a miss that began since: decide now, not at the next interval)."""
+        return not self._was_missed and self._is_missed(self._slo_report(now_s, outcomes))
+
+    def _read_slo(self, now_s: float, outcomes: list[Outcome] | None) -> bool:
+        """Whether the SLO is missed (never without outcomes)."""
+        if outcomes is None:
+            return False
+        self.slo = self._slo_report(now_s, outcomes)
+        self._was_missed = self._is_missed(self.slo)
+        return self._was_missed
+
+    def _slo_report(self, now_s: float, outcomes: list[Outcome]) -> SloReport:
+        """The requests that ended in the window and since the last change (those before it
+        ran on a split the fleet no longer has)."""
+        since = max(now_s - self.config.window_s, self._last_change_s)
+        return slo_report(outcomes, self.config.slos_ms, since)
+
+    def _is_missed(self, report: SloReport) -> bool:
+        return (report.num_requests >= self.config.min_observations
+                and report.attainment < self.config.slo_target)
 
     def _is_held(self, current: Split, load: tuple[float, float]) -> bool:
         """The last replay held on this split, under a load within the tolerance of this one."""
@@ -243,9 +299,11 @@ class Planner:
         return all(abs(a - b) <= tol * b for a, b in zip(load, self._held[1], strict=True))
 
     def _judge(self, now_s: float, current: Split, splits: list[Split],
-               predicted: dict[str, float], ev: Evidence = NO_EVIDENCE) -> Decision:
-        """The decision on these predictions (split name -> goodput) and what the engines
-        said: hysteresis, confirmations and cooldown, as the module docstring says."""
+               predicted: dict[str, float], ev: Evidence = NO_EVIDENCE,
+               missed: bool = False) -> Decision:
+        """The decision on these predictions (split name -> goodput), what the engines said
+        and whether the SLO is missed: hysteresis, confirmations and cooldown, as the module
+        docstring says."""
         cfg = self.config
         top = max(predicted.values())
         near = [s for s in splits if predicted[s.name] >= top * (1 - cfg.tie)]
@@ -268,11 +326,12 @@ class Planner:
         else:
             self._pending, self._pending_count = direction, 1
         confirmed = ev.direction == direction  # the engines' load says so too
-        needed = 1 if urgent or confirmed else cfg.confirmations
+        needed = 1 if urgent or missed or confirmed else cfg.confirmations
         if self._pending_count < needed:
             return Decision("wait", best, f"{gain} ({self._pending_count} of {needed} "
                             "confirmations)", predicted)
-        cooldown = min(cfg.urgent_cooldown_s, cfg.cooldown_s) if urgent else cfg.cooldown_s
+        cooldown = min(cfg.urgent_cooldown_s, cfg.cooldown_s) if urgent or missed else \
+            cfg.cooldown_s
         if now_s - self._last_change_s < cooldown:
             return Decision("wait", best, f"{gain}; cooldown: "
                             f"{cooldown - (now_s - self._last_change_s):.0f} s left", predicted)
@@ -281,5 +340,6 @@ class Planner:
             return Decision("advise", best, f"would change: {gain}", predicted)
         self._last_change_s = now_s
         return Decision("change", best, f"{gain} of goodput" + (" (urgent)" if urgent else "")
+                        + ("; the SLO is missed (urgent)" if missed and not urgent else "")
                         + (f"; the engines' load agrees ({ev.reason})" if confirmed else ""),
                         predicted)

@@ -7,7 +7,9 @@ Every `interval_s` seconds, `PlannerLoop.tick`:
    change is still under way (an engine draining, a Deployment rolling) raises `Unsettled` and
    the loop holds: it decides on the fleet that change makes, not on one half-made;
 2. reads the requests the router finished in the last `window_s` seconds
-   (`GET /planner/observations`: arrival, prompt tokens, output tokens; no content), and the
+   (`GET /planner/observations`: arrival, prompt tokens, output tokens; no content; and the
+   outcome of every request that ended, failed and refused ones too: when, its TTFT and TPOT,
+   whether it finished: the SLO signal of planner/signals.py), and the
    engines' load where an `observe_engines` is given (their `EngineStats`: queues, KV usage,
    busy seconds; planner/signals.py): `baton up`'s probes of its engines, `baton planner`'s
    registry records (queues and KV, no busy time). A failure to read them is logged and the
@@ -17,6 +19,9 @@ Every `interval_s` seconds, `PlannerLoop.tick`:
    where every router serves it (`GET /planner`, `baton_router_planner_recommended_engines`);
 5. on a "change" (apply mode), hands the target split to the actuator. Advise only logs and
    publishes.
+Between decisions, every `slo_check_s` of the planner's config, `tick(only_if_due=True)` reads
+the router's outcomes and decides at once when the planner says a miss of the SLO began since
+its last decision (planner/core.py `due`); otherwise it publishes nothing.
 Every error (a router, Redis or API server outage) is logged and that decision skipped: a
 planner outage never stops serving, the fleet serves on as it is.
 """
@@ -34,6 +39,7 @@ from typing import Protocol
 
 from baton.protocol import COMPLETION, PROMPT, EngineStats
 from planner.core import Planner, Split
+from planner.signals import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +57,8 @@ class Actuator(Protocol):
 
 class RouterObservations:
     """The router's finished requests: `GET {router_url}/planner/observations?window_s=W`,
-    with the router's API key as a Bearer header when it has keys (an admin path)."""
+    with the router's API key as a Bearer header when it has keys (an admin path): its clock,
+    the arrivals (arrival, prompt tokens, output tokens) and the outcomes (`Outcome`s)."""
 
     def __init__(self, router_url: str, window_s: float, api_key: str = "",
                  timeout_s: float = 10.0) -> None:
@@ -59,12 +66,14 @@ class RouterObservations:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
 
-    def __call__(self) -> tuple[float, list[tuple[float, int, int]]]:
+    def __call__(self) -> tuple[float, list[tuple[float, int, int]], list[Outcome]]:
         request = urllib.request.Request(self.url, headers=self.headers)
         with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
             body = json.load(resp)
         return float(body["now"]), [(float(t), int(p), int(o)) for t, p, o in
-                                    body["observations"]]
+                                    body["observations"]], [
+            Outcome(float(t), float(ttft), float(tpot), bool(ok))
+            for t, ttft, tpot, ok in body.get("outcomes", [])]
 
 
 class RegistryLoads:
@@ -84,7 +93,8 @@ class RegistryLoads:
 
 class PlannerLoop:
     """`tick()` every `interval_s` on a thread (`start`/`stop`) or in the caller's
-    (`run_forever`); `decisions` keeps the latest published records."""
+    (`run_forever`), and an SLO check between; `decisions` keeps the latest published records.
+    `observe` returns (now, arrivals) or (now, arrivals, outcomes)."""
 
     def __init__(self, planner: Planner, actuator: Actuator,
                  observe: Callable[[], tuple[float, list]], registry, interval_s: float,
@@ -93,6 +103,9 @@ class PlannerLoop:
         self.observe_engines = observe_engines
         self.registry = registry  # baton.ops.registry.RedisRegistry (publish_plan), or None
         self.interval_s = interval_s
+        # Between decisions, an SLO check this often (a planner without a config, a test's
+        # scripted one, checks only at its decisions).
+        self.check_s = getattr(getattr(planner, "config", None), "slo_check_s", 0.0)
         self.decisions: deque[dict] = deque(maxlen=1000)  # the latest published records
         self.actions: Counter[str] = Counter()  # decisions by action, since the start
         # time.monotonic() when the loop last came round (a tick that raised too: a router
@@ -116,28 +129,43 @@ class PlannerLoop:
     def run_forever(self) -> None:
         """Until stop(): a decision every interval, its errors logged and skipped."""
         self.last_tick_s = time.monotonic()
-        while not self._stop.wait(self.interval_s):
+        next_decision_s = self.last_tick_s + self.interval_s
+        while not self._stop.wait(self._until_next(next_decision_s)):
+            is_periodic = time.monotonic() >= next_decision_s - 1e-3
+            if is_periodic:
+                next_decision_s = time.monotonic() + self.interval_s
             try:
-                self.tick()
+                self.tick(only_if_due=not is_periodic)
             except Exception as exc:  # noqa: BLE001 - a planner outage never stops serving
                 self.num_errors += 1
                 logger.warning("planner: this decision skipped: %s", exc)
             self.last_tick_s = time.monotonic()
 
+    def _until_next(self, next_decision_s: float) -> float:
+        """Seconds to the next decision, or sooner to the next SLO check."""
+        wait_s = max(0.0, next_decision_s - time.monotonic())
+        return min(wait_s, self.check_s) if self.check_s else wait_s
+
     # ------------------------------------------------------------------ one decision
-    def tick(self) -> dict | None:
+    def tick(self, only_if_due: bool = False) -> dict | None:
         """One decision, published (and carried out in apply mode); None while a change is
-        still under way."""
+        still under way, or, `only_if_due` (an SLO check between decisions), when the planner
+        sees no miss of the SLO that began since its last decision."""
         try:
             current = Split(*self.actuator.current_split())
         except Unsettled as exc:
-            logger.info("planner: holding: %s", exc)
+            if not only_if_due:
+                logger.info("planner: holding: %s", exc)
             return None
-        now, observations = self.observe()
-        decision = self.planner.decide(now, current, observations, self._engines())
+        now, observations, *more = self.observe()
+        outcomes = more[0] if more else None
+        if only_if_due and (outcomes is None or not self.planner.due(now, outcomes)):
+            return None
+        given = {"outcomes": outcomes} if outcomes is not None else {}
+        decision = self.planner.decide(now, current, observations, self._engines(), **given)
         record = {"t": now, "action": decision.action, "target": decision.target.name,
                   "reason": decision.reason, "engines": decision.engines,
-                  "current": current.name,
+                  "slo": decision.slo, "current": current.name,
                   "recommended": {PROMPT: decision.target.num_prompt,
                                   COMPLETION: decision.target.num_completion},
                   "predicted": decision.predicted, "observations": len(observations)}

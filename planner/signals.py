@@ -23,14 +23,26 @@ uptime when the stats carry one).
 Urgent predictions (the current split failing its SLOs) act whatever the engines say. A
 completion engine's busy fraction is no sign of saturation: it steps while any sequence
 decodes, at any load; its queue and its KV are.
+
+What the requests met: each request that ended (finished, failed or refused) as an `Outcome`
+(router/metrics.py: when it ended, its TTFT and TPOT, whether it finished), from the router
+live (`GET /planner/observations`' `outcomes`) and from the simulated requests in `baton sim`.
+`slo_report` sums those of the window into an `SloReport`: TTFT and TPOT p50/p90 and the share
+of requests within every SLO, where a failed or refused request is outside it (planner/core.py
+makes a predicted move urgent while that share is under its target).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from baton.protocol import COMPLETION, PROMPT, EngineStats
+from router.metrics import Outcome
+
+__all__ = ["Evidence", "LoadMeter", "Outcome", "RoleLoad", "SloReport", "evidence",
+           "slo_report"]
 
 
 class RoleLoad(NamedTuple):
@@ -108,3 +120,39 @@ def describe(load: RoleLoad) -> str:
     busy = "?" if load.busy_fraction is None else f"{100 * load.busy_fraction:.0f}%"
     return (f"busy {busy}, {load.num_waiting:.1f} queued/engine, "
             f"KV {100 * load.kv_usage:.0f}%")
+
+
+class SloReport(NamedTuple):
+    num_requests: int  # requests that ended in the window, failed and refused ones included
+    attainment: float  # the share of them within every SLO (failed and refused: outside)
+    ttft_p50_ms: float  # over the finished ones (0: none)
+    ttft_p90_ms: float
+    tpot_p50_ms: float
+    tpot_p90_ms: float
+
+    def describe(self) -> str:
+        return (f"{100 * self.attainment:.0f}% of {self.num_requests} within the SLOs "
+                f"(TTFT p50/p90 {self.ttft_p50_ms:.0f}/{self.ttft_p90_ms:.0f} ms, TPOT "
+                f"{self.tpot_p50_ms:.0f}/{self.tpot_p90_ms:.0f} ms)")
+
+
+def slo_report(outcomes: Iterable[Outcome], slos_ms: dict[str, float],
+               since_s: float) -> SloReport:
+    """The requests that ended at `since_s` or later against `slos_ms` ("ttft", "tpot" in
+    ms; "e2e" is not in an outcome and is not judged here)."""
+    ended = [o for o in outcomes if o[0] >= since_s]
+    done = [o for o in ended if o[3]]
+    limits = (slos_ms.get("ttft", math.inf) / 1e3, slos_ms.get("tpot", math.inf) / 1e3)
+    num_within = sum(o[1] <= limits[0] and o[2] <= limits[1] for o in done)
+    ttft = sorted(o[1] for o in done)
+    tpot = sorted(o[2] for o in done if o[2] > 0)
+    return SloReport(len(ended), num_within / len(ended) if ended else 1.0,
+                     _quantile_ms(ttft, 0.5), _quantile_ms(ttft, 0.9),
+                     _quantile_ms(tpot, 0.5), _quantile_ms(tpot, 0.9))
+
+
+def _quantile_ms(ordered: list[float], q: float) -> float:
+    """The nearest-rank quantile of sorted seconds, in ms (0 for none)."""
+    if not ordered:
+        return 0.0
+    return 1e3 * ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

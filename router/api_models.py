@@ -131,6 +131,8 @@ class Health(_Open):
 class Observations(_Open):
     now: float  # the router's wall clock (seconds since the epoch)
     observations: list[list[float]]  # [arrival time, prompt tokens, output tokens] each
+    # [end time, TTFT s, TPOT s, 1 finished / 0 failed or refused] of each request that ended
+    outcomes: list[list[float]] = []
 
 
 class Plan(_Open):

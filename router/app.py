@@ -295,13 +295,18 @@ def _add_routes(app: FastAPI) -> None:
              responses=api_models.error_responses(400, 401))
     async def planner_observations(request: Request, window_s: float = 120.0):
         """What the planner plans on: each request finished within the last `window_s`
-        seconds (at most an hour): arrival time, prompt tokens, output tokens. No content."""
+        seconds (at most an hour): arrival time, prompt tokens, output tokens; and the outcome
+        of each request that ended within it, failed and refused ones too: end time, TTFT and
+        TPOT in seconds, 1 if it finished else 0. No content."""
         if not 0 < window_s <= 3600:
             raise APIError(400, "window_s must be in (0, 3600]", "invalid_request_error",
                            param="window_s")
         now = time.time()
-        recent = request.app.state.metrics.recent
-        return {"now": now, "observations": [list(o) for o in recent if o[0] >= now - window_s]}
+        metrics = request.app.state.metrics
+        return {"now": now,
+                "observations": [list(o) for o in metrics.recent if o[0] >= now - window_s],
+                "outcomes": [[t, ttft, tpot, int(ok)] for t, ttft, tpot, ok in metrics.outcomes
+                             if t >= now - window_s]}
 
     @app.get("/planner", response_model=api_models.Plan)
     async def planner(request: Request):

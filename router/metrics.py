@@ -7,6 +7,7 @@ without "duplicated timeseries" errors, and keeps the scrape free of unrelated c
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -19,13 +20,25 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class Outcome(NamedTuple):
+    """What one request met, for the planner's SLO signal (planner/signals.py): the router's
+    record live, the simulator's (simulator/fleet.py) in virtual time."""
+
+    done_s: float  # when it ended: the router's wall clock live, virtual time in baton sim
+    ttft_s: float  # arrival to its first token (0: none came)
+    tpot_s: float  # per output token after the first (0: one token or none)
+    ok: bool  # finished; False: failed, or refused (a 429, a 503)
+
+
 class RouterMetrics:
     # The planner's input (planner/core.py, `baton up --planner`): (arrival wall time, prompt
-    # tokens, output tokens) of each finished request, bounded.
+    # tokens, output tokens) of each finished request, and the `Outcome` of each request that
+    # ended (failed and refused ones too), bounded.
     MAX_OBSERVATIONS = 50_000
 
     def __init__(self) -> None:
         self.recent: deque[tuple[float, int, int]] = deque(maxlen=self.MAX_OBSERVATIONS)
+        self.outcomes: deque[Outcome] = deque(maxlen=self.MAX_OBSERVATIONS)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("baton_router_requests", "HTTP requests by endpoint and status",

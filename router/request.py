@@ -110,6 +110,7 @@ class RouterRequest:
     lora_name: str = ""  # the LoRA adapter it runs with ("" = the base model)
     # n > 1 after a failure: each open choice goes on as a request of its own (for_choice)
     is_split_by_choice: bool = False
+    first_token_at: float = 0.0  # monotonic time its first token came (0: none yet)
 
     def __post_init__(self) -> None:
         assert [c.index for c in self.choices] == list(range(self.sampling.n)), \

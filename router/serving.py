@@ -21,10 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.protocol import TokenDelta
+from router.admission import Overloaded
 from router.dispatch import Dispatcher, EngineFailure
 from router.engine_pool import NoEngineError
 from router.logprobs import CompletionLogprobs, TokenText, chat_content
-from router.metrics import RouterMetrics
+from router.metrics import Outcome, RouterMetrics
 from router.openai_protocol import APIError
 from router.prepare import Prepared
 from router.request import RouterChoice, RouterRequest
@@ -51,12 +52,18 @@ class Server:
         first: TokenDelta | None = None
         try:
             first = await _unless_gone(request, deltas.__anext__())
+            state.first_token_at = time.monotonic()
         except NoEngineError as exc:
+            self._observe_failed(state)
             raise APIError(503, f"No engine available: {exc}", "service_unavailable",
                            code="no_engine") from None
         except EngineFailure as exc:
+            self._observe_failed(state)
             raise APIError(503, f"Engine failure: {exc}", "service_unavailable",
                            code="engine_failure") from None
+        except Overloaded:  # refused by SLO-aware admission: it missed its SLO too
+            self._observe_failed(state)
+            raise
         except _ClientGone:
             self.metrics.aborts.labels("client_gone").inc()
             return JSONResponse({"error": "client disconnected"}, status_code=499)
@@ -134,6 +141,7 @@ class Server:
                 async for event in self._events(prep, state, first, deltas):
                     del event  # each choice's text.text accumulates its pieces
         except EngineFailure as exc:
+            self._observe_failed(state)
             raise APIError(502, f"Engine failure: {exc}", "engine_error",
                            code="engine_failure") from None
         self._observe_done(state)
@@ -238,6 +246,7 @@ class Server:
             self._observe_done(state)
         except EngineFailure as exc:
             logger.warning("request %s failed mid-stream: %s", prep.req_id, exc)
+            self._observe_failed(state)
             yield _sse(APIError(502, f"Engine failure: {exc}", "engine_error",
                                 code="engine_failure").body())
         except asyncio.CancelledError:
@@ -279,6 +288,10 @@ class Server:
         now = time.monotonic()
         self.metrics.recent.append((time.time() - (now - state.arrival),
                                     len(state.prompt_token_ids), state.num_generated()))
+        longest = max(c.num_generated for c in state.choices)  # the choice that ends last
+        self.metrics.outcomes.append(Outcome(
+            time.time(), state.first_token_at - state.arrival,
+            (now - state.first_token_at) / (longest - 1) if longest > 1 else 0.0, True))
         self.metrics.e2e.observe(now - state.arrival)
         self.metrics.prompt_tokens.inc(len(state.prompt_token_ids))
         self.metrics.generated_tokens.inc(state.num_generated())
@@ -286,6 +299,11 @@ class Server:
             tokens = self.metrics.api_key_tokens
             tokens.labels(state.api_key_name, "prompt").inc(len(state.prompt_token_ids))
             tokens.labels(state.api_key_name, "generated").inc(state.num_generated())
+
+    def _observe_failed(self, state: RouterRequest) -> None:
+        """A request that failed or was refused: outside every SLO (planner/signals.py)."""
+        ttft_s = state.first_token_at - state.arrival if state.first_token_at else 0.0
+        self.metrics.outcomes.append(Outcome(time.time(), ttft_s, 0.0, False))
 
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}

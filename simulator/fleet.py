@@ -41,6 +41,7 @@ from baton.workload.results import RequestResult
 from baton.workload.synthetic import RequestSpec
 from router.kv_index import RequestKeys
 from router.load import EngineWork, LegWork
+from router.metrics import Outcome
 from router.path import (
     COLOCATED,
     DISAGGREGATED,
@@ -274,9 +275,11 @@ class Simulation:
         self.policy = make_policy(self.cache)
         self.flights: dict[str, Flight] = {}
         self.num_handoffs_failed = 0
-        # The planner (planner/core.py), deciding every interval on the arrivals it saw.
+        # The planner (planner/core.py), deciding every interval on the arrivals it saw, the
+        # engines' stats and what the requests met (their outcomes, as the router records).
         self.planner = planner
         self.observations: list = []
+        self.outcomes: list[Outcome] = []
         self.roles_over_time: list[dict] = []
         self.decisions: list[dict] = []
         if planner is not None:
@@ -284,7 +287,8 @@ class Simulation:
                 raise ValueError("the planner moves engines between prompt and completion: "
                                  "start it on a prompt/completion fleet (no normal engines)")
             self._note_roles()
-            self.at(planner.config.interval_s, self._plan)
+            self._next_decision_s = planner.config.interval_s
+            self.at(self._next_tick(0.0), self._plan)
 
     # ------------------------------------------------------------------ the planner
     def _counts(self) -> dict[str, int]:
@@ -294,21 +298,33 @@ class Simulation:
         draining = sum(bool(e.draining_to) for es in self.engines.values() for e in es)
         self.roles_over_time.append({"t": self.now, **self._counts(), "draining": draining})
 
+    def _next_tick(self, now: float) -> float:
+        """The planner's next tick: its next decision, or sooner its next SLO check."""
+        check_s = self.planner.config.slo_check_s
+        return min(self._next_decision_s, now + check_s) if check_s else self._next_decision_s
+
     def _plan(self) -> None:
-        """One decision of the planner (planner/core.py, given by duck type: the simulator
-        imports no planner code, the planner imports the simulator)."""
+        """One tick of the planner (planner/core.py, given by duck type: the simulator imports
+        no planner code, the planner imports the simulator): a decision every interval, and
+        one between when an SLO check finds a miss that began since the last (`due`)."""
         if not (self._queue or self.flights):
             return  # the run is over: no more decisions
-        self.at(self.now + self.planner.config.interval_s, self._plan)
+        is_periodic = self.now >= self._next_decision_s
+        if is_periodic:
+            self._next_decision_s += self.planner.config.interval_s
+        self.at(self._next_tick(self.now), self._plan)
         if any(e.draining_to for es in self.engines.values() for e in es):
             return  # a change is still draining: decide on the fleet it makes
+        if not is_periodic and not self.planner.due(self.now, self.outcomes):
+            return
         counts = self._counts()
         current = (counts[PROMPT], counts[COMPLETION])
         engines = [e.stats() for es in self.engines.values() for e in es]
-        decision = self.planner.decide(self.now, current, self.observations, engines)
+        decision = self.planner.decide(self.now, current, self.observations, engines,
+                                       self.outcomes)
         self.decisions.append({"t": self.now, "action": decision.action,
                                "target": decision.target.name, "reason": decision.reason,
-                               "engines": decision.engines})
+                               "engines": decision.engines, "slo": decision.slo})
         if decision.action != "change":
             return
         logger.info("planner at %.0f s: %dP:%dD -> %s (%s)", self.now, *current,
@@ -490,6 +506,8 @@ class Simulation:
         res = flight.result
         res.ok, res.e2e_s = True, self.now - flight.arrival_s
         res.output_tokens = len(flight.output_ids)
+        if self.planner is not None:
+            self.outcomes.append(Outcome(self.now, res.ttft_s, res.tpot_s, True))
         if self.on_done is not None:
             self.on_done(flight)
 
@@ -498,6 +516,8 @@ class Simulation:
         self._uncharge(flight)
         flight.result.error = error[:300]
         flight.result.e2e_s = self.now - flight.arrival_s
+        if self.planner is not None:
+            self.outcomes.append(Outcome(self.now, flight.result.ttft_s, 0.0, False))
         if self.on_done is not None:
             self.on_done(flight)
 

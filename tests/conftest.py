@@ -86,7 +86,7 @@ _LONGEST_FIRST = {
     "tests/deploy/test_multihost.py": 35, "tests/services/test_families_disaggregated.py": 26,
     "tests/router/test_quantized_deployments.py": 24, "tests/services/test_metrics.py": 23,
     "tests/engine/test_prefix_cache.py": 17, "tests/sim/test_live_planner.py": 16,
-    "tests/sim/test_planner.py": 15, "tests/router/test_role_change.py": 15,
+    "tests/sim/test_planner.py": 15,
     "tests/model/test_kv_dtype.py": 14, "tests/model/test_load_cache.py": 14,
     "tests/services/test_auth.py": 14, "tests/model/test_llama_reference.py": 14,
     "tests/services/test_fuzz.py": 14, "tests/router/test_hostile.py": 13,

@@ -1,7 +1,9 @@
 """A mixed fleet's per-request path (router/path.py): the policies on plain data with the test
 profile, the load they read (router/load.py), the flags that choose them (`baton router`,
 `baton up`), and the router's dispatch over real ZMQ against scripted engines (no model).
-The same choice on real engines: tests/router/test_path_choice_e2e.py."""
+The same choice on real engines: tests/router/test_path_choice_e2e.py. Here too, over the same
+scripted engines: what the router reports to the planner of each request that ended
+(`GET /planner/observations`' outcomes, planner/signals.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import httpx
 import pytest
 
 from baton.perf.profile import load as load_profile
+from planner.loop import RouterObservations
+from planner.signals import slo_report
 from router.config import RouterConfig
 from router.load import LegWork, LoadTracker
 from router.path import (
@@ -227,3 +231,34 @@ def test_a_path_that_fails_before_any_token_falls_back_to_the_other(engines, mod
         assert done.json()["choices"][0]["text"] == model_info.tokenizer.decode(tokens[:5])
         assert len(normal.generates) == 1 and len(prompt.generates) == 1
         assert _path_counts(url) == {(COLOCATED, THRESHOLD): 1, (DISAGGREGATED, "fallback"): 1}
+
+
+def test_the_router_reports_each_ended_requests_latencies_and_failures(engines, model_info,
+                                                                      make_client):
+    tokens = model_info.tokenizer.encode(" one two three four five six seven eight")
+    normal = engines("normal", tokens, delay_s=0.02, fail_after=5)  # a request of 6+ fails
+    config = RouterConfig(engines=[f"normal={normal.address}"], num_prepare_workers=0,
+                          migration_limit=0)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Count:", "temperature": 0}
+    with serve_router(config, model_info) as url:
+        done = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
+        assert done.status_code == 200, done.text
+        failed = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 8}, timeout=30)
+        assert failed.status_code == 502, failed.text
+        now, arrivals, outcomes = RouterObservations(url, window_s=60)()
+        raw = httpx.get(f"{url}/planner/observations", params={"window_s": 60}).json()
+    assert len(arrivals) == 1 and arrivals[0][2] == 4  # arrivals: finished requests only
+    assert [o.ok for o in outcomes] == [True, False]
+    first, second = outcomes
+    assert all(now - 30 < o.done_s <= now for o in outcomes)
+    # the first token at once, then one every 20 ms: a TPOT of about that
+    assert 0 < first.ttft_s < 5 and 0.015 <= first.tpot_s < 1
+    assert second.ttft_s > 0 and second.tpot_s == 0.0  # it failed after its first token
+    assert [row[3] for row in raw["outcomes"]] == [1, 0]
+    report = slo_report(outcomes, {"ttft": 5000.0, "tpot": 1000.0}, now - 60)
+    assert (report.num_requests, report.attainment) == (2, 0.5)  # the failure misses
+    # refused (no engine: a 503 at once): outside the SLO too, with no token
+    client = make_client()
+    assert client.post("/v1/completions", json={**body, "max_tokens": 4}).status_code == 503
+    (refused,) = client.get("/planner/observations").json()["outcomes"]
+    assert refused[1:] == [0.0, 0.0, 0]

@@ -1,8 +1,8 @@
 """`baton up --planner apply` on mock engines: the planner reads the router's finished
-requests, decides on the live split with the simulator, publishes its decision (the router's
-`/planner` and metrics) and moves an engine between roles in place (S41). Every request
-succeeds and every pool is whole afterwards. (The role change itself, on real engines with
-exact text, is tests/router/test_role_change.py.)"""
+requests (and what they met against the SLO), decides on the live split with the simulator,
+publishes its decision (the router's `/planner` and metrics) and moves an engine between roles
+in place (S41). Every request succeeds and every pool is whole afterwards. (The role change itself, on real engines with
+exact text, is tests/router/test_path_choice_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
         assert roles.count("prompt") >= 2, (plan, "".join(err.lines[-30:]))
         assert set(statuses) == {200}, statuses
         assert plan["plan"]["recommended"]["prompt"] >= 2
+        # what the requests met reached the planner: the router's outcomes (TTFT, TPOT)
+        observed = httpx.get(f"http://127.0.0.1:{port}/planner/observations",
+                             params={"window_s": 600}).json()["outcomes"]
+        assert len(observed) >= len(statuses) and all(o[3] == 1 and o[1] > 0 for o in observed)
+        assert plan["plan"]["slo"].endswith("ms)"), plan
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert 'baton_router_planner_recommended_engines{role="prompt"}' in metrics
         assert _long_request(port, 99) == 200  # the new fleet serves

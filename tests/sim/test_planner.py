@@ -63,10 +63,10 @@ class _Scripted(Planner):
         self.table: dict[str, float] = {}
         self.num_predictions = 0
 
-    def decide(self, now_s, current, prompt_tokens=10, engines=None):
+    def decide(self, now_s, current, prompt_tokens=10, engines=None, outcomes=None):
         self.table = next(self.script)
         arrivals = [(float(t), prompt_tokens, 10) for t in range(int(now_s))]  # 1 req/s
-        return super().decide(now_s, current, arrivals, engines)
+        return super().decide(now_s, current, arrivals, engines, outcomes)
 
     def predict(self, split, specs):
         self.num_predictions += 1
@@ -228,6 +228,94 @@ def test_a_held_load_is_replayed_when_the_engines_say_a_role_saturates():
     assert p.num_predictions == 2 * 8
 
 
+def _outcomes(now_s: float, num: int, num_slow: int = 0, num_failed: int = 0) -> list:
+    """Requests that ended in the second before `now_s`: TTFT 100 ms, TPOT 20 ms, `num_slow`
+    of them at a TPOT of 500 ms (past the 100 ms SLO), then `num_failed` failed ones."""
+    ended = [(now_s - 1 + i / (num + num_failed), 0.1, 0.5 if i < num_slow else 0.02, True)
+             for i in range(num)]
+    return ended + [(now_s - 0.01 * (i + 1), 0.0, 0.0, False) for i in range(num_failed)]
+
+
+def test_a_missed_slo_makes_a_predicted_move_urgent():
+    small = {"8P:8D": 5.0, "10P:6D": 6.0}  # 20%: normally two confirmations
+    p = _Scripted([small])
+    d = p.decide(20.0, Split(8, 8), outcomes=_outcomes(20.0, 30, num_slow=10))
+    assert (d.action, d.target.name) == ("change", "10P:6D") and "SLO is missed" in d.reason
+    assert d.slo == "67% of 30 within the SLOs (TTFT p50/p90 100/100 ms, TPOT 20/500 ms)"
+    # failed requests are outside the SLO (25 of 30 within: 83%, under the 95% target)
+    p = _Scripted([small])
+    d = p.decide(20.0, Split(8, 8), outcomes=_outcomes(20.0, 25, num_failed=5))
+    assert d.action == "change" and d.slo.startswith("83% of 30")
+    # met (29 of 30 within), or too few ended to say (min_observations): two confirmations
+    for outcomes, overrides in ((_outcomes(20.0, 30, num_slow=1), {}),
+                                (_outcomes(20.0, 5, num_failed=5), {"min_observations": 15})):
+        p = _Scripted([small] * 2, **overrides)
+        assert [p.decide(20.0 * i, Split(8, 8), outcomes=outcomes).action
+                for i in (1, 2)] == ["wait", "change"]
+    # missed, but no split predicted past the margin: it holds (a miss alone moves nothing)
+    p = _Scripted([{"8P:8D": 5.0, "10P:6D": 5.3}])
+    assert p.decide(20.0, Split(8, 8), outcomes=_outcomes(20.0, 30, 10)).action == "hold"
+    # missed, the engines' load says the other way: the small move still waits
+    p = _Scripted([{"8P:8D": 5.0}, small])
+    against = dict(prompt_busy=0.2, completion_busy=1.0, completion_queue=8)
+    p.decide(20.0, Split(8, 8), engines=_engines(20.0, **against))
+    d = p.decide(40.0, Split(8, 8), engines=_engines(40.0, **against),
+                 outcomes=_outcomes(40.0, 30, 10))
+    assert d.action == "wait" and "other way" in d.reason
+    # a missed SLO waits only the urgent cooldown (60 s) after a change, not the full one
+    script = [{"8P:8D": 1.0, "12P:4D": 6.0}] + [{"12P:4D": 5.0, "13P:3D": 6.0}] * 3
+    p, current, acts = _Scripted(script), Split(8, 8), []
+    for t in (20.0, 40.0, 60.0, 80.0):
+        d = p.decide(t, current, outcomes=_outcomes(t, 30, 10))
+        current = d.target if d.action == "change" else current
+        acts.append((t, d.action))
+    assert acts == [(20.0, "change"), (40.0, "wait"), (60.0, "wait"), (80.0, "change")]
+
+
+def test_a_miss_that_begins_between_decisions_brings_one_forward():
+    p = _Scripted([{"8P:8D": 5.0}] * 3, max_reuses=5)
+    p.decide(20.0, Split(8, 8), outcomes=_outcomes(20.0, 30))
+    assert not p.due(25.0, _outcomes(25.0, 30))  # met: the next decision at 40 s
+    assert p.due(25.0, _outcomes(25.0, 30, num_failed=10))  # a miss began: decide now
+    p.decide(25.0, Split(8, 8), outcomes=_outcomes(25.0, 30, num_failed=10))
+    assert p.num_predictions == 2 * 8  # a missed SLO replays a held load at once
+    assert not p.due(30.0, _outcomes(30.0, 30, num_failed=10))  # the same miss: once
+    p.decide(40.0, Split(8, 8), outcomes=_outcomes(40.0, 30))
+    assert p.due(45.0, _outcomes(45.0, 30, num_slow=5))  # met at 40 s: a new miss
+
+
+def test_the_simulator_gives_the_planner_outcomes_and_checks_the_slo_between_decisions():
+    class Probe(Planner):
+        def __init__(self) -> None:
+            super().__init__(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=10,
+                                                    slo_check_s=2.5))
+            self.checks, self.seen = [], []
+
+        def due(self, now_s, outcomes):
+            self.checks.append(now_s)
+            return now_s == 12.5
+
+        def decide(self, now_s, current, observations, engines=None, outcomes=None):
+            self.seen.append((now_s, list(outcomes)))
+            return Decision("hold", Split(*current), "test")
+
+    planner = Probe()
+    specs = _specs(["chat"], rate=2.0, phase_s=25.0)
+    fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=3)
+    rec = simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None, specs=specs,
+                   planner=planner)
+    assert [t for t, _ in planner.seen][:3] == [10.0, 12.5, 20.0]
+    assert planner.checks[:4] == [2.5, 5.0, 7.5, 12.5]  # none at a decision's own time
+    ended = {r["idx"]: r for r in rec["requests"]}
+    t, outcomes = planner.seen[2]
+    assert outcomes and all(o.done_s <= t and o.ok for o in outcomes)
+    finished = sorted(r["start_s"] + r["e2e_s"] for r in ended.values()
+                      if r["start_s"] + r["e2e_s"] <= t)
+    assert [o.done_s for o in outcomes] == pytest.approx(finished)
+    assert [o.ttft_s for o in outcomes][:1] == pytest.approx(
+        [min(ended.values(), key=lambda r: r["start_s"] + r["e2e_s"])["ttft_s"]])
+
+
 def test_advise_never_records_a_change():
     p = _Scripted([{"8P:8D": 1.0, "12P:4D": 6.0}] * 3, apply=False)
     acts = _actions(p, Split(8, 8), 3)
@@ -330,7 +418,7 @@ def test_every_engine_of_a_change_switches_once_it_is_empty():
     # that runs nothing switches then too (it waited for an event that never came, and the
     # planner, which holds while a change drains, never decided again).
     class Forced(Planner):
-        def decide(self, now_s, current, observations, engines=None):
+        def decide(self, now_s, current, observations, engines=None, outcomes=None):
             target = Split(4, 4) if now_s == 10.0 else Split(*current)
             return Decision("change" if target != Split(*current) else "hold", target, "test")
 
