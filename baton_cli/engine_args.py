@@ -93,11 +93,12 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--decode-threads", type=int, default=0,
                        help="torch threads for a step with no prompt in it (0 = auto: "
                             "--num-threads; 1 can be faster on a host whose cores are busy)")
-        g.add_argument("--decode-kv", choices=("rows", "pool"), default="rows",
-                       help="what the quantized modes' decode attention reads K/V from: a dense "
-                            "copy per decoding sequence (rows: half the KV budget buys blocks, "
-                            "the faster decode) or the block pool itself (pool: twice the "
-                            "tokens in the same budget, decode steps up to ~1.3x slower)")
+        g.add_argument("--decode-kv", choices=("rows", "pool"), default="pool",
+                       help="what the quantized modes' decode attention reads K/V from: the "
+                            "block pool itself (pool, the default: the whole KV budget holds "
+                            "unique blocks) or a dense copy per decoding sequence beside it "
+                            "(rows: half the budget holds the same tokens again). The exact "
+                            "mode (--quantization none) keeps rows either way")
     g.add_argument("--standby", action="store_true",
                    help="a warm spare (baton up --warm-standby): import, load the model and build "
                    "the engine, then wait for a line on stdin (EOF: exit) before starting the "

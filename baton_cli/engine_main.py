@@ -45,7 +45,7 @@ def engine_config(args: argparse.Namespace, role: str) -> EngineConfig:
         # Standalone, assume one other engine shares the host (the launcher passes the share).
         num_threads=args.num_threads or engine_threads(2),
         decode_threads=getattr(args, "decode_threads", 0),
-        decode_kv=getattr(args, "decode_kv", "rows"),
+        decode_kv=getattr(args, "decode_kv", "pool"),
         **{name: getattr(args, name) for name in CADENCE if hasattr(args, name)},
         # A role change (S41) to prompt keeps the process's flags: a prompt engine drafts
         # nothing, so it leaves them behind.
@@ -175,7 +175,7 @@ def wait_for_go(engine_id: str) -> None:
 # Flags that mean something only to a model runner, at their defaults: with --mock one set
 # otherwise is refused by name (a mock has no model, no torch threads, no dtype).
 MOCK_UNUSED = {"model": "", "dtype": "float32", "quantization": "auto", "device": "",
-               "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0, "decode_kv": "rows",
+               "kv_cache_gb": 1.0, "num_threads": 0, "decode_threads": 0, "decode_kv": "pool",
                "kv_cache_dtype": "auto", "lora_modules": [],
                # A mock runner samples no logits: it has nothing to verify drafts with.
                "speculative": "off", "num_speculative_tokens": 0,

@@ -11,10 +11,16 @@ ratio to the first mode) and writes JSON.
         [--decode-kv pool,rows]   # each mode's fused decode op over the block pool / dense rows
         [--profile int4:1]   # also print torch.profiler's top ops for that mode and batch
         [--decode-threads 2]   # decode steps on 2 threads (EngineConfig.decode_threads)
+        [--clock cpu]   # the process's CPU time, not the wall clock (with --decode-threads 1)
 
 With --decode-kv, every mode runs once per source (`CPUBackend(decode_kv=...)`; a mode without
 the fused op, the exact one, keeps its dense rows either way) and the table first gives what the
 KV budget holds: tokens per GiB of --kv-cache-gb, float32 and bfloat16 KV, per mode and source.
+
+`--clock cpu` times the process's CPU time instead of the wall clock: on a machine whose cores
+other work shares, the time a step waited for a core is left out (what it lost to the others'
+cache and memory traffic is not). Only with one decode thread (`--decode-threads 1`): a second
+thread's spinning at a barrier would count as work.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "decode_step.json"
+CLOCK = [time.perf_counter]  # time.process_time with --clock cpu
 
 
 def step_ms(engine, prompts: list[list[int]], steps: int) -> float:
@@ -41,10 +48,10 @@ def step_ms(engine, prompts: list[list[int]], steps: int) -> float:
     started: set[str] = set()
     while started != ids:  # until every prompt has its first token
         started |= {o.request_id for o in engine.step() if o.new_token_ids}
-    start = time.perf_counter()
+    start = CLOCK[0]()
     for _ in range(steps):
         assert not any(o.finished for o in engine.step()), "a request finished while timed"
-    elapsed = time.perf_counter() - start
+    elapsed = CLOCK[0]() - start
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished():
@@ -126,8 +133,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-threads", type=int, default=0, help="0: the engine's default")
     ap.add_argument("--profile", default="", help="MODE:BATCH to profile after the runs")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.clock == "cpu":
+        if args.decode_threads != 1:
+            raise SystemExit("--clock cpu counts one decode thread's work: add --decode-threads 1")
+        CLOCK[0] = time.process_time
     uptime_start = os.popen("uptime").read().strip()
     sources = args.decode_kv.split(",") if args.decode_kv else [None]
     loaded = {m: load(m) for m in args.modes.split(",")}
@@ -177,7 +189,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "machine": platform.processor() or platform.machine(), "threads": args.threads,
-        "decode_threads": args.decode_threads,
+        "decode_threads": args.decode_threads, "clock": args.clock,
         "load_avg": os.getloadavg(), "uptime_start": uptime_start,
         "uptime_end": os.popen("uptime").read().strip(),
         "steps": args.steps, "capacity": caps, "rows": rows}, indent=2) + "\n")

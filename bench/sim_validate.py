@@ -140,7 +140,7 @@ class RealFleet:
             [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port), "--no-metrics",
              *shape, "--", "--num-threads", "1", "--num-blocks", str(a.num_blocks),
              "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens",
-             str(a.max_num_batched_tokens)],
+             str(a.max_num_batched_tokens), *a.engine_args.split()],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         deadline = time.monotonic() + a.ready_timeout
         try:
@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument("--engine-args", default="",
+                   help="more engine flags for the real fleet, e.g. '--decode-kv rows'")
     p.add_argument("--client-cpus", default="",
                    help="pin the bench client, the router and redis to these CPUs once the "
                         "fleet is up (e.g. the completion engine's core, 1, so the prompt "

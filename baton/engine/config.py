@@ -29,9 +29,10 @@ class EngineConfig:
     device: str | None = None  # None = cuda when present, else cpu
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks incl. the null block; 0 = fill kv_cache_memory_bytes
-    # Used when num_blocks == 0: the pool and the backend's copies of it together. The CPU
-    # backend's dense decode rows can hold each decoding token again: half goes to the pool;
-    # with decode_kv "pool" (the quantized modes, plain attention) all of it does.
+    # Used when num_blocks == 0: the pool and the backend's copies of it together. With
+    # decode_kv "pool" (the default; the quantized modes, plain attention) all of it goes to
+    # the pool; where the CPU backend keeps dense decode rows (the exact mode, decode_kv
+    # "rows"), which can hold each decoding token again, half does.
     kv_cache_memory_bytes: int = 2**30
     max_num_seqs: int = 64  # sequences in one decode batch
     max_num_batched_tokens: int = 2048  # tokens in one prompt step (chunk size)
@@ -65,15 +66,17 @@ class EngineConfig:
     # value other than num_threads lets MKL round a decode row differently in a decode-only step
     # (a completion engine) than beside a prompt (a normal engine).
     decode_threads: int = 0
-    # What the quantized modes' decode attention reads a decoding sequence's K/V from: "rows"
-    # (a dense copy per decoding sequence beside the pool: half the budget buys blocks) or
-    # "pool" (its blocks, through the block table: the whole KV budget buys unique blocks, 2x
-    # the tokens). Rows by default, because pool costs decode speed here: int4 on 2 cores, one
-    # layer's attention 1.4-3.8x, a decode step 0.97-1.36x at 256 tokens of context and
-    # 1.03-1.34x at 1000 (bench/results/decode_step_pool*.json); served (bench/llamacpp_compare.py)
-    # c1 TPOT 10.4 vs 8.8-9.4 ms, c32 109 vs 131-140 tok/s. The exact mode and models with
-    # attention options always keep rows (cpu.py says why).
-    decode_kv: str = "rows"
+    # What the quantized modes' decode attention reads a decoding sequence's K/V from: "pool"
+    # (its blocks, through the block table: the whole KV budget buys unique blocks) or "rows"
+    # (a dense copy per decoding sequence beside the pool: half the budget buys blocks, the
+    # other half holds the same tokens again). Pool by default since the op stopped copying
+    # the values into a scratch row: an int4 decode step over the pool took 0.72-0.98x the
+    # rows' time at batch 1-32 x 256-1000 tokens of context (one decode thread, CPU time,
+    # bench/results/decode_step_pool_after.json), where it had taken 0.97-1.36x. The exact
+    # mode (float32, no quantization: the quality reference against transformers, eager
+    # attention) and models with attention options the op lacks (soft-capping, a scale of
+    # their own, sliding windows) keep dense rows whatever this says (cpu.py says why).
+    decode_kv: str = "pool"
     # normal: prefill + decode; prompt: prefill only, prompts leave with their KV blocks;
     # completion: decode only, prompts arrive with KV pulled from a prompt engine.
     engine_type: str = NORMAL

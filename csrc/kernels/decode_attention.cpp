@@ -243,15 +243,19 @@ constexpr int64_t kRowAhead = 32;
 // block, four tokens at a time, every head of the range takes its keys: in the pool a token's
 // heads lie side by side, so the pass walks each block's run of keys once, in address order.
 // Per head the keys' dot products go four at a time within a block (four independent add
-// chains), the softmax runs over its scores, and the value sum adds token after token: a
-// head's output does not depend on the blocks, the range or the thread split. Over a pool the
-// op is still 1.4-3.8x slower than over dense rows on this machine (a layer's run of a block
-// is 24 KB, far from the next block's; README, bench/decode_attention_bench.py --skip-eager).
+// chains), the softmax runs over its scores, and the value sum adds token after token, reading
+// each value where it lies (the next block's keys and values were asked for during the key
+// pass, so they are in the caches by then): a head's output does not depend on the blocks, the
+// range or the thread split. (The values used to be copied into a zeroed dense scratch row
+// first. Without that copy one layer over a pool still takes 1.1-1.26x its time over dense
+// rows here, one thread, batch 1-32 x 256-1000 tokens, down from 1.3-1.5x: the blocks' 24 KB
+// runs lie far apart; but a whole decode step over the pool is no slower than over rows,
+// which it spares their upkeep: README, bench/decode_attention_bench.py --skip-eager.)
 template <int NV, typename KV>
 __attribute__((target("avx2"))) void heads_attention_avx2(
         const float* __restrict q, const KVLayout<KV>& kv, int64_t i, int64_t h0, int64_t h1,
         int64_t group, int64_t len, float scale, float* __restrict scores,
-        float* __restrict mx, float* __restrict out, KV* __restrict stage) {
+        float* __restrict mx, float* __restrict out) {
     constexpr int64_t d = 8 * NV, nv = NV;
     const int64_t nh = h1 - h0, ts = kv.token_stride, block = kv.block;
     const int64_t* table = kv.tables + i * kv.table_stride;
@@ -261,6 +265,7 @@ __attribute__((target("avx2"))) void heads_attention_avx2(
     for (int64_t hh = 0; hh < nh; ++hh) head_off[hh] = ((h0 + hh) / group) * kv.head_stride;
     auto block_start = [&](int64_t b) { return kv.layer_base + table[b] * kv.block_stride; };
     const int64_t run = 4 * ts * static_cast<int64_t>(sizeof(KV));  // four tokens' heads
+    const bool paged = block < len;  // more than one block: a pool
     for (int64_t hh = 0; hh < nh; ++hh) mx[hh] = -INFINITY;
     for (int64_t b = 0, b0 = 0; b0 < len; ++b, b0 += block) {
         const int64_t m = std::min(block, len - b0);
@@ -268,21 +273,12 @@ __attribute__((target("avx2"))) void heads_attention_avx2(
         // Blocks lie anywhere in the pool: no hardware prefetcher follows them, so the next
         // block's keys and values are asked for while this one is computed.
         const KV* next = b0 + block < len ? block_start(b + 1) : nullptr;
-        if (stage != nullptr) {
-            // The values too, while their block is at hand (reading a block's keys brings its
-            // values in anyway): into a dense, head-major copy for the value sum below.
-            for (int64_t t = 0; t < m; ++t)
-                for (int64_t h = 0; h < num_kv; ++h) {
-                    const KV* v = blk + kv.kv_stride + (kv_lo + h) * kv.head_stride + t * ts;
-                    std::copy(v, v + d, stage + (h * len + b0 + t) * d);
-                }
-        }
         int64_t t = 0;
         for (; t + 4 <= m; t += 4) {  // four tokens at a time, every head: one pass over them
             if (next != nullptr) {
                 prefetch(next + t * ts, run);
                 prefetch(next + kv.kv_stride + t * ts, run);
-            } else if (stage == nullptr) {
+            } else if (!paged) {
                 // A dense row: each KV head's keys a few tokens ahead, and its values (read
                 // by the value sum below), so that the row streams in at the memory's pace.
                 for (int64_t h = kv_lo; h < kv_lo + num_kv; ++h) {
@@ -320,43 +316,37 @@ __attribute__((target("avx2"))) void heads_attention_avx2(
             }
         }
     }
-    // The value sum, token after token, each head's output row in registers: over the staged
-    // copy (a pool), or the dense row itself (one block).
+    // The value sum, token after token, each head's output row in registers, block by block
+    // (a dense row: one block).
     for (int64_t hh = 0; hh < nh; ++hh) {
         const float inv = 1.0f / exp_shifted(scores + hh * len, mx[hh], len);
-        const int64_t h = (h0 + hh) / group;
-        const KV* vals = stage != nullptr ? stage + (h - kv_lo) * len * d
-                                          : block_start(0) + kv.kv_stride + head_off[hh];
-        const int64_t vts = stage != nullptr ? d : ts;
-        assert(stage != nullptr || len <= block);
         const float* sc = scores + hh * len;
         __m256 o[NV];
         for (int64_t l = 0; l < nv; ++l) o[l] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < len; ++t) {
-            const __m256 w = _mm256_set1_ps(sc[t] * inv);
-            const KV* v = vals + t * vts;
-            for (int64_t l = 0; l < nv; ++l)
-                o[l] = _mm256_add_ps(o[l], _mm256_mul_ps(w, load8(v + 8 * l)));
+        for (int64_t b = 0, b0 = 0; b0 < len; ++b, b0 += block) {
+            const int64_t m = std::min(block, len - b0);
+            const KV* vals = block_start(b) + kv.kv_stride + head_off[hh];
+            for (int64_t t = 0; t < m; ++t) {
+                const __m256 w = _mm256_set1_ps(sc[b0 + t] * inv);
+                const KV* v = vals + t * ts;
+                for (int64_t l = 0; l < nv; ++l)
+                    o[l] = _mm256_add_ps(o[l], _mm256_mul_ps(w, load8(v + 8 * l)));
+            }
         }
         for (int64_t l = 0; l < nv; ++l) _mm256_storeu_ps(out + hh * d + 8 * l, o[l]);
     }
 }
 
-// `stage`: room for the range's values, dense ([KV heads, len, d]), when they lie in a pool's
-// blocks; nullptr for a dense row (read where it is).
 template <typename KV>
 void heads_attention(const float* q, const KVLayout<KV>& kv, int64_t i, int64_t h0, int64_t h1,
                      int64_t group, int64_t len, int64_t d, float scale, float* scores,
-                     float* mx, float* out, KV* stage) {
+                     float* mx, float* out) {
     if (kAvx2 && d == 64)
-        return heads_attention_avx2<8>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
-                                       stage);
+        return heads_attention_avx2<8>(q, kv, i, h0, h1, group, len, scale, scores, mx, out);
     if (kAvx2 && d == 128)
-        return heads_attention_avx2<16>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
-                                        stage);
+        return heads_attention_avx2<16>(q, kv, i, h0, h1, group, len, scale, scores, mx, out);
     if (kAvx2 && d == 32)
-        return heads_attention_avx2<4>(q, kv, i, h0, h1, group, len, scale, scores, mx, out,
-                                       stage);
+        return heads_attention_avx2<4>(q, kv, i, h0, h1, group, len, scale, scores, mx, out);
     for (int64_t h = h0; h < h1; ++h)
         head_attention_scalar(q + (h - h0) * d, kv.span(i, h / group), len, d, scale, scores,
                               out + (h - h0) * d);
@@ -400,7 +390,6 @@ void decode_body(const float* qp, const float* cp, const float* sp, const KVLayo
     const int64_t per = (num_heads + slices - 1) / slices;
     at::parallel_for(0, n * slices, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> qr, scores, mx;
-        std::vector<KV> stage;
         for (int64_t task = begin; task < end; ++task) {
             const int64_t i = task / slices, h0 = (task % slices) * per;
             const int64_t h1 = std::min(num_heads, h0 + per), nh = h1 - h0;
@@ -414,11 +403,8 @@ void decode_body(const float* qp, const float* cp, const float* sp, const KVLayo
             }
             scores.resize(nh * len);
             mx.resize(nh);
-            const bool paged = kv.block < len;  // more than one block: a pool
-            if (paged) stage.resize(((h1 - 1) / group - h0 / group + 1) * len * d);
             heads_attention(qr.data(), kv, i, h0, h1, group, len, d, scale, scores.data(),
-                            mx.data(), op + i * num_heads * d + h0 * d,
-                            paged ? stage.data() : nullptr);
+                            mx.data(), op + i * num_heads * d + h0 * d);
         }
     });
 }

@@ -183,12 +183,15 @@ def test_the_budget_holds_twice_the_blocks_without_rows(tiny_int4, caplog) -> No
 def test_the_exact_mode_and_attention_options_keep_dense_rows() -> None:
     from baton.model.backends import PLAIN_ATTENTION, AttentionOptions, get_backend
 
-    exact = get_backend("cpu")
+    exact = get_backend("cpu", decode_kv="pool")  # the exact mode: rows whatever it is told
     exact.set_model([PLAIN_ATTENTION] * 2, torch.float32, torch.float32)
     assert not exact.pool_decode and exact.kv_memory_factor == 1
-    default = get_backend("cpu", exact=False)  # rows unless --decode-kv pool
+    rows = get_backend("cpu", exact=False, decode_kv="rows")
+    rows.set_model([PLAIN_ATTENTION] * 2, torch.float32, torch.float32)
+    assert not rows.pool_decode and rows.kv_memory_factor == 1
+    default = CPUBackend(fused_decode=True)  # the quantized modes' backend: the pool by default
     default.set_model([PLAIN_ATTENTION] * 2, torch.float32, torch.float32)
-    assert not default.pool_decode and default.kv_memory_factor == 1
+    assert default.pool_decode and default.kv_memory_factor == 0
     fused = get_backend("cpu", exact=False, decode_kv="pool")
     fused.set_model([PLAIN_ATTENTION, AttentionOptions(window=8)], torch.float32, torch.float32)
     assert not fused.pool_decode and fused.kv_memory_factor == 1
@@ -218,11 +221,15 @@ def test_decode_kv_is_a_flag_of_the_engines_that_decode(capsys) -> None:
     from baton_cli.launch_config import role_engine_args
     from baton_cli.main import build_parser
 
+    assert EngineConfig().decode_kv == "pool"
     for command, role in (("engine", "normal"), ("completion-engine", "completion")):
-        args = build_parser().parse_args([command, "--decode-kv", "pool"])
-        assert engine_config(args, role).decode_kv == "pool"
-        assert engine_config(build_parser().parse_args([command]), role).decode_kv == "rows"
+        args = build_parser().parse_args([command, "--decode-kv", "rows"])
+        assert engine_config(args, role).decode_kv == "rows"
+        assert engine_config(build_parser().parse_args([command]), role).decode_kv == "pool"
         assert role_engine_args(["--decode-kv", "rows"], role) == ["--decode-kv", "rows"]
+    # A prompt engine has no flag (it runs no decode step): its budget holds blocks only too.
+    prompt = engine_config(build_parser().parse_args(["prompt-engine"]), "prompt")
+    assert prompt.decode_kv == "pool"
     assert role_engine_args(["--decode-kv", "rows"], "prompt") == []
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prompt-engine", "--decode-kv", "rows"])

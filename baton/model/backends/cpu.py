@@ -3,12 +3,12 @@
 Per step, everything index-like (slots, decode rows, masks, last tokens) is built once in
 `AttentionMetadata` and shared by all layers. Per layer, every new token's K/V is written into
 the pool at its slot, then attention runs:
-  * sequences with one query token (decode), with `decode_kv="pool"` in the quantized modes on
-    a model with plain attention, are served by one compiled op a layer that reads the pool
-    itself through their block tables (`cpu_decode_pool.py`): no copy of the KV anywhere else,
-    the whole KV budget buys pool blocks, decode steps up to ~1.3x slower here;
-  * otherwise (the default; the exact mode, the quality reference: eager attention; a model
-    with soft-capping, a scale of its own or sliding windows) they are served over dense rows that persist
+  * sequences with one query token (decode), in the quantized modes on a model with plain
+    attention (`decode_kv="pool"`, the default), are served by one compiled op a layer that
+    reads the pool itself through their block tables (`cpu_decode_pool.py`): no copy of the KV
+    anywhere else, the whole KV budget buys pool blocks, decode steps as fast as over rows;
+  * otherwise (the exact mode, the quality reference: eager attention; `decode_kv="rows"`; a
+    model with soft-capping, a scale of its own or sliding windows) they are served over dense rows that persist
     from step to step (`DecodeRows`, `[layers, 2, rows, kv_heads, capacity, head_dim]`, grouped
     by length class so that one long sequence does not pad every short one): a row is gathered
     from the blocks once, when its sequence starts decoding, and then each layer appends the new
@@ -356,16 +356,17 @@ class CPUBackend:
     name = "cpu"
 
     def __init__(self, fused_decode: bool = False, kernel_rows: str = "decode",
-                 decode_kv: str = "rows") -> None:
+                 decode_kv: str = "pool") -> None:
         """`fused_decode`: decode attention as one compiled op a layer (`cpu_fused`; not the
         eager path's float operations, so only for modes that are not the exact one).
         `kernel_rows`: which rows a quantized weight multiplies with its block kernel: "decode"
         (decode tokens; prefill chunks take the dense copy) or "all" (the quality gate's
         teacher forcing measures the kernels' numbers through prefill chunks).
         `decode_kv`: what the fused op reads a decoding sequence's K/V from: "pool" (its blocks,
-        through its block table) or "rows" (dense rows beside the pool: the pool op's reference,
-        the same tokens for twice the memory; tests/model/test_pool_decode.py and
-        bench/decode_step.py --decode-kv compare the two)."""
+        through its block table; the engine's default) or "rows" (dense rows beside the pool:
+        the pool op's reference, the same tokens for twice the memory;
+        tests/model/test_pool_decode.py and bench/decode_step.py --decode-kv compare the
+        two). Without `fused_decode` (the exact mode) rows serve either way."""
         if kernel_rows not in ("decode", "all"):
             raise ValueError(f"kernel_rows must be 'decode' or 'all', got {kernel_rows!r}")
         if decode_kv not in ("pool", "rows"):

@@ -1,4 +1,4 @@
-"""Decode attention over the block pool itself: the quantized modes' decode steps.
+"""Decode attention over the block pool itself: the quantized modes' decode steps (the default).
 
 The fused op (`cpu_fused.decode_attention_paged`) reads each decoding sequence's keys and values
 straight from its blocks through its block table, and writes the new token's K/V into its slot:
@@ -9,10 +9,13 @@ product, softmax and value sum, keys visited in token order), so a greedy run is
 the one over dense rows (`tests/model/test_pool_decode.py`); the exact mode keeps its eager
 attention over dense rows (`cpu_decode_rows.py`), the quality reference.
 
-It is slower than the dense rows at long contexts on the 2-core machine it was measured on (a
-layer's K/V of one block is a 24 KB run far from the next block's): one layer's op 1.4-3.8x,
-a whole int4 decode step 0.97-1.11x at batch 1-32 x 256 tokens and ~1.15x (1.03-1.34x) at
-1000 (README, bench/decode_attention_bench.py and bench/decode_step.py --decode-kv).
+It used to be slower than the dense rows (one layer's op 1.4-3.8x, a whole int4 decode step
+0.97-1.36x), because the op copied each block's values into a zeroed scratch row before the value
+sum; it reads them where they lie now. One layer's op is still 1.1-1.26x the dense rows' (a
+layer's K/V of one block is a 24 KB run far from the next block's), but a whole int4 decode
+step over the pool takes 0.72-0.98x the rows' time at batch 1-32 x 256-1000 tokens: the rows
+path also writes each new token into the pool a second time and keeps its rows' bookkeeping
+(README, bench/decode_attention_bench.py and bench/decode_step.py --decode-kv).
 
 Only a model whose every layer has plain attention takes it (no soft-capping, no scale of its
 own, no sliding window: the op has none of them), computing in float32 over a float32 or bfloat16
