@@ -47,6 +47,9 @@ class LaunchConfig:
     planner_interval_s: float = 30.0
     planner_window_s: float = 120.0
     planner_cooldown_s: float = 300.0
+    planner_min_requests: int = 20  # requests a decision needs in its window
+    planner_slo_target: float = 0.95  # under this share within the SLOs, the SLO is missed
+    planner_slo_check_s: float = 5.0  # how often the SLO is checked between decisions
     ready_timeout_s: float = 300.0
     # Flags after `--`, passed to every engine whose role has them (role_engine_args).
     engine_args: list[str] = field(default_factory=list)
@@ -205,6 +208,7 @@ class LaunchConfig:
             from baton.perf.profile import load as load_profile
 
             load_profile(self.planner_profile)  # a bad profile fails here, naming its field
+            self.planner_config()  # ... and a bad setting here, naming it
         if self.cache_salt_per_key and not (self.api_key or self.api_keys_file):
             raise ValueError("--cache-salt-per-key needs API keys (--api-key or --api-keys-file)")
         for flag in ("--cluster-key-dir", "--insecure"):
@@ -212,6 +216,15 @@ class LaunchConfig:
                 raise ValueError(f"give {flag} to `baton up` itself, not after --: the router "
                                  "and every engine must share it")
 
+    def planner_config(self):
+        """The planner's config (planner/core.py `PlannerConfig`, which checks every value)."""
+        from planner.core import PlannerConfig
+
+        return PlannerConfig(
+            slos_ms=self.slos_ms, interval_s=self.planner_interval_s,
+            window_s=self.planner_window_s, cooldown_s=self.planner_cooldown_s,
+            min_observations=self.planner_min_requests, slo_target=self.planner_slo_target,
+            slo_check_s=self.planner_slo_check_s, apply=self.planner == "apply")
 
     def launcher_key(self) -> str:
         """A key the launcher itself may use to ask the router (the banner's model name)."""
@@ -324,12 +337,35 @@ def add_planner_args(g: argparse._ActionsContainer, mode: str = "off",
     g.add_argument("--planner-profile", default="", metavar="PROFILE.json", help=profile_help)
     g.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
                    help="the planner's SLOs, e.g. ttft:2000 tpot:100")
+    add_planner_tuning(g)
+
+
+def add_planner_tuning(g: argparse._ActionsContainer) -> None:
+    """How often and on what the planner decides (planner/core.py `PlannerConfig`): `baton up`,
+    `baton planner` and `baton sim --planner`."""
     g.add_argument("--planner-interval", type=float, default=30.0,
                    help="seconds between two decisions (default 30)")
     g.add_argument("--planner-window", type=float, default=120.0,
-                   help="seconds of finished requests each decision plans on (default 120)")
+                   help="seconds of requests each decision plans on (default 120)")
     g.add_argument("--planner-cooldown", type=float, default=300.0,
                    help="seconds after a change before the next (default 300)")
+    g.add_argument("--planner-min-requests", type=int, default=20, metavar="N",
+                   help="requests a decision needs in its window; with fewer it holds "
+                        "(default 20)")
+    g.add_argument("--planner-slo-target", type=float, default=0.95, metavar="SHARE",
+                   help="under this share of the window's requests within the --goodput "
+                        "SLOs, the SLO is missed and a predicted move becomes urgent "
+                        "(default 0.95)")
+    g.add_argument("--planner-slo-check", type=float, default=5.0, metavar="S",
+                   help="seconds between two checks of the SLO between decisions (a miss "
+                        "brings the next decision forward); 0: only at decisions (default 5)")
+
+
+def planner_tuning(args: argparse.Namespace) -> dict:
+    """`PlannerConfig`'s fields from add_planner_tuning's flags."""
+    return dict(interval_s=args.planner_interval, window_s=args.planner_window,
+                cooldown_s=args.planner_cooldown, min_observations=args.planner_min_requests,
+                slo_target=args.planner_slo_target, slo_check_s=args.planner_slo_check)
 
 
 def engine_counts(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -372,6 +408,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         slos_ms=parse_slos(args.goodput),
         planner_interval_s=args.planner_interval, planner_window_s=args.planner_window,
         planner_cooldown_s=args.planner_cooldown,
+        planner_min_requests=args.planner_min_requests,
+        planner_slo_target=args.planner_slo_target, planner_slo_check_s=args.planner_slo_check,
         # $BATON_CLUSTER_KEY_DIR is only the default: --insecure overrides it
         cluster_key_dir="" if args.insecure and args.cluster_key_dir == os.environ.get(
             ENV_KEY_DIR, "") else args.cluster_key_dir)

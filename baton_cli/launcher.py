@@ -238,16 +238,13 @@ class Launcher:
     def _start_planner(self) -> None:
         from baton.perf.profile import load as load_profile
         from baton_cli.live_planner import LivePlanner
-        from planner.core import Planner, PlannerConfig
+        from planner.core import Planner
         from simulator.fleet import FleetConfig
 
         cfg = self.config
         profile = load_profile(cfg.planner_profile)
         fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
-        planner = Planner(profile, PlannerConfig(
-            slos_ms=cfg.slos_ms, interval_s=cfg.planner_interval_s,
-            window_s=cfg.planner_window_s, cooldown_s=cfg.planner_cooldown_s,
-            apply=cfg.planner == "apply"), fleet)
+        planner = Planner(profile, cfg.planner_config(), fleet)
         self.planner = LivePlanner(self, planner, cfg.planner_interval_s,
                                    cfg.planner_window_s).start()
         logger.info("planner (%s) every %.0f s on the last %.0f s of requests", cfg.planner,
@@ -286,8 +283,17 @@ class Launcher:
         if self.planner is not None:
             self.planner.stop()
             self.planner = None
-        for child in reversed(self.children):  # router first: no new work reaches the engines
-            child.stop(timeout_s)
+        # The router first (it was started last): no new work reaches the engines. Then the
+        # engines all at once: each one's graceful shutdown runs beside the others' (one after
+        # another, a fleet of N took N shutdowns).
+        engines = [c for c in self.children if c.name != "router"]
+        for child in self.children:
+            if child.name == "router":
+                child.stop(timeout_s)
+        for child in engines:
+            child.terminate()
+        for child in engines:
+            child.wait_stopped(timeout_s)
         self.children.clear()
         for server in (self.redis, self.kv_redis):
             if server is not None:

@@ -26,7 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from baton.ops.cluster_keys import add_key_args
-from baton_cli.launch_config import add_planner_args
+from baton_cli.launch_config import add_planner_args, planner_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,8 @@ def build(args: argparse.Namespace):
 
     if not args.planner_profile:
         raise ValueError("--planner-profile PROFILE.json is needed: the planner predicts with it")
-    config = PlannerConfig(slos_ms=parse_slos(args.goodput), interval_s=args.planner_interval,
-                           window_s=args.planner_window, cooldown_s=args.planner_cooldown,
-                           apply=args.planner == "apply")
+    config = PlannerConfig(slos_ms=parse_slos(args.goodput), apply=args.planner == "apply",
+                           **planner_tuning(args))
     if not 0 < args.kube_timeout < 600:
         raise ValueError(f"--kube-timeout must be in (0, 600) s, got {args.kube_timeout}")
     planner = Planner(load_profile(args.planner_profile), config,

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 
+from baton_cli.launch_config import add_planner_tuning, planner_tuning
 from simulator import cli as sim_cli
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sim_cli.add_parser(sub)
-    sub.choices["sim"].set_defaults(func=run)
+    p = sub.choices["sim"]
+    add_planner_tuning(p.add_argument_group("the planner's tuning (with --planner; the flags of "
+                                            "baton up --planner)"))
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +29,5 @@ def make_planner(args: argparse.Namespace, profile, cfg):
     """The planner of `--planner advise|apply` for this run's profile and fleet."""
     from planner.core import Planner, PlannerConfig
 
-    return Planner(profile, PlannerConfig(
-        slos_ms=cfg.slos_ms, interval_s=args.planner_interval, window_s=args.planner_window,
-        cooldown_s=args.planner_cooldown, apply=args.planner == "apply"), cfg.fleet)
+    return Planner(profile, PlannerConfig(slos_ms=cfg.slos_ms, apply=args.planner == "apply",
+                                          **planner_tuning(args)), cfg.fleet)

@@ -70,12 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--engines", type=int, default=0,
                    help="with --planner: the budget; the start is --prompt-engines and "
                         "--completion-engines if given, else half and half")
-    g.add_argument("--planner-interval", type=float, default=30.0, help="seconds between "
-                   "decisions")
-    g.add_argument("--planner-window", type=float, default=120.0,
-                   help="seconds of arrivals each decision plans on")
-    g.add_argument("--planner-cooldown", type=float, default=300.0,
-                   help="seconds after a change before another")
+    # its --planner-interval, --planner-window, ...: the composition root's (baton_cli/sim.py)
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s with Poisson arrivals (default inf: all at once)")

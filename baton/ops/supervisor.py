@@ -134,11 +134,21 @@ class Child:
                               f"(command: {' '.join(self.argv)})")
 
     def stop(self, timeout_s: float) -> None:
-        procs = [self.proc] + ([self.standby] if self.standby is not None else [])
-        for proc in procs:
+        self.terminate()
+        self.wait_stopped(timeout_s)
+
+    def _procs(self) -> list[subprocess.Popen]:
+        return [self.proc] + ([self.standby] if self.standby is not None else [])
+
+    def terminate(self) -> None:
+        """SIGTERM to the process and its spare (each shuts down gracefully on it)."""
+        for proc in self._procs():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs:
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """Wait for `terminate` to take effect; a process that outlives `timeout_s` is killed."""
+        for proc in self._procs():
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

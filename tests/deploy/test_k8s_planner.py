@@ -372,6 +372,7 @@ def test_baton_planner_help_lists_its_flags():
     assert out.returncode == 0, out.stderr
     for flag in ("--router-url", "--redis-url", "--planner-profile", "--goodput",
                  "--planner-interval", "--planner-window", "--planner-cooldown", "--planner ",
+                 "--planner-min-requests", "--planner-slo-target", "--planner-slo-check",
                  "--prompt-deployment", "--completion-deployment", "--kube-timeout"):
         assert flag in out.stdout, flag
 

@@ -62,6 +62,12 @@ def _rejections(url: str) -> float:
     return 0.0
 
 
+def _outcomes(url: str) -> list[list]:
+    """The router's outcomes for the planner, less their end times: [TTFT s, TPOT s, ok]."""
+    raw = httpx.get(f"{url}/planner/observations", params={"window_s": 600}, timeout=5).json()
+    return [row[1:] for row in raw["outcomes"]]
+
+
 def test_a_request_past_its_slo_under_load_gets_429_and_is_admitted_once_the_load_is_gone(
         engines, model_info):
     long_prompt = " six" * 1000
@@ -97,6 +103,8 @@ def test_a_request_past_its_slo_under_load_gets_429_and_is_admitted_once_the_loa
         assert refused.headers["Retry-After"] == str(max(1, -(-int(queued - slo_ms) // 1000)))
         assert _rejections(url) == 1.0
         assert len(normal.generates) == 1  # the refused request never reached the engine
+        # what the planner reads (planner/signals.py): the refusal ended outside its SLO
+        assert _outcomes(url) == [[0.0, 0.0, 0]]
 
         first.join(30)
         # The client left: the router aborted its request there and its queue is empty again.
@@ -106,3 +114,4 @@ def test_a_request_past_its_slo_under_load_gets_429_and_is_admitted_once_the_loa
         wait_for(lambda: len(normal.generates) == 2, timeout_s=10)
         second.join(30)
         assert _rejections(url) == 1.0
+        assert _outcomes(url) == [[0.0, 0.0, 0]]  # the clients that left are not outcomes

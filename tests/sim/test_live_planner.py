@@ -32,7 +32,8 @@ def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
                                    "--planner", "apply", "--planner-profile", PROFILE,
                                    "--goodput", "ttft:1500", "tpot:200",
                                    "--planner-interval", "1", "--planner-window", "20",
-                                   "--planner-cooldown", "600"])
+                                   "--planner-cooldown", "600",
+                                   "--planner-min-requests", "4"])
     try:
         engines = {}
         for line in out.lines:
@@ -41,14 +42,20 @@ def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
                 engines[parts[0]] = parts[1]
         assert len(engines) == 3, out.lines
         deadline = time.monotonic() + 120
-        statuses = []
-        with ThreadPoolExecutor(4) as pool:
+        statuses, running, num_sent = [], [], 0
+        with ThreadPoolExecutor(4) as pool:  # four long prompts in flight until it moves
             while time.monotonic() < deadline:
-                statuses += list(pool.map(lambda i: _long_request(port, i), range(8)))
-                plan = httpx.get(f"http://127.0.0.1:{port}/planner").json()
+                statuses += [f.result() for f in running if f.done()]
+                running = [f for f in running if not f.done()]
+                for _ in range(4 - len(running)):
+                    running.append(pool.submit(_long_request, port, num_sent))
+                    num_sent += 1
                 roles = [probe_engine(a, 5.0, keys=KEYS).role for a in engines.values()]
                 if roles.count("prompt") >= 2:
                     break
+                time.sleep(0.1)
+            statuses += [f.result() for f in running]
+        plan = httpx.get(f"http://127.0.0.1:{port}/planner").json()
         assert roles.count("prompt") >= 2, (plan, "".join(err.lines[-30:]))
         assert set(statuses) == {200}, statuses
         assert plan["plan"]["recommended"]["prompt"] >= 2

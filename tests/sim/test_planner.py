@@ -4,7 +4,10 @@ split a shifted workload needs, holds on a steady one, never loses a request to 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import math
 import random
 import re
 from pathlib import Path
@@ -24,7 +27,7 @@ from simulator.run import SimConfig, simulate
 DATA = Path(__file__).resolve().parents[1] / "data"
 PROFILE = load(DATA / "profile_test.json")
 SLOS = {"ttft": 2000.0, "tpot": 100.0}
-KINDS = {"chat": ((50, 200), (100, 300)), "retrieval": ((1500, 3000), (10, 40))}
+KINDS = {"chat": ((50, 200), (40, 120)), "retrieval": ((1500, 3000), (10, 40))}
 
 
 def _specs(phases: list[str], rate: float = 1.5, phase_s: float = 40.0) -> list[RequestSpec]:
@@ -40,15 +43,17 @@ def _specs(phases: list[str], rate: float = 1.5, phase_s: float = 40.0) -> list[
 
 
 @functools.cache
-def _run(phases: tuple[str, ...], start: tuple[int, int], apply: bool = True) -> dict:
+def _run(phases: tuple[str, ...], start: tuple[int, int], apply: bool = True,
+         until_s: float = math.inf) -> dict:
     """One planner run (deterministic: the tests that read the same run share it; none
-    changes the record)."""
+    changes the record), of the requests that arrive before `until_s`."""
     planner = Planner(PROFILE, PlannerConfig(slos_ms=SLOS, interval_s=8, window_s=12,
                                              min_observations=8, cooldown_s=20,
                                              max_candidates=3, apply=apply))
     fleet = FleetConfig(num_normal=0, num_prompt=start[0], num_completion=start[1])
-    return simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None,
-                    specs=_specs(list(phases)), planner=planner)
+    specs = [s for s in _specs(list(phases)) if s.arrival_s < until_s]
+    return simulate(PROFILE, SimConfig(fleet=fleet, slos_ms=SLOS), None, specs=specs,
+                    planner=planner)
 
 
 class _Scripted(Planner):
@@ -349,12 +354,15 @@ def test_a_shift_to_long_prompts_moves_engines_to_the_prompt_role():
 
 
 def test_advise_decides_but_changes_nothing():
-    fleet = _run(("chat", "retrieval"), (1, 3), apply=False)["fleet"]
+    applied = _run(("chat", "retrieval"), (1, 3))["fleet"]["planner_decisions"]
+    first_change = next(d for d in applied if d["action"] == "change")
+    # the same arrivals up to the first change (what came after cannot touch the decisions
+    # before): the run is shorter
+    fleet = _run(("chat", "retrieval"), (1, 3), apply=False,
+                 until_s=first_change["t"] + 1)["fleet"]
     assert any(d["action"] == "advise" for d in fleet["planner_decisions"])
     assert {(r["prompt"], r["completion"]) for r in fleet["roles_over_time"]} == {(1, 3)}
     # deterministic: advise saw what apply acted on, at the same times
-    applied = _run(("chat", "retrieval"), (1, 3))["fleet"]["planner_decisions"]
-    first_change = next(d for d in applied if d["action"] == "change")
     first_advice = next(d for d in fleet["planner_decisions"] if d["action"] == "advise")
     assert (first_advice["t"], first_advice["target"]) == (first_change["t"],
                                                            first_change["target"])
@@ -391,12 +399,23 @@ def test_baton_sim_planner_is_built_by_the_composition_root(tmp_path, capsys):
 
     argv = ["sim", "--profile", str(DATA / "profile_test.json"), "--num-requests", "12",
             "--request-rate", "2", "--planner", "advise", "--engines", "2",
-            "--planner-interval", "2", "--goodput", "ttft:2000", "tpot:100",
-            "--label", "adv", "--results-dir", str(tmp_path)]
-    assert baton_main(argv) == 0
+            "--goodput", "ttft:2000", "tpot:100", "--label", "adv",
+            "--results-dir", str(tmp_path)]
+    tuning = ["--planner-interval", "2", "--planner-min-requests", "13",
+              "--planner-slo-target", "0.9", "--planner-slo-check", "0"]
+    assert baton_main(argv + tuning) == 0
     assert "planner (advise)" in capsys.readouterr().out
     (path,) = tmp_path.glob("serve_adv_*.json")
-    assert "planner_decisions" in path.read_text()
+    decisions = json.loads(path.read_text())["fleet"]["planner_decisions"]
+    # the tuning flags reach the planner: every 2 s, and 12 requests are under 13 (it holds)
+    assert [d["t"] for d in decisions][:3] == [2.0, 4.0, 6.0]
+    assert {d["action"] for d in decisions} == {"hold"}
+    assert all(d["reason"].endswith("(< 13)") for d in decisions)
+    for flag, bad, name in (("--planner-slo-target", "1.5", "slo_target"),
+                            ("--planner-min-requests", "x", "--planner-min-requests")):
+        with pytest.raises(SystemExit) if bad == "x" else contextlib.nullcontext():
+            assert baton_main(argv + [flag, bad]) == 2
+        assert name in capsys.readouterr().err
     parser = argparse.ArgumentParser()
     sim_cli.add_parser(parser.add_subparsers())
     assert sim_cli.run(parser.parse_args(argv)) == 2
