@@ -388,6 +388,13 @@ def test_planner_flags_are_checked(capsys):
         PlannerConfig(slos_ms=SLOS, margin=0.2, urgent_margin=0.1)
     with pytest.raises(ValueError, match="urgent_cooldown_s"):
         PlannerConfig(slos_ms=SLOS, urgent_cooldown_s=-1)
+    # `baton up --planner`: its tuning is checked before anything starts
+    from baton_cli.launch_config import LaunchConfig
+
+    up = dict(planner="apply", planner_profile=str(DATA / "profile_test.json"), slos_ms=SLOS)
+    assert LaunchConfig(**up, planner_min_requests=4).planner_config().min_observations == 4
+    with pytest.raises(ValueError, match="slo_target"):
+        LaunchConfig(**up, planner_slo_target=1.5)
 
 
 def test_baton_sim_planner_is_built_by_the_composition_root(tmp_path, capsys):
