@@ -21,8 +21,12 @@
    [min-max] of TTFT p50/p90, TPOT p50, mean end-to-end latency and goodput; the error against
    the target (10%, or the real runs' spread where that is larger; 25% overloaded).
 
-Writes bench/results/sim_validate.json (every run's summary) and prints the table. A run on a
-loaded host measures the host's load too: the load average is recorded with every run.
+Writes bench/results/sim_validate.json (every run's summary, its requests one by one, and the
+engines' busy time: the simulator's, and the real engines' from their /metrics) and prints the
+table. A run on a loaded host measures the host's load too: the load average is recorded with
+every run. With --step-check, first: each workload's prompts through one real engine in this
+process, every step's time against the profile's prediction by kind of step
+(baton/perf/check.py), what the fit gets wrong apart from the service around the engines.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 
 from baton.ops.cpus import parse_cpus  # noqa: E402
 from baton.ops.ports import free_port  # noqa: E402
+from baton.perf.check import check_steps, format_groups  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
+from baton.workload.args import build_specs  # noqa: E402
 from baton.workload.results import parse_slos  # noqa: E402
 from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402
 from baton.workload.trace import TraceConfig, build_trace_workload  # noqa: E402
@@ -101,13 +107,48 @@ def sim_config(setup: str, args: argparse.Namespace, rate: float) -> SimConfig:
 
 
 def predict(profile, kind: str, setup: str, args: argparse.Namespace, rate: float) -> dict:
+    """The simulator's record of this point (summary, requests, fleet)."""
     workload, trace, request_rate = workload_at(kind, args, rate)
-    return simulate(profile, sim_config(setup, args, request_rate), workload, trace)["summary"]
+    return simulate(profile, sim_config(setup, args, request_rate), workload, trace)
 
 
 def capacity(profile, kind: str, setup: str, args: argparse.Namespace) -> float:
     """Requests/s the simulator says this setup completes with all of them sent at once."""
-    return predict(profile, kind, setup, args, math.inf)["request_throughput"]
+    return predict(profile, kind, setup, args, math.inf)["summary"]["request_throughput"]
+
+
+def requests_of(record: dict) -> list[dict]:
+    """One line per request (sim or real), in milliseconds: what the summary hides."""
+    out = []
+    for r in record["requests"]:
+        n = r["output_tokens"]
+        tpot = (r["e2e_s"] - r["ttft_s"]) / (n - 1) if n > 1 else 0.0
+        out.append({"idx": r["idx"], "kind": r["kind"], "ok": r["ok"],
+                    "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
+                    "output_tokens": n, "start_s": round(r["start_s"], 4),
+                    "ttft_ms": round(1e3 * r["ttft_s"], 2), "tpot_ms": round(1e3 * tpot, 3),
+                    "e2e_ms": round(1e3 * r["e2e_s"], 2),
+                    "itl0_ms": round(1e3 * r["itl_s"][0], 2) if r["itl_s"] else None})
+    return out
+
+
+def busy_of(fleet: dict | None) -> dict:
+    """role -> (busy seconds, steps) summed over the engines of that role."""
+    out: dict[str, list[float]] = {}
+    for e in (fleet or {}).get("engines", []):
+        acc = out.setdefault(e["role"], [0.0, 0])
+        acc[0] += e.get("busy_s", 0.0)
+        acc[1] += e.get("num_steps", 0)
+    return out
+
+
+def step_check(profile, kind: str, args: argparse.Namespace) -> dict:
+    """`kind`'s prompts through one real engine here, its steps against the profile."""
+    workload, trace, _ = workload_at(kind, args, 1.0)
+    specs = build_specs(workload, trace, args.num_requests)
+    return check_steps(profile, [(s.text, s.max_tokens) for s in specs],
+                       num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 # --------------------------------------------------------------------------- real runs
@@ -116,6 +157,7 @@ class RealFleet:
 
     def __init__(self, setup: str, args: argparse.Namespace) -> None:
         self.setup, self.args, self.port = setup, args, free_port()
+        self.metrics_urls: list[str] = []  # the engines' /metrics, from the banner
 
     def pin_client(self, cpus: set[int]) -> None:
         """This process (the bench client) and the launcher's non-engine children (the router
@@ -137,7 +179,7 @@ class RealFleet:
                  ["--prompt-engines", "1", "--completion-engines", "1"])
         a = self.args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port), "--no-metrics",
+            [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port),
              *shape, "--", "--num-threads", "1", "--num-blocks", str(a.num_blocks),
              "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens",
              str(a.max_num_batched_tokens), *a.engine_args.split()],
@@ -145,6 +187,8 @@ class RealFleet:
         deadline = time.monotonic() + a.ready_timeout
         try:
             for line in self.proc.stdout:
+                if "  metrics http" in line and "router" not in line:
+                    self.metrics_urls.append(line.split("  metrics ", 1)[1].split()[0])
                 if "Ctrl-C stops" in line:
                     return self
                 if time.monotonic() > deadline:
@@ -174,14 +218,16 @@ class RealFleet:
 
 
 def measure(fleet: RealFleet, kind: str, args: argparse.Namespace, rate: float) -> dict:
+    """One real run's record: its summary (with the load average), requests and fleet."""
     workload, trace, request_rate = workload_at(kind, args, rate)
     fleet.reset_cache()
     cfg = sb.BenchConfig(base_url=fleet.url, endpoint="completions", request_rate=request_rate,
                          num_requests=args.num_requests, slos_ms=parse_slos(args.goodput),
                          label=f"real_{fleet.setup}", progress=False,
-                         drain_timeout_s=args.drain_timeout)
-    summary = asyncio.run(sb.run_async(cfg, workload, trace))["summary"]
-    return {**summary, "load_average": list(os.getloadavg())}
+                         drain_timeout_s=args.drain_timeout, engine_metrics=fleet.metrics_urls)
+    record = asyncio.run(sb.run_async(cfg, workload, trace))
+    record["summary"]["load_average"] = list(os.getloadavg())
+    return record
 
 
 # --------------------------------------------------------------------------- the report
@@ -212,6 +258,11 @@ def compare(level: str, predicted: dict, runs: list[dict]) -> dict:
 
 def print_point(p: dict) -> None:
     head = f"{p['workload']:<9} {p['setup']:<4} {p['level']:<10} {p['rate']:>6.2f}/s"
+    busy = []
+    for role, (sim_s, _) in busy_of(p.get("predicted_fleet")).items():
+        real = sorted(busy_of(f).get(role, [math.nan])[0] for f in p.get("runs_fleet") or [])
+        if real:
+            busy.append(f"{role} busy {sim_s:.1f} s vs {real[len(real) // 2]:.1f} s")
     cells = []
     for key in ("ttft_p50", "ttft_p90", "tpot_p50", "e2e_mean", "goodput"):
         c = p["compare"][key]
@@ -219,7 +270,35 @@ def print_point(p: dict) -> None:
                      f"{c['max']:.0f}] {100 * c['error']:+.0f}%{'' if c['within'] else '!'}"
                      if key != "goodput" else
                      f"goodput {c['predicted']:.2f} vs {c['median']:.2f}")
-    print(head + "  " + "; ".join(cells), flush=True)
+    print(head + "  " + "; ".join(cells + busy), flush=True)
+
+
+def num_within(record: dict) -> int:
+    return sum(c["within"] for pt in record["points"] for k, c in pt["compare"].items()
+               if k in ("ttft_p50", "tpot_p50", "e2e_mean"))
+
+
+def repredict(args: argparse.Namespace) -> int:
+    """The simulator again over an earlier record's points (their rates, workloads, real runs):
+    a change to the simulator or the profile judged without running the engines again."""
+    if not args.profile:
+        raise SystemExit("--repredict needs --profile")
+    record = json.loads(Path(args.repredict).read_text())
+    run_args = argparse.Namespace(**{**record["args"],
+                                     "trace": str(ROOT / record["args"]["trace"])})
+    profile = load_profile(args.profile)
+    record.update(profile=rel(args.profile), repredicted_from=rel(args.repredict),
+                  repredicted=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    for point in record["points"]:
+        sim = predict(profile, point["workload"], point["setup"], run_args, point["rate"])
+        point.update(predicted=sim["summary"], predicted_fleet=sim["fleet"],
+                     predicted_requests=requests_of(sim),
+                     compare=compare(point["level"], sim["summary"], point["runs"]))
+        print_point(point)
+    Path(args.out).write_text(json.dumps(record, indent=1, default=str))
+    print(f"within target: {num_within(record)} of {3 * len(record['points'])}; "
+          f"wrote {rel(args.out)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,8 +331,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="pin the bench client, the router and redis to these CPUs once the "
                         "fleet is up (e.g. the completion engine's core, 1, so the prompt "
                         "engine has core 0 alone: what sharing its core costs the TTFT)")
+    p.add_argument("--step-check", action="store_true",
+                   help="first, each workload's steps on one real engine against the profile")
+    p.add_argument("--step-check-only", action="store_true",
+                   help="the step check and nothing else (no fleets)")
+    p.add_argument("--repredict", default="", metavar="RUN.json",
+                   help="no real runs: the simulator again (this code, --profile) at each point "
+                        "of an earlier run's record, compared with that run's real runs")
     p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
     args = p.parse_args(argv)
+    if args.repredict:
+        return repredict(args)
     logging.basicConfig(level=logging.WARNING)
     # A stop (SIGTERM) unwinds through RealFleet, which stops its `baton up`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -263,6 +351,16 @@ def main(argv: list[str] | None = None) -> int:
                                                      for k, v in vars(args).items()},
               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "points": []}
     out = Path(args.out)
+    if args.step_check or args.step_check_only:
+        record["step_check"] = {}
+        for kind in args.workloads:
+            checked = step_check(profile, kind, args)
+            record["step_check"][kind] = checked
+            print(f"step check, {kind} (all at once, one engine here):\n"
+                  f"{format_groups(checked)}", flush=True)
+            out.write_text(json.dumps(record, indent=1, default=str))
+        if args.step_check_only:
+            return 0
     for setup in args.setups:
         with RealFleet(setup, args) as fleet:
             if args.client_cpus:
@@ -271,16 +369,20 @@ def main(argv: list[str] | None = None) -> int:
                 cap = capacity(profile, kind, setup, args)
                 for level, frac in zip(LEVELS, args.load_fractions, strict=True):
                     rate = frac * cap
-                    predicted = predict(profile, kind, setup, args, rate)
-                    runs = [measure(fleet, kind, args, rate) for _ in range(args.runs)]
+                    sim = predict(profile, kind, setup, args, rate)
+                    real = [measure(fleet, kind, args, rate) for _ in range(args.runs)]
+                    runs = [r["summary"] for r in real]
                     point = {"workload": kind, "setup": setup, "level": level, "rate": rate,
-                             "capacity": cap, "predicted": predicted, "runs": runs,
-                             "compare": compare(level, predicted, runs)}
+                             "capacity": cap, "predicted": sim["summary"], "runs": runs,
+                             "compare": compare(level, sim["summary"], runs),
+                             "predicted_fleet": sim["fleet"],
+                             "runs_fleet": [r.get("fleet") for r in real],
+                             "predicted_requests": requests_of(sim),
+                             "runs_requests": [requests_of(r) for r in real]}
                     record["points"].append(point)
                     print_point(point)
                     out.write_text(json.dumps(record, indent=1, default=str))  # as it goes
-    n = sum(c["within"] for pt in record["points"] for k, c in pt["compare"].items()
-            if k in ("ttft_p50", "tpot_p50", "e2e_mean"))
+    n = num_within(record)
     print(f"within target: {n} of {3 * len(record['points'])} (TTFT p50, TPOT p50, mean E2E); "
           f"wrote {rel(out)}")
     return 0

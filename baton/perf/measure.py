@@ -7,8 +7,10 @@ own work (`sampling.step_ms`, `sampling.row_ms`). Grammar: decode batches whose 
 follows a JSON schema (`STRUCTURED_SCHEMA`), each after a plain batch of the same shape; what a
 grammar step takes beyond the plain one, per row, is `sampling.grammar_row_ms` (the mask built
 in the engine core and applied in the sampler). Prefill: a prompt of `tokens` new tokens
-behind `cached` tokens already in the prefix cache (put there by an earlier request). Decode:
-`batch` requests of `context` tokens each, several decode steps. KV transfer: a copy of `n`
+behind `cached` tokens already in the prefix cache (put there by an earlier request), and steps
+of several uncached prompts at once (`prefill_batches`). Decode: `batch` requests of `context`
+tokens each (one shared prefix, prefilled alone first), several decode steps. Every point's
+shape and time is kept in the file (`machine.grid`). KV transfer: a copy of `n`
 scattered blocks between two pools in this process (NIXL between processes is not measured
 here yet; the profile's `machine.transfer_method` says so).
 """
@@ -46,11 +48,16 @@ class Grid:
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64, 128)
     repeats: int = 2  # each prefill point and transfer point, median kept
     grammar_batch: tuple[int, ...] = (1, 4, 16)  # decode batches of grammar rows
+    # Prompt steps of several uncached prompts, (prompts, tokens each): with the lone prompts
+    # they tell what grows with the step's tokens (tokens_sq) from what grows with each
+    # prompt's own length (self_kpairs), which lone prompts alone cannot (docs/profile.md).
+    prefill_batches: tuple[tuple[int, int], ...] = ((4, 64), (16, 64), (8, 128), (4, 256))
 
 
 QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
              decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,
-             transfer_blocks=(1, 16, 64), repeats=1, grammar_batch=(1, 8))
+             transfer_blocks=(1, 16, 64), repeats=1, grammar_batch=(1, 8),
+             prefill_batches=((4, 64), (4, 256)))
 
 
 
@@ -111,41 +118,62 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
+               + len(grid.prefill_batches) * grid.repeats
                + len(grid.decode_batch) * len(grid.decode_context) + len(grid.transfer_blocks)
                + len(grid.grammar_batch))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
     pre_x, pre_y, dec_x, dec_y = [], [], [], []
+    # The raw points (shape and forward ms), kept in the file so another fit can be tried
+    # without measuring again (`machine.grid`, docs/profile.md).
+    raw: dict[str, list] = {"prefill": [], "decode": []}
     greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill(prompts: list[list[int]], what: str) -> None:
+        """One generate of `prompts` (max_tokens 1): its prompt steps are grid points."""
+        timed.calls.clear()
+        ts = time.perf_counter()
+        engine.generate(prompts, greedy1)
+        step_ms = (time.perf_counter() - ts) * 1e3
+        for prompt_run, q, k, _n, ms in timed.calls:
+            if prompt_run:
+                pre_x.append(prefill_features(q, k))
+                pre_y.append(ms)
+                raw["prefill"].append([q.tolist(), k.tolist(), round(ms, 3)])
+        if len(timed.calls) == 1:
+            rows.append((timed.calls[0][3], timed.calls[0][4], step_ms))
+        bar.step(what)
+
     for tokens in grid.prefill_tokens:
         for cached in grid.prefill_cached:
             for _ in range(grid.repeats):
                 prefix = _prompt(rng, cached, vocab)
                 if cached:
                     engine.generate([prefix], greedy1)
-                timed.calls.clear()
-                ts = time.perf_counter()
-                engine.generate([prefix + _prompt(rng, tokens, vocab)], greedy1)
-                step_ms = (time.perf_counter() - ts) * 1e3
-                for prompt_run, q, k, _n, ms in timed.calls:
-                    if prompt_run:
-                        pre_x.append(prefill_features(q, k))
-                        pre_y.append(ms)
-                if len(timed.calls) == 1:
-                    rows.append((timed.calls[0][3], timed.calls[0][4], step_ms))
-                bar.step(f"prefill {tokens} behind {cached}")
+                prefill([prefix + _prompt(rng, tokens, vocab)], f"prefill {tokens} behind {cached}")
+    for num_prompts, tokens in grid.prefill_batches:
+        for _ in range(grid.repeats):
+            prefill([_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
+                    f"prefill {num_prompts} x {tokens}")
     for batch in grid.decode_batch:
         for context in grid.decode_context:
             params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0.0,
                                     ignore_eos=True)
             # One shared prefix (prefilled once, then a prefix-cache hit) and a unique last
             # block each: the decode steps read `context` tokens per row at a prefill cost of
-            # about one prompt, not `batch`.
+            # about one prompt, not `batch`. The prefix is prefilled alone first: queued with
+            # the rows, it was computed by every row of the first prompt step (no hit before
+            # its blocks exist), the rows were spread over several prompt steps and the first
+            # of them finished before the last began, so no step held the whole batch and
+            # every point with batch * context over max_num_batched_tokens went unmeasured.
             shared = _prompt(rng, max(0, context - 16), vocab)
+            if shared:
+                engine.generate([shared], greedy1)
             for _ in range(batch):
                 engine.add_request(None, shared + _prompt(rng, min(16, context), vocab), params)
             for k, n, ms, step_ms in _decode_steps(engine, timed, batch):
                 dec_x.append(decode_features(k))
                 dec_y.append(ms)
+                raw["decode"].append([k.tolist(), round(ms, 3)])
                 rows.append((n, ms, step_ms))
             bar.step(f"decode batch {batch} x {context}")
     grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
@@ -169,7 +197,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s,
         machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                  "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "transfer_method": method})
+                 "transfer_method": method, "grid": raw})
 
 
 def _decode_steps(engine, timed: _Timed, batch: int):

@@ -16,10 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+READ_VERSIONS = (1, 2)  # version 1: the prefill features of PREFILL_FEATURES_V1
 
-# The features of each fitted cost, in the order of its coefficients (docs/profile.md).
-PREFILL_FEATURES = ("const", "tokens", "attention_kpairs")  # kpairs: sum q_i * k_i / 1000
+# The features of each fitted cost, in the order of its coefficients (docs/profile.md). Prefill,
+# with q_i the tokens a step computes for sequence i and k_i its context after the step:
+# tokens = sum q_i, tokens_sq = (sum q_i)^2 / 1000 (what grows with the step's whole batch of
+# tokens), self_kpairs = sum q_i^2 / 1000 (each chunk's tokens attending to each other),
+# cached_kpairs = sum q_i (k_i - q_i) / 1000 (attending to the context cached before the step).
+PREFILL_FEATURES = ("const", "tokens", "tokens_sq", "self_kpairs", "cached_kpairs")
+PREFILL_FEATURES_V1 = ("const", "tokens", "attention_kpairs")  # kpairs: sum q_i * k_i / 1000
 DECODE_FEATURES = ("const", "batch", "context_ktokens")  # ktokens: sum k_i / 1000
 
 
@@ -88,7 +94,8 @@ class Profile:
         """Predicted time of one engine step (forward + the engine's own work); `num_grammar`
         of the `num_sampled` rows follow a grammar."""
         if prompt_run:
-            fwd = self.prefill.predict(prefill_features(seqlens_q, seqlens_k))
+            fwd = self.prefill.predict(prefill_features(seqlens_q, seqlens_k,
+                                                        self.prefill.features))
         else:
             fwd = self.decode.predict(decode_features(seqlens_k))
         return fwd + self.own_work_ms(num_sampled, num_grammar)
@@ -115,10 +122,16 @@ class Profile:
         return from_dict(d)
 
 
-def prefill_features(seqlens_q: np.ndarray, seqlens_k: np.ndarray) -> tuple[float, float, float]:
+def prefill_features(seqlens_q: np.ndarray, seqlens_k: np.ndarray,
+                     features: tuple[str, ...] = PREFILL_FEATURES) -> tuple[float, ...]:
+    """A prompt step's features: PREFILL_FEATURES, or a version-1 file's PREFILL_FEATURES_V1."""
     q = np.asarray(seqlens_q, dtype=np.float64)
     k = np.asarray(seqlens_k, dtype=np.float64)
-    return 1.0, float(q.sum()), float((q * k).sum()) / 1e3
+    if tuple(features) == PREFILL_FEATURES_V1:
+        return 1.0, float(q.sum()), float((q * k).sum()) / 1e3
+    tokens = float(q.sum())
+    return (1.0, tokens, tokens * tokens / 1e3, float((q * q).sum()) / 1e3,
+            float((q * (k - q)).sum()) / 1e3)
 
 
 def decode_features(seqlens_k: np.ndarray) -> tuple[float, float, float]:
@@ -129,8 +142,13 @@ def decode_features(seqlens_k: np.ndarray) -> tuple[float, float, float]:
 # ------------------------------------------------------------------ fitting
 def fit_linear(features: tuple[str, ...], rows: Sequence[Sequence[float]],
                measured_ms: Sequence[float], hold_every: int = 4) -> LinearCost:
-    """Least squares over the grid, every `hold_every`-th point held back to measure the error
-    (then refitted on all points). Coefficients are clipped at zero: no cost runs backwards."""
+    """Least squares on the relative error over the grid, every `hold_every`-th point held back
+    to measure the error (then refitted on all points). Relative, not absolute: a grid spans
+    ~30x in step time (a 16-token prompt to 1024 tokens behind 1536), the noise of a shared
+    host grows with the step, and predictions are judged by relative error; absolute least
+    squares lets the longest points set every coefficient, short steps left to chance.
+    Coefficients are >= 0 (no cost runs backwards): a feature whose coefficient comes out
+    negative is dropped and the rest refitted (non-negative least squares)."""
     x = np.asarray(rows, dtype=np.float64)
     y = np.asarray(measured_ms, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] != len(features) or len(y) != len(x):
@@ -148,7 +166,18 @@ def fit_linear(features: tuple[str, ...], rows: Sequence[Sequence[float]],
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    """min sum(((x @ coef - y) / y)^2) over coef >= 0: each row weighted by 1 / its time (an
+    active set: the most negative coefficient leaves, the others are refitted)."""
+    w = 1.0 / np.maximum(np.abs(y), 1e-9)
+    xw, yw = x * w[:, None], y * w
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    while active.any():
+        coef[:] = 0.0
+        coef[active] = np.linalg.lstsq(xw[:, active], yw, rcond=None)[0]
+        if (coef >= 0).all():
+            break
+        active[int(np.argmin(coef))] = False
     return np.maximum(coef, 0.0)
 
 
@@ -187,9 +216,10 @@ def load(path: str | Path) -> Profile:
 def from_dict(data: object) -> Profile:
     d = _obj(data, "profile")
     version = _get(d, "version", int, "profile")
-    if version != PROFILE_VERSION:
+    if version not in READ_VERSIONS:
         raise ProfileError(f"profile version {version} is not supported (this Baton reads "
-                           f"version {PROFILE_VERSION}); measure again with `baton profile`")
+                           f"versions {', '.join(map(str, READ_VERSIONS))}); measure again "
+                           f"with `baton profile`")
     m = _obj(_get(d, "model", dict, "profile"), "model")
     model = ModelInfo(
         **{k: _get(m, k, str, "model") for k in ("name", "fingerprint", "quantization", "dtype")},
@@ -204,7 +234,8 @@ def from_dict(data: object) -> Profile:
         raise ProfileError(f"machine must be an object, got {type(machine).__name__}")
     return Profile(
         model=model,
-        prefill=_cost(d, "prefill", PREFILL_FEATURES), decode=_cost(d, "decode", DECODE_FEATURES),
+        prefill=_cost(d, "prefill", PREFILL_FEATURES_V1 if version == 1 else PREFILL_FEATURES),
+        decode=_cost(d, "decode", DECODE_FEATURES),
         sample_row_ms=_get(sampling, "row_ms", float, "sampling", minimum=0),
         step_overhead_ms=_get(sampling, "step_ms", float, "sampling", minimum=0),
         # Optional: version-1 files written before grammar rows were measured lack it.

@@ -20,7 +20,7 @@ def _good() -> dict:
 def test_fit_recovers_a_linear_cost_and_reports_held_out_error():
     rows = [(1.0, t, t * (t + c) / 1e3) for t in (16, 64, 256, 512) for c in (0, 256, 1024)]
     ms = [5.0 + 0.4 * r[1] + 0.02 * r[2] for r in rows]
-    cost = P.fit_linear(P.PREFILL_FEATURES, rows, ms)
+    cost = P.fit_linear(P.PREFILL_FEATURES_V1, rows, ms)
     assert np.allclose(cost.coef, (5.0, 0.4, 0.02))
     assert cost.fit.num_held_out == 3 and cost.fit.num_fit == 9
     assert cost.fit.max_rel_err < 1e-9
@@ -65,13 +65,34 @@ def test_a_bad_field_is_named(edit, field):
 
 def test_an_unknown_version_is_refused(tmp_path):
     d = _good()
-    d["version"] = 2
+    d["version"] = 3
     (tmp_path / "p.json").write_text(json.dumps(d))
-    with pytest.raises(P.ProfileError, match="version 2 is not supported"):
+    with pytest.raises(P.ProfileError, match="version 3 is not supported"):
         P.load(tmp_path / "p.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(P.ProfileError, match="bad.json"):
         P.load(tmp_path / "bad.json")
+
+
+def test_version_2_prefill_features_and_version_1_files_predict_as_written():
+    """Version 2 prices a prompt step by its tokens, their square (the whole step's), each
+    chunk's own pairs and its pairs with the cached context; a version-1 file keeps its one
+    attention feature (sum q * k) and predicts what it always did."""
+    q, k = np.array([100, 20]), np.array([100, 50])
+    assert P.prefill_features(q, k) == pytest.approx(
+        (1.0, 120, 120 * 120 / 1e3, (100 * 100 + 20 * 20) / 1e3, (0 + 20 * 30) / 1e3))
+    d = _good()
+    d["version"] = 2
+    d["prefill"].update(features=list(P.PREFILL_FEATURES), coef=[8.0, 0.5, 0.1, 0.2, 0.3])
+    prof = P.from_dict(d)
+    want = 8.0 + 0.5 * 120 + 0.1 * 14.4 + 0.2 * 10.4 + 0.3 * 0.6 + 0.2 + 0.05 * 2
+    assert prof.step_ms(True, q, k, 2) == pytest.approx(want)
+    assert P.from_dict(P.to_dict(prof)) == prof
+    d["prefill"].update(features=list(P.PREFILL_FEATURES_V1), coef=[8.0, 0.5, 0.01])
+    with pytest.raises(P.ProfileError, match="prefill.features"):
+        P.from_dict(d)  # a version-2 file with version 1's features is refused
+    old = P.from_dict(_good())
+    assert old.version == 1 and old.prefill.features == P.PREFILL_FEATURES_V1
 
 
 def test_a_file_from_before_grammar_rows_reads_them_as_plain_rows():
@@ -90,10 +111,50 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
 
     grid = Grid(prefill_tokens=(16, 64), prefill_cached=(0, 32), decode_batch=(1, 2),
                 decode_context=(32, 128), decode_steps=2, transfer_blocks=(1, 4), repeats=1,
-                grammar_batch=(1, 2))
+                grammar_batch=(1, 2), prefill_batches=((2, 16),))
     prof = measure(str(write_tiny_gguf(tmp_path / "tiny.gguf")), "none", TEST_THREADS, grid,
                    load_cache_dir=str(tmp_path / "load-cache"))
-    assert prof.decode.predict((1.0, 1.0, 0.1)) > 0 and prof.prefill.predict((1.0, 64, 2)) > 0
+    assert prof.decode.predict((1.0, 1.0, 0.1)) > 0 and prof.step_ms(True, [64], [64], 1) > 0
+    assert prof.version == P.PROFILE_VERSION and prof.prefill.features == P.PREFILL_FEATURES
+    # Every grid point is kept: the lone prompts and the step of two prompts of 16 tokens.
+    assert [16, 16] in [q for q, _k, _ms in prof.machine["grid"]["prefill"]]
     assert prof.grammar_row_ms >= 0.0 and prof.sample_row_ms >= 0.0
     assert prof.model.name == "tiny.gguf" and prof.engine_start_s > 0
     assert P.from_dict(P.to_dict(prof)) == prof
+
+
+def test_fit_drops_a_feature_that_would_run_backwards_and_weighs_relative_error():
+    """A cost that falls with a feature gets that feature's coefficient 0 and the others refitted
+    (not clipped after the fact), and every point counts by its relative error: a 10% miss on
+    a short step weighs what a 10% miss on a long one does."""
+    rows = [(1.0, t, t * (t + c) / 1e3) for t in (16, 64, 256, 512) for c in (0, 256, 1024)]
+    ms = [50.0 + 1.0 * r[1] - 0.3 * r[2] for r in rows]
+    cost = P.fit_linear(P.PREFILL_FEATURES_V1, rows, ms)
+    assert cost.coef[2] == 0.0 and cost.coef[0] > 0 and cost.coef[1] > 0
+    rel = [abs(cost.predict(r) - m) / m for r, m in zip(rows, ms, strict=True)]
+    assert max(rel) < 0.3  # clipping the unconstrained fit's -0.3 to 0 misses by up to 72%
+    # One feature, two points 10% off in opposite directions: the relative fit's optimum,
+    # sum(1/y) / sum(1/y^2), not the mean of absolute least squares.
+    x = [(1.0, 0.0, 0.0)] * 2 + [(0.0, 1.0, 0.0), (0.0, 0.0, 1.0)]
+    cost = P.fit_linear(P.PREFILL_FEATURES_V1, x, [90.0, 110.0, 1.0, 1.0], hold_every=0)
+    assert cost.coef[0] == pytest.approx((1 / 90 + 1 / 110) / (1 / 90**2 + 1 / 110**2))
+
+
+def test_step_check_groups_a_workloads_steps_by_kind():
+    """`check_steps` (bench/sim_validate.py --step-check) over a mock runner: every step is
+    recorded with its shape and the profile's prediction, and grouped by kind."""
+    from baton.perf.check import check_steps, format_groups
+    from baton.perf.mock_runner import MockRunner
+
+    prof = P.from_dict(_good())
+    runner = MockRunner(prof, 64, on_step=lambda s: None)
+    prompts = [("time year people " * 10, 4), ("way day " * 30, 3), ("man", 5)]
+    result = check_steps(prof, prompts, runner=runner, max_num_batched_tokens=64)
+    steps = result["steps"]
+    assert sum(s["num_tokens"] for s in steps if s["prompt_run"]) == 30 + 60 + 1
+    assert sum(s["num_sampled"] for s in steps) == 4 + 3 + 5
+    groups = result["groups"]
+    assert "prefill xN" in groups and any(g.startswith("decode +new") for g in groups)
+    assert result["total"]["num_steps"] == len(steps)
+    assert result["total"]["predicted_ms"] == pytest.approx(sum(s["predicted_ms"] for s in steps))
+    assert "prefill xN" in format_groups(result)
