@@ -51,6 +51,7 @@ from router.path import (
     PathRequest,
     build_path_policy,
 )
+from router.prepare_pool import INLINE_BYTES
 from router.selection import Candidate, KeySets, SelectionPolicy
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,13 @@ class FleetConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # The router's prepare workers (`baton router --prepare-workers`, its default): a body over
+    # router/prepare_pool.py's INLINE_BYTES is prepared there, a smaller one on its event loop.
+    num_prepare_workers: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("num_normal", "num_prompt", "num_completion", "num_blocks"):
+        for name in ("num_normal", "num_prompt", "num_completion", "num_blocks",
+                     "num_prepare_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.num_prompt > 0) != (self.num_completion > 0):
@@ -275,6 +280,9 @@ class Simulation:
         self.policy = make_policy(self.cache)
         self.flights: dict[str, Flight] = {}
         self.num_handoffs_failed = 0
+        # When the router's event loop and each prepare worker are free (`_prepared_at`).
+        self._loop_free_s = 0.0
+        self._workers_free_s = [0.0] * config.num_prepare_workers
         # The planner (planner/core.py), deciding every interval on the arrivals it saw, the
         # engines' stats and what the requests met (their outcomes, as the router records).
         self.planner = planner
@@ -419,15 +427,35 @@ class Simulation:
 
     # ------------------------------------------------------------------ requests
     def submit(self, spec: RequestSpec, token_ids: list[int], t: float) -> None:
-        """`spec` arrives at virtual time `t` with these prompt tokens."""
-        self.at(t, self._arrive, spec, token_ids)
+        """`spec` arrives at the router at virtual time `t` with these prompt tokens; the
+        engines see it once the router has prepared it."""
+        self.at(self._prepared_at(spec, len(token_ids), t), self._arrive, spec, token_ids, t)
 
-    def _arrive(self, spec: RequestSpec, token_ids: list[int]) -> None:
-        if self.planner is not None:  # (arrival, prompt tokens, output tokens)
+    def _prepared_at(self, spec: RequestSpec, num_tokens: int, t: float) -> float:
+        """When the router has prepared a request that arrived at `t` (the profile's prepare
+        cost; at once without one): a body of at most INLINE_BYTES on its event loop, one after
+        another, a larger one on the first free prepare worker (router/prepare_pool.py). A
+        burst's short prompts thus reach the engines before its long ones, as they do live."""
+        cost_s = self.profile.prepare_ms(num_tokens) / 1e3
+        if cost_s <= 0:
+            return t
+        # The body's size: the spec's text per word (one simulated token a word), times the
+        # prompt's tokens (a later turn's prompt is the whole conversation so far).
+        num_bytes = len(spec.text.encode()) * num_tokens / max(1, len(spec.text.split()))
+        if num_bytes <= INLINE_BYTES or not self._workers_free_s:
+            self._loop_free_s = max(t, self._loop_free_s) + cost_s
+            return self._loop_free_s
+        free = self._workers_free_s
+        i = min(range(len(free)), key=free.__getitem__)
+        free[i] = max(t, free[i]) + cost_s
+        return free[i]
+
+    def _arrive(self, spec: RequestSpec, token_ids: list[int], arrival_s: float) -> None:
+        if self.planner is not None:  # (arrival, prompt tokens, output tokens), in order
             self.observations.append((self.now, len(token_ids), spec.max_tokens))
         res = RequestResult(spec.idx, spec.kind, prompt_tokens=len(token_ids),
-                            expected_output_tokens=spec.max_tokens, start_s=self.now)
-        flight = Flight(spec, token_ids, res, self.now, RequestKeys(token_ids))
+                            expected_output_tokens=spec.max_tokens, start_s=arrival_s)
+        flight = Flight(spec, token_ids, res, arrival_s, RequestKeys(token_ids))
         rid = f"r{spec.idx}"
         self.flights[rid] = flight
         role = PROMPT if self._choose_path(flight) == DISAGGREGATED else NORMAL

@@ -28,6 +28,8 @@ import numpy as np
 from baton.perf.profile import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
+    PREPARE_FEATURES,
+    LinearCost,
     ModelInfo,
     Profile,
     decode_features,
@@ -52,12 +54,14 @@ class Grid:
     # they tell what grows with the step's tokens (tokens_sq) from what grows with each
     # prompt's own length (self_kpairs), which lone prompts alone cannot (docs/profile.md).
     prefill_batches: tuple[tuple[int, int], ...] = ((4, 64), (16, 64), (8, 128), (4, 256))
+    # Prompt lengths the router's prepare (the prompt tokenized) is timed at.
+    prepare_tokens: tuple[int, ...] = (32, 128, 512, 1024, 2048, 4096, 8192)
 
 
 QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
              decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,
              transfer_blocks=(1, 16, 64), repeats=1, grammar_batch=(1, 8),
-             prefill_batches=((4, 64), (4, 256)))
+             prefill_batches=((4, 64), (4, 256)), prepare_tokens=(32, 512, 2048, 8192))
 
 
 
@@ -120,7 +124,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
                + len(grid.prefill_batches) * grid.repeats
                + len(grid.decode_batch) * len(grid.decode_context) + len(grid.transfer_blocks)
-               + len(grid.grammar_batch))
+               + len(grid.grammar_batch) + len(grid.prepare_tokens))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
     pre_x, pre_y, dec_x, dec_y = [], [], [], []
     # The raw points (shape and forward ms), kept in the file so another fit can be tried
@@ -178,6 +182,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
             bar.step(f"decode batch {batch} x {context}")
     grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
     latency_ms, bytes_per_ms, method = _transfer(engine, grid, bar)
+    prepare = _prepare_cost(engine.tokenizer, grid, rng, vocab, bar)
     x = np.array([(1.0, n) for n, _, _ in rows])
     y = np.array([s - f for _, f, s in rows])
     step_ms, row_ms = np.maximum(np.linalg.lstsq(x, y, rcond=None)[0], 0.0)
@@ -194,7 +199,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         decode=fit_linear(DECODE_FEATURES, dec_x, dec_y), sample_row_ms=float(row_ms),
         step_overhead_ms=float(step_ms),
         grammar_row_ms=grammar_ms, transfer_latency_ms=latency_ms,
-        transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s,
+        transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s, prepare=prepare,
         machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                  "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "transfer_method": method, "grid": raw})
@@ -217,6 +222,28 @@ def _decode_steps(engine, timed: _Timed, batch: int):
                 out.append((k, n, ms, step_ms))
             first = False
     return out
+
+
+def _prepare_cost(tokenizer, grid: Grid, rng: np.random.Generator, vocab: int,
+                  bar: _Bar) -> LinearCost:
+    """The router's prepare of a prompt (router/prepare.py: mostly its text tokenized, with the
+    model's tokenizer), at each of the grid's lengths: the median of 5 encodes of the text of
+    random tokens. The simulator delays each request by it before an engine sees it, in the
+    router's order (simulator/fleet.py): a burst's long prompts reach the engines after its
+    short ones, as live."""
+    rows, times = [], []
+    for n in grid.prepare_tokens:
+        text = tokenizer.decode(_prompt(rng, n, vocab))
+        num_tokens = len(tokenizer.encode(text))
+        runs = []
+        for _ in range(5):
+            t = time.perf_counter()
+            tokenizer.encode(text)
+            runs.append((time.perf_counter() - t) * 1e3)
+        rows.append((1.0, float(num_tokens)))
+        times.append(float(np.median(runs)))
+        bar.step(f"prepare {n} tokens")
+    return fit_linear(PREPARE_FEATURES, rows, times)
 
 
 def _grammar_row_ms(engine, timed: _Timed, grid: Grid, rng: np.random.Generator, vocab: int,

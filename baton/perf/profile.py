@@ -27,6 +27,7 @@ READ_VERSIONS = (1, 2)  # version 1: the prefill features of PREFILL_FEATURES_V1
 PREFILL_FEATURES = ("const", "tokens", "tokens_sq", "self_kpairs", "cached_kpairs")
 PREFILL_FEATURES_V1 = ("const", "tokens", "attention_kpairs")  # kpairs: sum q_i * k_i / 1000
 DECODE_FEATURES = ("const", "batch", "context_ktokens")  # ktokens: sum k_i / 1000
+PREPARE_FEATURES = ("const", "tokens")  # the router's prepare: tokens = the prompt's length
 
 
 class ProfileError(ValueError):
@@ -85,6 +86,9 @@ class Profile:
     # A grammar-constrained sampled row's work beyond a plain row's (its token mask computed in
     # the engine core, applied in the sampler). 0 in files measured before it was (docs/profile.md).
     grammar_row_ms: float = 0.0
+    # The router's work on a request before any engine sees it (its prompt tokenized,
+    # PREPARE_FEATURES). None in files measured before it was: no delay (docs/profile.md).
+    prepare: LinearCost | None = None
     machine: dict = field(default_factory=dict)  # host, cpu, threads, when
     version: int = PROFILE_VERSION
 
@@ -104,6 +108,10 @@ class Profile:
         """The engine's own share of a step (everything but the forward)."""
         return (self.step_overhead_ms + self.sample_row_ms * num_sampled
                 + self.grammar_row_ms * num_grammar)
+
+    def prepare_ms(self, num_tokens: int) -> float:
+        """Predicted time of the router's prepare of a prompt of `num_tokens` tokens."""
+        return 0.0 if self.prepare is None else self.prepare.predict((1.0, float(num_tokens)))
 
     def transfer_ms(self, num_blocks: int) -> float:
         """Predicted time of pulling `num_blocks` KV blocks (0 blocks: nothing to pull)."""
@@ -190,6 +198,7 @@ def to_dict(p: Profile) -> dict:
                      "grammar_row_ms": p.grammar_row_ms},
         "transfer": {"latency_ms": p.transfer_latency_ms, "bytes_per_ms": p.transfer_bytes_per_ms},
         "engine_start_s": p.engine_start_s,
+        **({"prepare": _cost_dict(p.prepare)} if p.prepare is not None else {}),
     }
 
 
@@ -244,6 +253,8 @@ def from_dict(data: object) -> Profile:
         transfer_latency_ms=_get(transfer, "latency_ms", float, "transfer", minimum=0),
         transfer_bytes_per_ms=_get(transfer, "bytes_per_ms", float, "transfer", positive=True),
         engine_start_s=_get(d, "engine_start_s", float, "profile", minimum=0),
+        # Optional: files written before the router's prepare was measured lack it.
+        prepare=_cost(d, "prepare", PREPARE_FEATURES) if "prepare" in d else None,
         machine=machine, version=version)
 
 

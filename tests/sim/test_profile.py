@@ -55,6 +55,7 @@ def test_round_trip_and_prediction(tmp_path):
     (lambda d: d["sampling"].update(row_ms=None), "sampling.row_ms"),
     (lambda d: d["sampling"].update(grammar_row_ms=-0.1), "sampling.grammar_row_ms"),
     (lambda d: d.update(engine_start_s=-1), "engine_start_s"),
+    (lambda d: d.update(prepare={"features": ["const"], "coef": [1.0]}), "prepare.features"),
 ])
 def test_a_bad_field_is_named(edit, field):
     d = _good()
@@ -101,6 +102,15 @@ def test_a_file_from_before_grammar_rows_reads_them_as_plain_rows():
     assert P.from_dict(d).grammar_row_ms == 0.0
 
 
+def test_the_routers_prepare_is_optional_and_round_trips():
+    prof = P.from_dict(_good())  # written before the prepare was measured: no delay
+    assert prof.prepare is None and prof.prepare_ms(5000) == 0.0
+    d = _good() | {"prepare": {"features": ["const", "tokens"], "coef": [1.0, 0.003]}}
+    prof = P.from_dict(d)
+    assert prof.prepare_ms(1000) == pytest.approx(4.0)
+    assert P.from_dict(P.to_dict(prof)) == prof
+
+
 def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     """`baton profile`'s measurement end to end through the real loader and engine (a tiny
     random GGUF, a grid of a few points): every cost is fitted from real steps, and the grammar
@@ -111,7 +121,8 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
 
     grid = Grid(prefill_tokens=(16, 64), prefill_cached=(0, 32), decode_batch=(1, 2),
                 decode_context=(32, 128), decode_steps=2, transfer_blocks=(1, 4), repeats=1,
-                grammar_batch=(1, 2), prefill_batches=((2, 16),))
+                grammar_batch=(1, 2), prefill_batches=((2, 16),),
+                prepare_tokens=(16, 64, 256, 1024))
     prof = measure(str(write_tiny_gguf(tmp_path / "tiny.gguf")), "none", TEST_THREADS, grid,
                    load_cache_dir=str(tmp_path / "load-cache"))
     assert prof.decode.predict((1.0, 1.0, 0.1)) > 0 and prof.step_ms(True, [64], [64], 1) > 0
@@ -119,6 +130,7 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     # Every grid point is kept: the lone prompts and the step of two prompts of 16 tokens.
     assert [16, 16] in [q for q, _k, _ms in prof.machine["grid"]["prefill"]]
     assert prof.grammar_row_ms >= 0.0 and prof.sample_row_ms >= 0.0
+    assert prof.prepare.features == P.PREPARE_FEATURES and prof.prepare_ms(1000) > 0
     assert prof.model.name == "tiny.gguf" and prof.engine_start_s > 0
     assert P.from_dict(P.to_dict(prof)) == prof
 

@@ -4,12 +4,13 @@ never timings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from baton.perf.profile import load
+from baton.perf.profile import PREPARE_FEATURES, LinearCost, load
 from baton.workload.synthetic import WorkloadConfig
 from baton.workload.trace import TraceConfig
 from baton_cli.main import main as baton_main
@@ -126,3 +127,33 @@ def test_structured_requests_cost_their_grammar_rows():
     assert tpot[1] - tpot[0] == pytest.approx(PROFILE.grammar_row_ms, rel=1e-6)
     assert [r["prompt_tokens"] for r in structured["requests"]] == \
         [r["prompt_tokens"] for r in plain["requests"]]
+
+
+def test_the_routers_prepare_delays_each_request_in_the_routers_order():
+    """With the router's prepare in the profile, the engines see a request once the router has
+    prepared it: a burst's short prompts (on the router's event loop, one after another) before
+    its long one (on a prepare worker: its body is over 8 KiB), as live; TTFT counts from the
+    arrival at the router. Without it nothing is delayed."""
+    from baton.workload.synthetic import RequestSpec
+    from baton.workload.words import WORDS
+
+    plain = load(DATA / "profile_test.json")
+    slow = dataclasses.replace(plain, prepare=LinearCost(PREPARE_FEATURES, (50.0, 0.5)))
+    words = [w for w in WORDS if len(w) >= 4]
+    specs = [RequestSpec(0, "doc", " ".join(words[j % len(words)] for j in range(3000)), 3000,
+                         4, arrival_s=0.0)]
+    specs += [RequestSpec(i, "chat", " ".join(words[(7 * i + j) % len(words)]
+                                              for j in range(20)), 20, 4, arrival_s=0.0)
+              for i in (1, 2, 3)]
+    fleet = FleetConfig(num_normal=1)
+
+    def ttft(profile) -> dict[int, float]:
+        rec = simulate(profile, SimConfig(fleet=fleet), None, specs=specs)
+        return {r["idx"]: r["ttft_s"] for r in rec["requests"]}
+
+    before, after = ttft(plain), ttft(slow)
+    assert max(before[i] for i in (1, 2, 3)) >= before[0]  # one burst: the long one first
+    # prepared: the short ones at 60, 120 and 180 ms, the long one at 1550 ms
+    assert max(after[i] for i in (1, 2, 3)) < after[0]
+    assert after[1] > 0.060 and after[3] > 0.180 and after[0] > 1.550
+    assert ttft(dataclasses.replace(slow, prepare=None)) == before
