@@ -47,6 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--prepare-workers", type=int, default=2,
+                   help="the router's --prepare-workers: where bodies over 8 KiB are prepared "
+                        "(the profile's prepare cost; default 2, the router's)")
     g.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's selection policy (router/selection.py), as `baton up`")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0,
@@ -110,7 +113,8 @@ def configs_from_args(args: argparse.Namespace):
                         num_completion=args.completion_engines, num_blocks=args.num_blocks,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        num_prepare_workers=args.prepare_workers)
     if args.link_latency_ms and not args.link_gbit:
         raise ValueError("--link-latency-ms needs --link-gbit")
     cfg = SimConfig(fleet=fleet, request_rate=args.request_rate,

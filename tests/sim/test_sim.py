@@ -157,3 +157,8 @@ def test_the_routers_prepare_delays_each_request_in_the_routers_order():
     assert max(after[i] for i in (1, 2, 3)) < after[0]
     assert after[1] > 0.060 and after[3] > 0.180 and after[0] > 1.550
     assert ttft(dataclasses.replace(slow, prepare=None)) == before
+    # no prepare workers (the router's --prepare-workers 0): everything on the event loop
+    fleet = FleetConfig(num_normal=1, num_prepare_workers=0)
+    assert min(ttft(slow)[i] for i in (1, 2, 3)) > 1.550 + 0.060  # behind the long one
+    assert baton_main(["sim", "--profile", str(DATA / "profile_test.json"),
+                       "--prepare-workers", "-1"]) == 2
