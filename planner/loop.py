@@ -94,10 +94,11 @@ class RegistryLoads:
 class PlannerLoop:
     """`tick()` every `interval_s` on a thread (`start`/`stop`) or in the caller's
     (`run_forever`), and an SLO check between; `decisions` keeps the latest published records.
-    `observe` returns (now, arrivals) or (now, arrivals, outcomes)."""
+    `observe` returns (now, arrivals, outcomes), as `RouterObservations`."""
 
     def __init__(self, planner: Planner, actuator: Actuator,
-                 observe: Callable[[], tuple[float, list]], registry, interval_s: float,
+                 observe: Callable[[], tuple[float, list, list[Outcome]]], registry,
+                 interval_s: float,
                  observe_engines: Callable[[], list[EngineStats]] | None = None) -> None:
         self.planner, self.actuator, self.observe = planner, actuator, observe
         self.observe_engines = observe_engines
@@ -157,12 +158,10 @@ class PlannerLoop:
             if not only_if_due:
                 logger.info("planner: holding: %s", exc)
             return None
-        now, observations, *more = self.observe()
-        outcomes = more[0] if more else None
-        if only_if_due and (outcomes is None or not self.planner.due(now, outcomes)):
+        now, observations, outcomes = self.observe()
+        if only_if_due and not self.planner.due(now, outcomes):
             return None
-        given = {"outcomes": outcomes} if outcomes is not None else {}
-        decision = self.planner.decide(now, current, observations, self._engines(), **given)
+        decision = self.planner.decide(now, current, observations, self._engines(), outcomes)
         record = {"t": now, "action": decision.action, "target": decision.target.name,
                   "reason": decision.reason, "engines": decision.engines,
                   "slo": decision.slo, "current": current.name,

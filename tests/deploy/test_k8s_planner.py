@@ -272,7 +272,7 @@ class ScriptedPlanner:
         self.seen: list[Split] = []
         self.engines: list = []  # the engines' stats each decision was given
 
-    def decide(self, now_s, current, observations, engines=None) -> Decision:
+    def decide(self, now_s, current, observations, engines=None, outcomes=None) -> Decision:
         self.seen.append(current)
         self.engines.append(engines)
         return Decision(self.action, self.target, "scripted", {self.target.name: 1.0})
@@ -287,7 +287,7 @@ class Registry:
 
 
 def _observe():
-    return 1000.0, [(999.0, 100, 10)] * 3
+    return 1000.0, [(999.0, 100, 10)] * 3, []
 
 
 def test_the_loop_gives_the_planner_the_engines_load_from_the_registry(api, tmp_path):
