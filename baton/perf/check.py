@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from baton.perf.measure import TimedRunner
 from baton.perf.profile import Profile
 
 BATCH_BUCKETS = (1, 4, 8, 16, 32, 64)  # decode groups: batch <= each bound
@@ -53,26 +54,6 @@ class StepRecord:
         return f"decode {'+new ' if self.num_new_rows else ''}b<={bucket}"
 
 
-class _Recorder:
-    """Wraps a runner's `execute`: each call's shape and forward time."""
-
-    def __init__(self, runner) -> None:
-        self.inner = runner.execute
-        self.calls: list[tuple] = []
-        runner.execute = self
-
-    def __call__(self, sched_out, seq_ids, params, *args, **kw):
-        q = np.array(sched_out.seqlens_q, copy=True)
-        k = np.array(sched_out.seqlens_k, copy=True)
-        ids = np.array(seq_ids, copy=True)
-        t0 = time.perf_counter()
-        out = self.inner(sched_out, seq_ids, params, *args, **kw)
-        ms = (time.perf_counter() - t0) * 1e3
-        self.calls.append((bool(sched_out.prompt_run), q, k, ids,
-                           sum(p is not None for p in params), ms))
-        return out
-
-
 def check_steps(profile: Profile, prompts: Sequence[tuple[str, int]], *, num_threads: int = 1,
                 num_blocks: int = 0, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                 model: str | None = None, quantization: str = "auto", runner=None) -> dict:
@@ -88,7 +69,7 @@ def check_steps(profile: Profile, prompts: Sequence[tuple[str, int]], *, num_thr
         decode_threads=num_threads, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         load_cache_dir=None if runner is not None else default_cache_dir()), runner=runner)
-    rec = _Recorder(engine.runner)
+    rec = TimedRunner(engine.runner)
     for text, max_tokens in prompts:
         engine.add_request(None, text, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                       ignore_eos=True))
@@ -101,7 +82,7 @@ def check_steps(profile: Profile, prompts: Sequence[tuple[str, int]], *, num_thr
         step_ms = (time.perf_counter() - t0) * 1e3
         if len(rec.calls) != 1:
             continue  # an empty step (nothing ran)
-        prompt_run, q, k, ids, num_sampled, ms = rec.calls[0]
+        prompt_run, q, k, ids, num_sampled, ms = rec.calls[0]  # an ExecuteCall
         new = 0 if prompt_run else sum(int(i) not in decoded for i in ids)
         if not prompt_run:
             decoded.update(int(i) for i in ids)

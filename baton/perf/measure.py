@@ -22,6 +22,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -80,22 +81,35 @@ class _Bar:
             sys.stderr.write("\n")
 
 
-class _Timed:
-    """Wraps a runner's `execute`: the forward time and the step's shape, per call."""
+class ExecuteCall(NamedTuple):
+    """One call of a runner's `execute`: the step's shape and its forward time."""
+
+    prompt_run: bool
+    seqlens_q: np.ndarray  # per sequence: tokens computed, and context after the step
+    seqlens_k: np.ndarray
+    seq_ids: np.ndarray
+    num_sampled: int
+    forward_ms: float
+
+
+class TimedRunner:
+    """Wraps a runner's `execute`: an `ExecuteCall` per call, in `calls` (`baton profile`'s
+    grid, and baton/perf/check.py's steps of a workload)."""
 
     def __init__(self, runner) -> None:
         self.inner = runner.execute
-        self.calls: list[tuple[bool, np.ndarray, np.ndarray, int, float]] = []
+        self.calls: list[ExecuteCall] = []
         runner.execute = self
 
     def __call__(self, sched_out, seq_ids, params, *args, **kw):
         q = np.array(sched_out.seqlens_q, copy=True)
         k = np.array(sched_out.seqlens_k, copy=True)
+        ids = np.array(seq_ids, copy=True)
         t0 = time.perf_counter()
         out = self.inner(sched_out, seq_ids, params, *args, **kw)
         ms = (time.perf_counter() - t0) * 1e3
-        self.calls.append((bool(sched_out.prompt_run), q, k, sum(p is not None for p in params),
-                           ms))
+        self.calls.append(ExecuteCall(bool(sched_out.prompt_run), q, k, ids,
+                                      sum(p is not None for p in params), ms))
         return out
 
 
@@ -118,7 +132,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                                     num_threads=num_threads, decode_threads=num_threads,
                                     load_cache_dir=load_cache_dir or default_cache_dir()))
     start_s = time.perf_counter() - t0
-    timed = _Timed(engine.runner)
+    timed = TimedRunner(engine.runner)
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
@@ -138,13 +152,14 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         ts = time.perf_counter()
         engine.generate(prompts, greedy1)
         step_ms = (time.perf_counter() - ts) * 1e3
-        for prompt_run, q, k, _n, ms in timed.calls:
-            if prompt_run:
+        for call in timed.calls:
+            if call.prompt_run:
+                q, k = call.seqlens_q, call.seqlens_k
                 pre_x.append(prefill_features(q, k))
-                pre_y.append(ms)
-                raw["prefill"].append([q.tolist(), k.tolist(), round(ms, 3)])
+                pre_y.append(call.forward_ms)
+                raw["prefill"].append([q.tolist(), k.tolist(), round(call.forward_ms, 3)])
         if len(timed.calls) == 1:
-            rows.append((timed.calls[0][3], timed.calls[0][4], step_ms))
+            rows.append((timed.calls[0].num_sampled, timed.calls[0].forward_ms, step_ms))
         bar.step(what)
 
     for tokens in grid.prefill_tokens:
@@ -205,7 +220,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                  "transfer_method": method, "grid": raw})
 
 
-def _decode_steps(engine, timed: _Timed, batch: int):
+def _decode_steps(engine, timed: TimedRunner, batch: int):
     """Step the engine until its requests finish; (context per row, sampled rows, forward ms,
     whole step ms) of each decode-only step of all `batch` rows but the first. The first one is
     left out: it fills the CPU backend's decode rows from the pool (sized up when the batch or
@@ -216,10 +231,10 @@ def _decode_steps(engine, timed: _Timed, batch: int):
         ts = time.perf_counter()
         engine.step()
         step_ms = (time.perf_counter() - ts) * 1e3
-        if len(timed.calls) == 1 and not timed.calls[0][0] and len(timed.calls[0][2]) == batch:
-            _, _q, k, n, ms = timed.calls[0]
+        call = timed.calls[0] if len(timed.calls) == 1 else None
+        if call is not None and not call.prompt_run and len(call.seqlens_k) == batch:
             if not first:
-                out.append((k, n, ms, step_ms))
+                out.append((call.seqlens_k, call.num_sampled, call.forward_ms, step_ms))
             first = False
     return out
 
@@ -246,7 +261,7 @@ def _prepare_cost(tokenizer, grid: Grid, rng: np.random.Generator, vocab: int,
     return fit_linear(PREPARE_FEATURES, rows, times)
 
 
-def _grammar_row_ms(engine, timed: _Timed, grid: Grid, rng: np.random.Generator, vocab: int,
+def _grammar_row_ms(engine, timed: TimedRunner, grid: Grid, rng: np.random.Generator, vocab: int,
                     bar: _Bar) -> float:
     """Per grid batch b: b plain rows, then b rows that follow STRUCTURED_SCHEMA, of the same
     ~64-token prompts' shape, decoded back to back (so the machine's load falls on both alike);
