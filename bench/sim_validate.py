@@ -53,7 +53,7 @@ from baton.ops.ports import free_port  # noqa: E402
 from baton.perf.check import check_steps, format_groups  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.args import build_specs  # noqa: E402
-from baton.workload.results import parse_slos  # noqa: E402
+from baton.workload.results import RequestResult, parse_slos  # noqa: E402
 from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402
 from baton.workload.trace import TraceConfig, build_trace_workload  # noqa: E402
 from simulator.fleet import FleetConfig  # noqa: E402
@@ -120,16 +120,22 @@ def capacity(profile, kind: str, setup: str, args: argparse.Namespace) -> float:
 def requests_of(record: dict) -> list[dict]:
     """One line per request (sim or real), in milliseconds: what the summary hides."""
     out = []
-    for r in record["requests"]:
-        n = r["output_tokens"]
-        tpot = (r["e2e_s"] - r["ttft_s"]) / (n - 1) if n > 1 else 0.0
-        out.append({"idx": r["idx"], "kind": r["kind"], "ok": r["ok"],
-                    "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
-                    "output_tokens": n, "start_s": round(r["start_s"], 4),
-                    "ttft_ms": round(1e3 * r["ttft_s"], 2), "tpot_ms": round(1e3 * tpot, 3),
-                    "e2e_ms": round(1e3 * r["e2e_s"], 2),
-                    "itl0_ms": round(1e3 * r["itl_s"][0], 2) if r["itl_s"] else None})
+    for r in (RequestResult(**d) for d in record["requests"]):
+        out.append({"idx": r.idx, "kind": r.kind, "ok": r.ok,
+                    "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                    "output_tokens": r.output_tokens, "start_s": round(r.start_s, 4),
+                    "ttft_ms": round(1e3 * r.ttft_s, 2), "tpot_ms": round(1e3 * r.tpot_s, 3),
+                    "e2e_ms": round(1e3 * r.e2e_s, 2),
+                    "itl0_ms": round(1e3 * r.itl_s[0], 2) if r.itl_s else None})
     return out
+
+
+def predicted_side(level: str, sim: dict, runs: list[dict]) -> dict:
+    """A point's simulated record (`predict`) and its comparison with the real runs'
+    summaries."""
+    return {"predicted": sim["summary"], "predicted_fleet": sim["fleet"],
+            "predicted_requests": requests_of(sim),
+            "compare": compare(level, sim["summary"], runs)}
 
 
 def busy_of(fleet: dict | None) -> dict:
@@ -291,9 +297,7 @@ def repredict(args: argparse.Namespace) -> int:
                   repredicted=time.strftime("%Y-%m-%dT%H:%M:%S"))
     for point in record["points"]:
         sim = predict(profile, point["workload"], point["setup"], run_args, point["rate"])
-        point.update(predicted=sim["summary"], predicted_fleet=sim["fleet"],
-                     predicted_requests=requests_of(sim),
-                     compare=compare(point["level"], sim["summary"], point["runs"]))
+        point.update(predicted_side(point["level"], sim, point["runs"]))
         print_point(point)
     Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     print(f"within target: {num_within(record)} of {3 * len(record['points'])}; "
@@ -373,11 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                     real = [measure(fleet, kind, args, rate) for _ in range(args.runs)]
                     runs = [r["summary"] for r in real]
                     point = {"workload": kind, "setup": setup, "level": level, "rate": rate,
-                             "capacity": cap, "predicted": sim["summary"], "runs": runs,
-                             "compare": compare(level, sim["summary"], runs),
-                             "predicted_fleet": sim["fleet"],
+                             "capacity": cap, "runs": runs, **predicted_side(level, sim, runs),
                              "runs_fleet": [r.get("fleet") for r in real],
-                             "predicted_requests": requests_of(sim),
                              "runs_requests": [requests_of(r) for r in real]}
                     record["points"].append(point)
                     print_point(point)
