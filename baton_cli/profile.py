@@ -1,4 +1,6 @@
-"""`baton profile --out P.json [--quick]`: measure this machine's engine (baton/perf/measure.py)."""
+"""`baton profile --out P.json [--quick] [--no-path | --path-only]`: measure this machine's
+engine (baton/perf/measure.py), then the serving path's own latency on mock engines of the new
+profile (simulator/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -14,18 +16,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default="auto", help="none | int8 | int4 | auto")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: leaves the other cores to others)")
+    path = p.add_mutually_exclusive_group()
+    path.add_argument("--no-path", action="store_true",
+                      help="skip the serving path's measurement (mock engines behind the "
+                           "router, ~15 s): the simulator then adds no path latency")
+    path.add_argument("--path-only", action="store_true",
+                      help="measure only the serving path, into the existing --out profile")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from baton.perf.measure import QUICK, Grid, measure
-    from baton.perf.profile import save
+    from baton.perf.profile import ProfileError, load, save
 
     if args.threads < 1:
         print(f"baton profile: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
-    prof = measure(args.model, args.quantization, args.threads, QUICK if args.quick else Grid())
-    save(prof, args.out)
+    if args.path_only:
+        try:
+            prof = load(args.out)
+        except ProfileError as exc:
+            print(f"baton profile: {exc}", file=sys.stderr)
+            return 2
+    else:
+        prof = measure(args.model, args.quantization, args.threads,
+                       QUICK if args.quick else Grid())
+        save(prof, args.out)
+    if not args.no_path:
+        prof = _with_path(prof, args.out)
+        save(prof, args.out)
+    if args.path_only:
+        print(f"wrote {args.out}")
+        return 0
     for name, cost in (("prefill", prof.prefill), ("decode", prof.decode)):
         print(f"{name}: {dict(zip(cost.features, (round(c, 4) for c in cost.coef), strict=True))}"
               f" held-out error mean {100 * cost.fit.mean_rel_err:.1f}% "
@@ -36,3 +58,16 @@ def run(args: argparse.Namespace) -> int:
           f"GB/s; engine start {prof.engine_start_s:.1f} s")
     print(f"wrote {args.out}")
     return 0
+
+
+def _with_path(prof, out: str):
+    """The profile with its serving path measured on mock engines of the profile in `out`."""
+    from dataclasses import replace
+
+    from simulator.calibrate import calibrate_path
+
+    cost, _ = calibrate_path(out)
+    print(f"serving path: {cost.request_ms:.2f} ms a request, a hand-off "
+          f"{cost.handoff_ms:.2f} ms beyond the pull ({cost.num_requests} lone requests on "
+          f"mock engines)")
+    return replace(prof, path=cost)

@@ -428,8 +428,12 @@ class Simulation:
     # ------------------------------------------------------------------ requests
     def submit(self, spec: RequestSpec, token_ids: list[int], t: float) -> None:
         """`spec` arrives at the router at virtual time `t` with these prompt tokens; the
-        engines see it once the router has prepared it."""
-        self.at(self._prepared_at(spec, len(token_ids), t), self._arrive, spec, token_ids, t)
+        engines see it once the router has prepared it and it has crossed the serving path (the
+        profile's `path.request_ms`: the router's HTTP and routing work and the wires, measured
+        on mock engines; its way back to the client is charged here too)."""
+        seen_at = (self._prepared_at(spec, len(token_ids), t)
+                   + self.profile.request_path_ms() / 1e3)
+        self.at(seen_at, self._arrive, spec, token_ids, t)
 
     def _prepared_at(self, spec: RequestSpec, num_tokens: int, t: float) -> float:
         """When the router has prepared a request that arrived at `t` (the profile's prepare
@@ -495,7 +499,10 @@ class Simulation:
         keys = prompt.engine.block_keys(out.request_id)
         comp = self._choose(COMPLETION, flight)
         comp.admissions.append(Handoff(flight, prompt, out.new_token_ids[0], keys))
-        self.retry_admissions(comp)
+        # A live completion engine reads its socket between steps: a hand-off that reaches it
+        # mid-step is admitted (and its pull begins) when that step ends (`_deliver` retries).
+        if not comp.busy:
+            self.retry_admissions(comp)
 
     def retry_admissions(self, comp: SimEngine) -> None:
         """Admit waiting hand-offs in order, until one must wait for blocks (LATER)."""
@@ -516,7 +523,10 @@ class Simulation:
                 continue
             num_pull = len(alloc.block_ids) - alloc.num_cached_blocks
             comp.num_pulled_blocks += num_pull
-            self.at(self.now + self.profile.transfer_ms(num_pull) / 1e3, self._landed, h, comp)
+            # The pull, and what the hand-off's path adds to it (the first token's way to the
+            # router and on to the completion engine, the lease, the commit: `path.handoff_ms`).
+            pull_ms = self.profile.transfer_ms(num_pull) + self.profile.handoff_path_ms()
+            self.at(self.now + pull_ms / 1e3, self._landed, h, comp)
 
     def _landed(self, h: Handoff, comp: SimEngine) -> None:
         rid = f"r{h.flight.spec.idx}"

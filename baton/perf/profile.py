@@ -57,6 +57,19 @@ class LinearCost:
 
 
 @dataclass
+class PathCost:
+    """What the serving path adds to a request's engine work, measured on mock engines of the
+    profile (simulator/calibrate.py): the router and the wires (HTTP, routing, ZMQ both ways)
+    before the first token, and a disaggregated request's hand-off (the first token back to the
+    router, the completion engine's admission, lease and pull, its commit) beyond the
+    profile's transfer time."""
+
+    request_ms: float = 0.0
+    handoff_ms: float = 0.0
+    num_requests: int = 0  # the lone requests each median was taken over
+
+
+@dataclass
 class ModelInfo:
     """What was measured: the simulated engines take their pool and block size from here."""
 
@@ -89,6 +102,9 @@ class Profile:
     # The router's work on a request before any engine sees it (its prompt tokenized,
     # PREPARE_FEATURES). None in files measured before it was: no delay (docs/profile.md).
     prepare: LinearCost | None = None
+    # The serving path's own latency (PathCost). None in files measured before it was, or with
+    # `baton profile --no-path`: the simulator adds nothing (docs/profile.md).
+    path: PathCost | None = None
     machine: dict = field(default_factory=dict)  # host, cpu, threads, when
     version: int = PROFILE_VERSION
 
@@ -112,6 +128,15 @@ class Profile:
     def prepare_ms(self, num_tokens: int) -> float:
         """Predicted time of the router's prepare of a prompt of `num_tokens` tokens."""
         return 0.0 if self.prepare is None else self.prepare.predict((1.0, float(num_tokens)))
+
+    def request_path_ms(self) -> float:
+        """What the router and the wires add to a request before its first token (0 without
+        a measured `path`)."""
+        return 0.0 if self.path is None else self.path.request_ms
+
+    def handoff_path_ms(self) -> float:
+        """What a disaggregated hand-off takes beyond `transfer_ms` (0 without a `path`)."""
+        return 0.0 if self.path is None else self.path.handoff_ms
 
     def transfer_ms(self, num_blocks: int) -> float:
         """Predicted time of pulling `num_blocks` KV blocks (0 blocks: nothing to pull)."""
@@ -199,6 +224,7 @@ def to_dict(p: Profile) -> dict:
         "transfer": {"latency_ms": p.transfer_latency_ms, "bytes_per_ms": p.transfer_bytes_per_ms},
         "engine_start_s": p.engine_start_s,
         **({"prepare": _cost_dict(p.prepare)} if p.prepare is not None else {}),
+        **({"path": asdict(p.path)} if p.path is not None else {}),
     }
 
 
@@ -255,7 +281,16 @@ def from_dict(data: object) -> Profile:
         engine_start_s=_get(d, "engine_start_s", float, "profile", minimum=0),
         # Optional: files written before the router's prepare was measured lack it.
         prepare=_cost(d, "prepare", PREPARE_FEATURES) if "prepare" in d else None,
+        # Optional: files written before the serving path was measured lack it.
+        path=_path(d["path"]) if "path" in d else None,
         machine=machine, version=version)
+
+
+def _path(value: object) -> PathCost:
+    d = _obj(value, "path")
+    return PathCost(request_ms=_get(d, "request_ms", float, "path", minimum=0),
+                    handoff_ms=_get(d, "handoff_ms", float, "path", minimum=0),
+                    num_requests=_get(d, "num_requests", int, "path", minimum=0))
 
 
 def _cost(d: dict, name: str, features: tuple[str, ...]) -> LinearCost:

@@ -126,6 +126,11 @@ class _Counters:
     num_requests_finished: int = 0
     num_steps: int = 0
     busy_s: float = 0.0  # seconds in worker.step(): the forward and its booking
+    # Seconds of the iterations that ran a step, from the poll's return to the iteration's end:
+    # busy_s plus the service's own work around each step (the socket drained, the deltas
+    # encoded and sent, KV events published, stats snapshots). `baton profile` measures the
+    # difference per step (the profile's `service`; docs/profile.md).
+    loop_s: float = 0.0
     started_at: float = field(default_factory=time.time)
 
 
@@ -242,7 +247,9 @@ class EngineService:
             timeout = 1
         else:
             timeout = self.config.idle_poll_ms
-        if self.sock.poll(timeout, zmq.POLLIN):
+        polled = self.sock.poll(timeout, zmq.POLLIN)
+        iteration_started = time.monotonic()
+        if polled:
             for _ in range(self.config.max_messages_per_step):
                 try:
                     identity, payload = self._recv()
@@ -273,6 +280,8 @@ class EngineService:
             self._snapshot, self._snapshot_at = self.record(), now
             if self.metrics is not None:
                 self.metrics.publish(self.stats())
+        if has_work:
+            self.counters.loop_s += time.monotonic() - iteration_started
 
     def _recv(self) -> tuple[bytes | None, bytes]:
         frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -493,6 +502,7 @@ class EngineService:
         stats.extra["num_bad_messages"] = float(self.counters.num_bad_messages)
         stats.extra["uptime_s"] = time.time() - self.counters.started_at
         stats.extra["busy_s"] = self.counters.busy_s
+        stats.extra["loop_s"] = self.counters.loop_s
         if self.refusals is not None:
             stats.extra["auth_refused"] = float(self.refusals.num_refused)
         return stats

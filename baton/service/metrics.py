@@ -50,6 +50,8 @@ _NOT_FAILURES = {FailReason.ABORTED.value}
 _COUNTERS = [
     ("baton_engine_busy_seconds", "Seconds spent in engine steps (the forward and its booking; "
      "over wall time, how busy the engine is)", "busy_s"),
+    ("baton_engine_loop_seconds", "Seconds of the engine loop's iterations that ran a step (the "
+     "step, its messages and KV events; minus busy seconds, the service's own work)", "loop_s"),
     ("baton_engine_steps", "Engine steps run (a batch of prompt chunks and decodes each)",
      "num_steps"),
     ("baton_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",

@@ -6,7 +6,8 @@ them, from two scrapes of each engine's `/metrics` (the URLs `baton up`'s banner
 before the run and one after it. Every figure is a difference of the two, so it covers the run
 and not the engine's life; a counter that went down (the engine restarted during the run)
 counts from zero. Per engine: name (its `engine_id` label), role, busy_s
-(`baton_engine_busy_seconds_total`: seconds in engine steps), busy_fraction (over the run's
+(`baton_engine_busy_seconds_total`: seconds in engine steps), loop_s (`baton_engine_loop_seconds_total`:
+the loop iterations that stepped; minus busy_s, the service's own work), busy_fraction (over the run's
 wall time), num_steps, num_prompt_tokens (computed by prefill, cached ones excluded),
 num_generated_tokens, num_preemptions, pulled_kv_blocks and pulled_kv_bytes (completion
 engines), cache_hit_rate (prefix-cache hit tokens over looked-up tokens, over the run); the
@@ -30,6 +31,7 @@ from baton.protocol import COMPLETION
 # fleet key -> the engine's counter sample (baton/service/metrics.py).
 COUNTERS = {
     "busy_s": "baton_engine_busy_seconds_total",
+    "loop_s": "baton_engine_loop_seconds_total",
     "num_steps": "baton_engine_steps_total",
     "num_prompt_tokens": "baton_prompt_tokens_total",
     "num_generated_tokens": "baton_generation_tokens_total",
@@ -117,6 +119,7 @@ def fleet_delta(before: Scrape, after: Scrape, wall_s: float) -> dict:
             queries, hits = d.pop("cache_queries"), d.pop("cache_hits")
             engines.append({
                 "name": name, "role": end.role, "url": url, "busy_s": d["busy_s"],
+                "loop_s": d["loop_s"],
                 "busy_fraction": d["busy_s"] / wall_s if wall_s > 0 else 0.0,
                 **{k: d[k] for k in _INTEGER_KEYS},
                 "cache_hit_rate": hits / queries if queries else 0.0,

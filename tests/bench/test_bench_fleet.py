@@ -24,7 +24,8 @@ def _text(engine_id: str, role: str, busy: float, steps: int, prompt: int, gener
           queries: int, hits: int, pulled_blocks: int = 0, pulled_bytes: int = 0) -> str:
     stats = EngineStats(engine_id=engine_id, role=role, num_steps=steps,
                         num_prompt_tokens=prompt, num_generated_tokens=generated,
-                        extra={"busy_s": busy, "prefix_cache_query_tokens": queries,
+                        extra={"busy_s": busy, "loop_s": busy + 0.01 * steps,
+                               "prefix_cache_query_tokens": queries,
                                "prefix_cache_hit_tokens": hits, "num_preemptions": 1,
                                "kv_blocks_pulled": pulled_blocks,
                                "kv_bytes_total": pulled_bytes})
@@ -41,7 +42,7 @@ def test_the_parser_reads_every_counter_an_engine_exposes():
     (engine,) = parse_engine_metrics(text).values()
     assert (engine.name, engine.role) == ("completion-0", "completion")
     assert set(engine.values) == set(COUNTERS)
-    assert engine.values == {"busy_s": 2.5, "num_steps": 40, "num_prompt_tokens": 7,
+    assert engine.values == {"busy_s": 2.5, "loop_s": 2.9, "num_steps": 40, "num_prompt_tokens": 7,
                              "num_generated_tokens": 33, "num_preemptions": 1,
                              "pulled_kv_blocks": 5, "pulled_kv_bytes": 1280,
                              "cache_queries": 64, "cache_hits": 48}
@@ -128,6 +129,8 @@ def test_baton_bench_fills_the_fleet_from_mock_engines(tmp_path, capsys):
     assert [(e["name"], e["role"]) for e in fleet["engines"]] == [
         ("prompt-0", "prompt"), ("completion-0", "completion")]
     assert all(e["busy_s"] > 0 and e["num_steps"] > 0 for e in fleet["engines"])
+    # The loop's iterations that stepped hold the steps and the service's work around them.
+    assert all(e["loop_s"] >= e["busy_s"] for e in fleet["engines"])
     assert fleet["unreachable"][0]["url"] == "http://127.0.0.1:9/metrics"
     sent = sum(r["prompt_tokens"] - r["cached_tokens"] for r in record["requests"])
     assert sum(e["num_prompt_tokens"] for e in fleet["engines"]) == sent

@@ -56,6 +56,9 @@ def test_round_trip_and_prediction(tmp_path):
     (lambda d: d["sampling"].update(grammar_row_ms=-0.1), "sampling.grammar_row_ms"),
     (lambda d: d.update(engine_start_s=-1), "engine_start_s"),
     (lambda d: d.update(prepare={"features": ["const"], "coef": [1.0]}), "prepare.features"),
+    (lambda d: d.update(path={"request_ms": -1.0, "handoff_ms": 0.0, "num_requests": 1}),
+     "path.request_ms"),
+    (lambda d: d.update(path={"request_ms": 1.0, "num_requests": 1}), "path.handoff_ms"),
 ])
 def test_a_bad_field_is_named(edit, field):
     d = _good()
@@ -108,6 +111,15 @@ def test_the_routers_prepare_is_optional_and_round_trips():
     d = _good() | {"prepare": {"features": ["const", "tokens"], "coef": [1.0, 0.003]}}
     prof = P.from_dict(d)
     assert prof.prepare_ms(1000) == pytest.approx(4.0)
+    assert P.from_dict(P.to_dict(prof)) == prof
+
+
+def test_the_serving_path_is_optional_and_round_trips():
+    prof = P.from_dict(_good())  # written before the path was measured: nothing added
+    assert prof.path is None and prof.request_path_ms() == prof.handoff_path_ms() == 0.0
+    prof = P.from_dict(_good() | {"path": {"request_ms": 6.5, "handoff_ms": 1.5,
+                                           "num_requests": 18}})
+    assert (prof.request_path_ms(), prof.handoff_path_ms()) == (6.5, 1.5)
     assert P.from_dict(P.to_dict(prof)) == prof
 
 

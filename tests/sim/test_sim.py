@@ -162,3 +162,52 @@ def test_the_routers_prepare_delays_each_request_in_the_routers_order():
     assert min(ttft(slow)[i] for i in (1, 2, 3)) > 1.550 + 0.060  # behind the long one
     assert baton_main(["sim", "--profile", str(DATA / "profile_test.json"),
                        "--prepare-workers", "-1"]) == 2
+
+
+def _lone_requests(n: int, gap_s: float = 30.0):
+    from baton.workload.synthetic import RequestSpec
+    from baton.workload.words import WORDS
+
+    return [RequestSpec(i, "chat", " ".join(WORDS[(11 * i + j) % len(WORDS)] for j in range(100)),
+                        100, 6, arrival_s=gap_s * i) for i in range(n)]
+
+
+def test_the_serving_path_delays_first_tokens_and_hand_offs():
+    """A profile's measured `path` (simulator/calibrate.py): each request reaches its engine
+    `request_ms` later (TTFT that much longer on an idle fleet), each hand-off lands
+    `handoff_ms` after its pull (the first gap that much longer); none: as before."""
+    from baton.perf.profile import PathCost
+
+    specs = _lone_requests(3)
+    pd = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
+    with_path = dataclasses.replace(PROFILE, path=PathCost(request_ms=7.0, handoff_ms=3.0))
+    for fleet, gap_ms in ((FleetConfig(num_normal=1), 0.0), (pd, 3.0)):
+        before, after = (simulate(p, SimConfig(fleet=fleet), None, specs=specs)["requests"]
+                         for p in (PROFILE, with_path))
+        for b, a in zip(before, after, strict=True):
+            assert a["ttft_s"] - b["ttft_s"] == pytest.approx(0.007)
+            assert a["itl_s"][0] - b["itl_s"][0] == pytest.approx(gap_ms / 1e3)
+            assert a["itl_s"][1:] == pytest.approx(b["itl_s"][1:])
+
+
+def test_a_hand_off_waits_for_the_completion_engines_step_to_end(monkeypatch):
+    """A live completion engine reads its socket between steps: a hand-off that reaches it
+    mid-step is admitted (its pull begins) when the step ends, never during it."""
+    from simulator.fleet import Simulation
+
+    pulls = []
+    retry = Simulation.retry_admissions
+
+    def watched(self, comp):
+        if comp.admissions:
+            pulls.append(comp.busy)
+        retry(self, comp)
+
+    monkeypatch.setattr(Simulation, "retry_admissions", watched)
+    # Requests 50 ms apart: each one's prompt step ends while the last one decodes.
+    rec = simulate(PROFILE, SimConfig(fleet=FleetConfig(num_normal=0, num_prompt=1,
+                                                        num_completion=1)),
+                   None, specs=_lone_requests(6, gap_s=0.05))
+    assert rec["summary"]["num_completed"] == 6
+    assert pulls and not any(pulls)
+

@@ -1,0 +1,205 @@
+"""The serving path's own latency, measured: the profile's optional `path` (docs/profile.md).
+
+The simulator charges a request the profile's engine costs (its steps, the router's prepare,
+the KV pull). A live request also crosses the serving path: the router's HTTP and routing work
+and the ZMQ hops both ways before its first token reaches the client, and, disaggregated, the
+hand-off between its first and second token (the prompt engine's first token to the router,
+the completion engine's admission and lease, the NIXL pull's own round trips, the commit). On
+this machine that is ~8 ms before the first token and ~14 ms a hand-off (6 December 2026), a
+tenth of a short request's TTFT, which a simulator without it under-predicts.
+
+`calibrate_path` measures it where nothing else varies: `baton up --mock PROFILE` (the real
+router, engine loop, scheduler, ZMQ, registry and NIXL; each forward a sleep of the profile's
+predicted time), one request at a time, each against the simulator's prediction of the same
+request alone on the same fleet shape (without a `path`, and without the prepare: the prompts
+go as token ids, so the router tokenizes nothing):
+- request_ms: the median of live TTFT - predicted TTFT, over every shape's requests;
+- handoff_ms: the median of live first gap - predicted first gap (the second token after the
+  first) on the disaggregated fleet.
+Measured on mock engines, not on the real ones: a real engine's forward varies by more than
+the path takes, and the path's code is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from baton.ops.ports import free_port
+from baton.perf.profile import PathCost, Profile
+from baton.perf.profile import load as load_profile
+from baton.workload.synthetic import RequestSpec
+from baton.workload.words import WordTokenizer, words
+from simulator.fleet import FleetConfig
+from simulator.run import SimConfig, simulate
+
+logger = logging.getLogger(__name__)
+
+SHAPES = {"normal": FleetConfig(num_normal=1),
+          "pd": FleetConfig(num_normal=0, num_prompt=1, num_completion=1)}
+_UP_FLAGS = {"normal": ["--normal-engines", "1"],
+             "pd": ["--prompt-engines", "1", "--completion-engines", "1"]}
+
+
+@dataclass
+class CalibrateConfig:
+    shapes: tuple[str, ...] = ("normal", "pd")  # of SHAPES: "pd" gives handoff_ms
+    prompt_lens: tuple[int, ...] = (32, 128, 512)  # tokens; each prompt one step (<= chunk)
+    repeats: int = 3  # requests of each length per shape
+    max_tokens: int = 4  # enough for a first gap
+    max_num_batched_tokens: int = 1024  # the engines' (`baton engine`'s default)
+    ready_timeout_s: float = 90.0  # `baton up --mock` to its banner
+    request_timeout_s: float = 30.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.shapes if s not in SHAPES]
+        if unknown or not self.shapes:
+            raise ValueError(f"shapes must be some of {sorted(SHAPES)}, got {list(self.shapes)}")
+        if not self.prompt_lens or min(self.prompt_lens) < 1 \
+                or max(self.prompt_lens) > self.max_num_batched_tokens:
+            raise ValueError(f"prompt_lens must be in 1..{self.max_num_batched_tokens} (one "
+                             f"prompt step each), got {list(self.prompt_lens)}")
+        if self.repeats < 1 or self.max_tokens < 2:
+            raise ValueError(f"repeats must be >= 1 and max_tokens >= 2, got {self.repeats} and "
+                             f"{self.max_tokens}")
+
+
+@dataclass
+class Sample:
+    """One lone request: live and predicted TTFT and first gap, in milliseconds."""
+
+    shape: str
+    prompt_tokens: int
+    ttft_ms: float
+    predicted_ttft_ms: float
+    gap_ms: float
+    predicted_gap_ms: float
+
+
+def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
+                   ) -> tuple[PathCost, list[Sample]]:
+    """The serving path's cost for this profile's engines on this machine, and the samples."""
+    cfg = cfg or CalibrateConfig()
+    profile = load_profile(profile_file)
+    samples: list[Sample] = []
+    for shape in cfg.shapes:
+        specs = _specs(profile, cfg, shape)
+        predicted = _predict(profile, cfg, shape, specs)
+        with _MockFleet(profile_file, shape, cfg) as url, \
+                httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
+            model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+            _send(client, model, specs[0], profile)  # a first connection, not measured
+            live = [_send(client, model, spec, profile) for spec in specs]
+        for spec, (ttft, gap), (p_ttft, p_gap) in zip(specs, live, predicted, strict=True):
+            samples.append(Sample(shape, spec.num_prompt_words, ttft, p_ttft, gap, p_gap))
+    request = [s.ttft_ms - s.predicted_ttft_ms for s in samples]
+    handoff = [s.gap_ms - s.predicted_gap_ms for s in samples if s.shape == "pd"]
+    cost = PathCost(request_ms=round(max(0.0, statistics.median(request)), 3),
+                    handoff_ms=round(max(0.0, statistics.median(handoff)), 3) if handoff else 0.0,
+                    num_requests=len(samples))
+    return cost, samples
+
+
+def _specs(profile: Profile, cfg: CalibrateConfig, shape: str) -> list[RequestSpec]:
+    """The shape's lone requests: every length `repeats` times, random words (no prefix-cache
+    hit between them), one a minute in the simulator (each alone)."""
+    rng = random.Random(f"{cfg.seed}/{shape}")
+    lens = [n for _ in range(cfg.repeats) for n in cfg.prompt_lens]
+    return [RequestSpec(idx=i, kind="fixed", prompt=words(rng, n), num_prompt_words=n,
+                        max_tokens=cfg.max_tokens, arrival_s=60.0 * i)
+            for i, n in enumerate(lens)]
+
+
+def _predict(profile: Profile, cfg: CalibrateConfig, shape: str,
+             specs: list[RequestSpec]) -> list[tuple[float, float]]:
+    """(TTFT, first gap) in ms per spec, as the simulator predicts them without a path."""
+    bare = replace(profile, path=None, prepare=None)
+    fleet = replace(SHAPES[shape], max_num_batched_tokens=cfg.max_num_batched_tokens)
+    record = simulate(bare, SimConfig(fleet=fleet, num_requests=len(specs),
+                                      label=f"calibrate_{shape}"), None, specs=specs)
+    by_idx = {r["idx"]: r for r in record["requests"]}
+    return [(1e3 * by_idx[s.idx]["ttft_s"], 1e3 * by_idx[s.idx]["itl_s"][0]) for s in specs]
+
+
+class _MockFleet:
+    """`baton up --mock PROFILE` of one shape, as a user starts it; its URL while entered."""
+
+    def __init__(self, profile_file: str | Path, shape: str, cfg: CalibrateConfig) -> None:
+        self.port = free_port()
+        self.cmd = [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port),
+                    "--mock", str(profile_file), "--no-metrics", "--ready-timeout",
+                    str(cfg.ready_timeout_s), *_UP_FLAGS[shape], "--",
+                    "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+        self.ready_timeout_s = cfg.ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=self._read, args=(lines,), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not any("Ctrl-C stops" in line for line in lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"baton up --mock not up within {self.ready_timeout_s:g} s "
+                                   f"(exit {self.proc.returncode}): {' | '.join(lines[-3:])}")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def _read(self, lines: list[str]) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:  # read to the end: a full pipe would block baton up
+            lines.append(line.rstrip())
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # its whole session: engines and router too
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def _send(client: httpx.Client, model: str, spec: RequestSpec, profile: Profile
+          ) -> tuple[float, float]:
+    """One streamed completion of the spec's prompt as token ids (the simulator's own ids, so
+    both sides run the same prompt); (TTFT, first gap) in ms at this client. A chunk is a token
+    (the router streams one per engine delta; a lone request's deltas hold one token each)."""
+    ids = WordTokenizer(profile.model.vocab_size).encode(spec.prompt)
+    body = {"model": model, "prompt": ids, "max_tokens": spec.max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": True}
+    times: list[float] = []
+    t0 = time.perf_counter()
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"calibration request refused: {resp.status_code} "
+                               f"{resp.read()[:200]!r}")
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("error"):
+                raise RuntimeError(f"calibration request failed: {chunk['error']}")
+            if chunk.get("choices"):
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"calibration request streamed {len(times)} chunks, wanted >= 2")
+    return 1e3 * (times[0] - t0), 1e3 * (times[1] - times[0])

@@ -1,0 +1,45 @@
+"""`baton profile`'s serving-path measurement (simulator/calibrate.py): lone requests through
+`baton up --mock` (the real router, engine loop, ZMQ and NIXL) against the simulator's
+prediction of the same requests alone."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from baton_cli.main import main as baton_main
+from simulator.calibrate import CalibrateConfig, calibrate_path
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_the_path_is_measured_on_a_mock_pd_fleet():
+    cfg = CalibrateConfig(shapes=("pd",), prompt_lens=(32, 256), repeats=1, max_tokens=2)
+    cost, samples = calibrate_path(DATA / "profile_test.json", cfg)
+    assert cost.num_requests == len(samples) == 2
+    assert [(s.shape, s.prompt_tokens) for s in samples] == [("pd", 32), ("pd", 256)]
+    for s in samples:
+        # The prediction is the profile's prefill (a longer prompt, a longer step); what the
+        # live request takes beyond it is the path, a few milliseconds here, never seconds.
+        assert 0 < s.predicted_ttft_ms and 0 < s.predicted_gap_ms
+        assert -50 < s.ttft_ms - s.predicted_ttft_ms < 1000
+    assert samples[1].predicted_ttft_ms > samples[0].predicted_ttft_ms
+    assert 0 <= cost.request_ms < 1000 and 0 <= cost.handoff_ms < 1000
+
+
+@pytest.mark.parametrize("kw, field", [({"shapes": ("both",)}, "shapes"),
+                                       ({"prompt_lens": (4096,)}, "prompt_lens"),
+                                       ({"max_tokens": 1}, "max_tokens")])
+def test_bad_settings_are_named(kw, field):
+    with pytest.raises(ValueError, match=field):
+        CalibrateConfig(**kw)
+
+
+def test_path_only_needs_a_readable_profile(tmp_path, capsys):
+    assert baton_main(["profile", "--out", str(tmp_path / "none.json"), "--path-only"]) == 2
+    assert "none.json" in capsys.readouterr().err
+    shutil.copy(DATA / "profile_test.json", tmp_path / "p.json")
+    with pytest.raises(SystemExit):  # one or the other
+        baton_main(["profile", "--out", str(tmp_path / "p.json"), "--path-only", "--no-path"])
