@@ -12,7 +12,12 @@ import os
 import socket
 import sys
 
-from baton.engine.config import DEFAULT_KV_DISK_BYTES, DEFAULT_SPECULATIVE_TOKENS, EngineConfig
+from baton.engine.config import (
+    DEFAULT_KV_DISK_BYTES,
+    DEFAULT_SPECULATIVE_TOKENS,
+    SERVE_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+)
 from baton.engine.proposers import SPECULATIVE_METHODS
 from baton.model.modes import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_REQUESTS
 from baton.ops.cluster_keys import add_key_args, keys_from_args
@@ -158,7 +163,7 @@ def add_common_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="file holding the --kv-shared-tier Redis password (default "
                    "$BATON_REDIS_PASSWORD_FILE); the user goes in the URL")
     m.add_argument("--max-num-seqs", type=int, default=64)
-    m.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    m.add_argument("--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS)
     m.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context")
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of cached prompt prefixes "

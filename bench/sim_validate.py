@@ -8,8 +8,9 @@
    workloads below.
 2. Workloads: a window of the Mooncake trace at reduced scale (tests/data's window,
    --length-scale, the first --num-requests lines, its arrivals scaled to the point's mean
-   rate; the trace's bursts of equal timestamps stay bursts) and a synthetic one (--dataset,
-   Poisson at the point's rate).
+   rate; each 3 s timestamp bin's requests spread evenly over it, --spread-bursts, unless
+   --keep-bursts: kept, every bin is a burst and every rate an overload) and a synthetic one
+   (--dataset, Poisson at the point's rate).
 3. Setups: co-located (1 normal engine) and disaggregated (1 prompt + 1 completion engine),
    real engines (`baton up`, the default model) with the pool and batch limits the simulator
    is given, one torch thread each (the profile's).
@@ -89,7 +90,9 @@ def workload_at(kind: str, args: argparse.Namespace, rate: float):
                               output_len=args.output_len)
     if kind == "synthetic":
         return workload, None, rate
-    base = TraceConfig(str(args.trace), args.num_requests, 1.0, args.length_scale)
+    # A record from before --keep-bursts (runs 1-4b) replayed the bins as bursts.
+    base = TraceConfig(str(args.trace), args.num_requests, 1.0, args.length_scale,
+                       spread_bursts=not getattr(args, "keep_bursts", True))
     arrivals = [s.arrival_s for s in build_trace_workload(base)]
     if max(arrivals) == min(arrivals):
         raise SystemExit(f"the first {args.num_requests} lines of {rel(args.trace)} arrive at "
@@ -319,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=24)
     p.add_argument("--trace", default=str(ROOT / "tests/data/mooncake_conversation_window.jsonl"))
     p.add_argument("--length-scale", type=float, default=1 / 32)
+    p.add_argument("--keep-bursts", action="store_true",
+                   help="replay the trace's 3 s timestamp bins as bursts (runs 1-4b did: every "
+                        "rate then a burst overload); default: spread (baton/workload/trace.py)")
     p.add_argument("--dataset", default="mix", choices=DATASETS)
     p.add_argument("--input-len", type=int, default=64, help="--dataset fixed: prompt words")
     p.add_argument("--output-len", type=int, default=96, help="--dataset fixed: output tokens")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
 from baton.ops.ports import free_port
 from baton.perf.profile import PathCost, Profile
 from baton.perf.profile import load as load_profile
@@ -59,7 +60,7 @@ class CalibrateConfig:
     prompt_lens: tuple[int, ...] = (32, 128, 512)  # tokens; each prompt one step (<= chunk)
     repeats: int = 3  # requests of each length per shape
     max_tokens: int = 4  # enough for a first gap
-    max_num_batched_tokens: int = 1024  # the engines' (`baton engine`'s default)
+    max_num_batched_tokens: int = SERVE_MAX_NUM_BATCHED_TOKENS  # `baton engine`'s default
     ready_timeout_s: float = 90.0  # `baton up --mock` to its banner
     request_timeout_s: float = 30.0
     seed: int = 0

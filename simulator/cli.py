@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
 from baton.perf.profile import ProfileError
 from baton.perf.profile import load as load_profile
 from baton.workload.args import add_workload_arguments, workload_from_args
@@ -45,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--num-blocks", type=int, default=0,
                    help="KV blocks per engine (default: the profiled engine's)")
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS,
+                   help="a prompt step's token budget (default: `baton engine`'s)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--prepare-workers", type=int, default=2,
                    help="the router's --prepare-workers: where bodies over 8 KiB are prepared "

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine import AllocStatus, EngineConfig, LLMEngine
+from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
 from baton.perf.mock_runner import MockRunner
 from baton.perf.profile import Profile
 from baton.protocol import COMPLETION, NORMAL, PROMPT, EngineStats
@@ -64,7 +65,9 @@ class FleetConfig:
     num_completion: int = 0
     num_blocks: int = 0  # KV blocks per engine, null block included; 0 = the profiled engine's
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # `baton engine`'s default, so an unconfigured simulated fleet (the live planner's in
+    # `baton up`, `baton planner`'s) is the one `baton up` starts.
+    max_num_batched_tokens: int = SERVE_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     # The router's prepare workers (`baton router --prepare-workers`, its default): a body over
     # router/prepare_pool.py's INLINE_BYTES is prepared there, a smaller one on its event loop.

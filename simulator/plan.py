@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
 from baton.perf.profile import Profile, ProfileError
 from baton.perf.profile import load as load_profile
 from baton.workload.args import add_workload_arguments, workload_from_args
@@ -194,7 +195,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=0,
                    help="KV blocks per engine (default: the profiled engine's)")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SERVE_MAX_NUM_BATCHED_TOKENS,
+                   help="a prompt step's token budget (default: `baton engine`'s)")
     add_workload_arguments(p)
     p.add_argument("--out", default="", help="write the plan's JSON here")
     p.set_defaults(func=run)

@@ -15,6 +15,10 @@ from baton.protocol import COMPLETION, NORMAL, PROMPT, ROLES
 # of a plain c1 step, against 1.85 for a verified step with one draft, so 8 (a long copy
 # verifies 9 tokens a step) over 4 (5).
 DEFAULT_SPECULATIVE_TOKENS = 8
+# The prompt step's token budget `baton engine` (and so `baton up`) runs with unless told:
+# half the library default, a shorter prompt step between decode steps on a CPU. `baton sim`
+# and `baton plan` default to it, so a simulated fleet is the one `baton up` starts.
+SERVE_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_KV_DISK_BYTES = 16 << 30
 
 ROLE_TYPES = {role: EngineType.__members__[role.upper()] for role in ROLES}

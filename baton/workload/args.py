@@ -40,6 +40,10 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-scale", type=float, default=1.0,
                    help="--trace: multiply input and output lengths (a 512-token hash block "
                         "becomes round(512 * Y) tokens)")
+    g.add_argument("--spread-bursts", action="store_true",
+                   help="--trace: requests sharing a timestamp arrive evenly over the time to "
+                        "the next one, in file order (Mooncake's timestamps are 3 s bins: "
+                        "kept, every bin is a burst)")
     g.add_argument("--turns", type=int, default=w.turns,
                    help="multi-turn: turns per conversation (--num-requests conversations)")
     g.add_argument("--system-prompt-len", type=int, default=w.system_prompt_len,
@@ -75,8 +79,9 @@ def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadConfig, TraceC
         num_system_prompts=args.num_system_prompts,
         structured_fraction=args.structured_fraction)
     if not args.trace:
-        if args.time_scale != 1.0 or args.length_scale != 1.0:
-            raise ValueError("--time-scale and --length-scale apply to --trace only")
+        if args.time_scale != 1.0 or args.length_scale != 1.0 or args.spread_bursts:
+            raise ValueError("--time-scale, --length-scale and --spread-bursts apply to "
+                             "--trace only")
         return workload, None
     if args.dataset is not None:
         raise ValueError("--trace and --dataset exclude each other")
@@ -84,7 +89,7 @@ def workload_from_args(args: argparse.Namespace) -> tuple[WorkloadConfig, TraceC
         raise ValueError("--trace and --request-rate exclude each other (the trace's "
                          "timestamps are the arrivals; --time-scale scales them)")
     return workload, TraceConfig(args.trace, args.num_requests, args.time_scale,
-                                 args.length_scale)
+                                 args.length_scale, args.spread_bursts)
 
 
 def build_specs(workload: WorkloadConfig, trace: TraceConfig | None,

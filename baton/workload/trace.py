@@ -9,10 +9,18 @@ wherever it appears (drawn from a generator seeded by `h` alone), so the trace's
 real on any engine. `time_scale` multiplies every arrival (> 1 slows the trace down);
 `length_scale` multiplies both lengths, a hash block becoming round(512 * length_scale) words
 (at least 1).
+
+Mooncake's timestamps are bins, not arrivals: in the conversation trace's first half (6,015
+requests) there are 628 distinct timestamps, every gap between them 3,000 +- 1 ms, ~9.6 requests
+a bin (up to 23). Replayed as written, every bin is a burst of simultaneous requests, an
+overload at any mean rate. `spread_bursts` spreads the requests of one timestamp evenly over the
+time to the next distinct one (the last bin over the trace's median gap), in file order: the
+same requests and mean rate, arrivals as the bins suggest they came.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -35,6 +43,7 @@ class TraceConfig:
     num_requests: int = 0  # the first N lines; 0 = all
     time_scale: float = 1.0  # multiplies every arrival time (> 1: slower arrivals)
     length_scale: float = 1.0  # multiplies input and output lengths and the hash block
+    spread_bursts: bool = False  # one timestamp's requests spread to the next (module doc)
 
     def __post_init__(self) -> None:
         if self.num_requests < 0:
@@ -131,7 +140,10 @@ def build_trace_workload(cfg: TraceConfig) -> list[RequestSpec]:
     """The trace's requests, arrivals (`RequestSpec.arrival_s`) and prompts scaled."""
     blocks = _Blocks(cfg.block_words)
     specs = []
-    for idx, rec in enumerate(read_records(cfg)):
+    records = read_records(cfg)
+    arrivals_ms = (spread_bursts([r.timestamp_ms for r in records]) if cfg.spread_bursts
+                   else [r.timestamp_ms for r in records])
+    for idx, (rec, arrival_ms) in enumerate(zip(records, arrivals_ms, strict=True)):
         num_in = max(1, round(rec.input_length * cfg.length_scale))
         prompt: list[str] = []
         for h in rec.hash_ids:
@@ -141,8 +153,27 @@ def build_trace_workload(cfg: TraceConfig) -> list[RequestSpec]:
         del prompt[num_in:]
         specs.append(RequestSpec(idx, "trace", " ".join(prompt), num_in,
                                  max(1, round(rec.output_length * cfg.length_scale)),
-                                 arrival_s=rec.timestamp_ms / 1e3 * cfg.time_scale))
+                                 arrival_s=arrival_ms / 1e3 * cfg.time_scale))
     return specs
+
+
+def spread_bursts(timestamps_ms: list[float]) -> list[float]:
+    """Arrivals (ms) with each run of equal timestamps spread evenly over the gap to the next
+    distinct one (the last run over the median gap; a trace of one timestamp stays a burst)."""
+    distinct = sorted(set(timestamps_ms))
+    gaps = [b - a for a, b in itertools.pairwise(distinct)]
+    last_gap = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+    next_of = dict(zip(distinct, [*distinct[1:], distinct[-1] + last_gap], strict=True))
+    out, i = [], 0
+    while i < len(timestamps_ms):
+        t = timestamps_ms[i]
+        j = i
+        while j < len(timestamps_ms) and timestamps_ms[j] == t:
+            j += 1
+        step = (next_of[t] - t) / (j - i)
+        out.extend(t + k * step for k in range(j - i))
+        i = j
+    return out
 
 
 def write_window(src: str | Path, dst: str | Path, num_lines: int) -> None:

@@ -64,3 +64,33 @@ def test_a_malformed_line_is_refused_naming_it(tmp_path, line, words):
 def test_scales_must_be_positive():
     with pytest.raises(ValueError, match="time_scale"):
         TraceConfig(str(WINDOW), time_scale=0)
+
+
+def test_spread_bursts_spreads_each_timestamp_over_the_gap_to_the_next():
+    """Mooncake's timestamps are 3 s bins: spread, a bin's requests arrive evenly across it,
+    in file order; the last bin over the median gap; the prompts are the same."""
+    from baton.workload.trace import spread_bursts
+
+    assert spread_bursts([0, 0, 0, 3000, 5999, 5999]) == [0, 1000, 2000, 3000, 5999, 7499]
+    assert spread_bursts([7.0, 7.0]) == [7.0, 7.0]  # one timestamp: nothing to spread over
+    kept = build_trace_workload(TraceConfig(str(WINDOW), num_requests=40, time_scale=0.5))
+    spread = build_trace_workload(TraceConfig(str(WINDOW), num_requests=40, time_scale=0.5,
+                                              spread_bursts=True))
+    assert [s.prompt for s in spread] == [s.prompt for s in kept]
+    assert len({s.arrival_s for s in kept}) < 10 and len({s.arrival_s for s in spread}) == 40
+    arrivals = [s.arrival_s for s in spread]
+    assert arrivals == sorted(arrivals) and arrivals[:2] == [0.0, 0.15]  # 10 in the first 1.5 s
+
+
+def test_spread_bursts_is_a_trace_flag(tmp_path, capsys):
+    from baton_cli.main import main as baton_main
+
+    profile = str(Path(__file__).resolve().parents[1] / "data" / "profile_test.json")
+    assert baton_main(["sim", "--profile", profile, "--spread-bursts", "--num-requests", "4",
+                       "--results-dir", str(tmp_path)]) == 2
+    assert "--spread-bursts" in capsys.readouterr().err
+    assert baton_main(["sim", "--profile", profile, "--trace", str(WINDOW), "--spread-bursts",
+                       "--num-requests", "12", "--length-scale", "0.03",
+                       "--results-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["workload"]["spread_bursts"] is True
