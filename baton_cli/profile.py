@@ -1,6 +1,8 @@
-"""`baton profile --out P.json [--quick] [--no-path | --path-only]`: measure this machine's
+"""`baton profile --out P.json [--quick] [--no-path | --router-only]`: measure this machine's
 engine (baton/perf/measure.py), then the serving path's own latency on mock engines of the new
-profile (simulator/calibrate.py)."""
+profile (simulator/calibrate.py). `--router-only` measures the router's side alone (its prepare
+with the model's tokenizer, and the path) into an existing profile: what a profile measured on
+another machine (tests/data's, a GPU host's) needs to predict mock engines here."""
 
 from __future__ import annotations
 
@@ -20,32 +22,49 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     path.add_argument("--no-path", action="store_true",
                       help="skip the serving path's measurement (mock engines behind the "
                            "router, ~15 s): the simulator then adds no path latency")
-    path.add_argument("--path-only", action="store_true",
-                      help="measure only the serving path, into the existing --out profile")
+    path.add_argument("--router-only", action="store_true",
+                      help="measure only the router's side (its prepare with --model's "
+                           "tokenizer, and the serving path) into the existing --out profile")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from baton.perf.measure import QUICK, Grid, measure
+    from dataclasses import replace
+
+    import httpx
+
+    from baton.perf.measure import QUICK, Grid, measure, prepare_cost
     from baton.perf.profile import ProfileError, load, save
 
     if args.threads < 1:
         print(f"baton profile: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
-    if args.path_only:
+    if args.router_only:
+        from router.text import load_model_info
+
         try:
             prof = load(args.out)
         except ProfileError as exc:
             print(f"baton profile: {exc}", file=sys.stderr)
             return 2
+        prof = replace(prof, prepare=prepare_cost(load_model_info(args.model or "").tokenizer,
+                                                  QUICK if args.quick else Grid()))
+        save(prof, args.out)
     else:
         prof = measure(args.model, args.quantization, args.threads,
                        QUICK if args.quick else Grid())
         save(prof, args.out)
     if not args.no_path:
-        prof = _with_path(prof, args.out)
+        try:
+            prof = _with_path(prof, args.out)
+        except (RuntimeError, OSError, httpx.HTTPError) as exc:  # the grid is kept
+            print(f"baton profile: the serving path was not measured ({exc}); {args.out} "
+                  f"holds the rest: `baton profile --out {args.out} --router-only` tries again",
+                  file=sys.stderr)
+            return 1
         save(prof, args.out)
-    if args.path_only:
+    if args.router_only:
+        print(f"prepare: {prof.prepare.coef[0]:.3f} ms + {prof.prepare.coef[1]:.5f} ms a token")
         print(f"wrote {args.out}")
         return 0
     for name, cost in (("prefill", prof.prefill), ("decode", prof.decode)):
@@ -62,10 +81,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _with_path(prof, out: str):
     """The profile with its serving path measured on mock engines of the profile in `out`."""
+    import logging
     from dataclasses import replace
 
     from simulator.calibrate import calibrate_path
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     cost, _ = calibrate_path(out)
     print(f"serving path: {cost.request_ms:.2f} ms a request, a hand-off "
           f"{cost.handoff_ms:.2f} ms beyond the pull ({cost.num_requests} lone requests on "

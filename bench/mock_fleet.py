@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--length-scale", type=float, default=1 / 16)
+    p.add_argument("--spread-bursts", action="store_true",
+                   help="spread each 3 s timestamp bin's requests over it (baton/workload/"
+                        "trace.py); default: every bin a burst")
     p.add_argument("--normal-engines", type=int, default=16)
     p.add_argument("--prompt-engines", type=int, default=0)
     p.add_argument("--completion-engines", type=int, default=0)
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     shape += f"_r{args.routers}" if args.routers > 1 else ""
     label = args.label or f"mock_{shape}"
     trace = TraceConfig(args.trace, num_requests=args.num_requests, time_scale=args.time_scale,
-                        length_scale=args.length_scale)
+                        length_scale=args.length_scale, spread_bursts=args.spread_bursts)
     workload = WorkloadConfig()  # with a trace only its seed is used
 
     t0 = time.monotonic()

@@ -197,7 +197,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
             bar.step(f"decode batch {batch} x {context}")
     grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
     latency_ms, bytes_per_ms, method = _transfer(engine, grid, bar)
-    prepare = _prepare_cost(engine.tokenizer, grid, rng, vocab, bar)
+    prepare = prepare_cost(engine.tokenizer, grid, rng, bar)
     x = np.array([(1.0, n) for n, _, _ in rows])
     y = np.array([s - f for _, f, s in rows])
     step_ms, row_ms = np.maximum(np.linalg.lstsq(x, y, rcond=None)[0], 0.0)
@@ -239,13 +239,17 @@ def _decode_steps(engine, timed: TimedRunner, batch: int):
     return out
 
 
-def _prepare_cost(tokenizer, grid: Grid, rng: np.random.Generator, vocab: int,
-                  bar: _Bar) -> LinearCost:
+def prepare_cost(tokenizer, grid: Grid | None = None, rng: np.random.Generator | None = None,
+                 bar: _Bar | None = None) -> LinearCost:
     """The router's prepare of a prompt (router/prepare.py: mostly its text tokenized, with the
     model's tokenizer), at each of the grid's lengths: the median of 5 encodes of the text of
     random tokens. The simulator delays each request by it before an engine sees it, in the
     router's order (simulator/fleet.py): a burst's long prompts reach the engines after its
-    short ones, as live."""
+    short ones, as live. Needs the tokenizer only (`baton profile --router-only`)."""
+    grid = grid or Grid()
+    rng = rng or np.random.default_rng(0)
+    bar = bar or _Bar(len(grid.prepare_tokens))
+    vocab = tokenizer.vocab_size
     rows, times = [], []
     for n in grid.prepare_tokens:
         text = tokenizer.decode(_prompt(rng, n, vocab))

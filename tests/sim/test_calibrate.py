@@ -38,8 +38,8 @@ def test_bad_settings_are_named(kw, field):
 
 
 def test_path_only_needs_a_readable_profile(tmp_path, capsys):
-    assert baton_main(["profile", "--out", str(tmp_path / "none.json"), "--path-only"]) == 2
+    assert baton_main(["profile", "--out", str(tmp_path / "none.json"), "--router-only"]) == 2
     assert "none.json" in capsys.readouterr().err
     shutil.copy(DATA / "profile_test.json", tmp_path / "p.json")
     with pytest.raises(SystemExit):  # one or the other
-        baton_main(["profile", "--out", str(tmp_path / "p.json"), "--path-only", "--no-path"])
+        baton_main(["profile", "--out", str(tmp_path / "p.json"), "--router-only", "--no-path"])
