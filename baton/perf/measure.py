@@ -9,7 +9,7 @@ grammar step takes beyond the plain one, per row, is `sampling.grammar_row_ms` (
 in the engine core and applied in the sampler). Prefill: a prompt of `tokens` new tokens
 behind `cached` tokens already in the prefix cache (put there by an earlier request), and steps
 of several uncached prompts at once (`prefill_batches`). Decode: `batch` requests of `context`
-tokens each (one shared prefix, prefilled alone first), several decode steps. Every point's
+tokens each (each row its own context, prefilled alone first), several decode steps. Every point's
 shape and time is kept in the file (`machine.grid`). KV transfer: a copy of `n`
 scattered blocks between two pools in this process (NIXL between processes is not measured
 here yet; the profile's `machine.transfer_method` says so).
@@ -46,7 +46,11 @@ class Grid:
     prefill_tokens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024)
     prefill_cached: tuple[int, ...] = (0, 512, 1536)
     decode_batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    decode_context: tuple[int, ...] = (64, 512, 1536)
+    decode_context: tuple[int, ...] = (64, 512, 1536, 3072)
+    # A decode point's rows each have their own context (a workload's rows share none), each
+    # prefilled alone first: points whose rows hold more context than this in all are left
+    # out (their prefill would take minutes); the fit's context term extends to them.
+    decode_max_tokens: int = 8192
     decode_steps: int = 4  # decode steps timed per point (after one untimed)
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64, 128)
     repeats: int = 2  # each prefill point and transfer point, median kept
@@ -135,9 +139,11 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     timed = TimedRunner(engine.runner)
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
+    decode_points = [(b, c) for b in grid.decode_batch for c in grid.decode_context
+                     if b * c <= grid.decode_max_tokens]
     bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
                + len(grid.prefill_batches) * grid.repeats
-               + len(grid.decode_batch) * len(grid.decode_context) + len(grid.transfer_blocks)
+               + len(decode_points) + len(grid.transfer_blocks)
                + len(grid.grammar_batch) + len(grid.prepare_tokens))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
     pre_x, pre_y, dec_x, dec_y = [], [], [], []
@@ -173,28 +179,26 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         for _ in range(grid.repeats):
             prefill([_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
                     f"prefill {num_prompts} x {tokens}")
-    for batch in grid.decode_batch:
-        for context in grid.decode_context:
-            params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0.0,
-                                    ignore_eos=True)
-            # One shared prefix (prefilled once, then a prefix-cache hit) and a unique last
-            # block each: the decode steps read `context` tokens per row at a prefill cost of
-            # about one prompt, not `batch`. The prefix is prefilled alone first: queued with
-            # the rows, it was computed by every row of the first prompt step (no hit before
-            # its blocks exist), the rows were spread over several prompt steps and the first
-            # of them finished before the last began, so no step held the whole batch and
-            # every point with batch * context over max_num_batched_tokens went unmeasured.
-            shared = _prompt(rng, max(0, context - 16), vocab)
-            if shared:
-                engine.generate([shared], greedy1)
-            for _ in range(batch):
-                engine.add_request(None, shared + _prompt(rng, min(16, context), vocab), params)
-            for k, n, ms, step_ms in _decode_steps(engine, timed, batch):
-                dec_x.append(decode_features(k))
-                dec_y.append(ms)
-                raw["decode"].append([k.tolist(), round(ms, 3)])
-                rows.append((n, ms, step_ms))
-            bar.step(f"decode batch {batch} x {context}")
+    for batch, context in decode_points:
+        params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0.0,
+                                ignore_eos=True)
+        # Each row its own context, as a workload's rows (until 6 December 2026 the rows shared
+        # one prefix, which reads the same blocks for every row: decode steps of 8-16 separate
+        # rows ran 9-34% over that fit). Each row is prefilled alone first, then queued again:
+        # a prefix-cache hit for all but its last block, so one prompt step holds the whole
+        # batch's tails and the decode steps hold the whole batch (queued uncached, the rows
+        # spread over several prompt steps and the first finished before the last began).
+        prompts = [_prompt(rng, context, vocab) for _ in range(batch)]
+        for prompt in prompts:
+            engine.generate([prompt], greedy1)
+        for prompt in prompts:
+            engine.add_request(None, prompt, params)
+        for k, n, ms, step_ms in _decode_steps(engine, timed, batch):
+            dec_x.append(decode_features(k))
+            dec_y.append(ms)
+            raw["decode"].append([k.tolist(), round(ms, 3)])
+            rows.append((n, ms, step_ms))
+        bar.step(f"decode batch {batch} x {context}")
     grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
     latency_ms, bytes_per_ms, method = _transfer(engine, grid, bar)
     prepare = prepare_cost(engine.tokenizer, grid, rng, bar)
