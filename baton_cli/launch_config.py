@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from baton.model.modes import KV_CACHE_DTYPES, check_kv_cache_dtype
 from baton.ops.cluster_keys import add_key_args
 from baton.ops.supervisor import RestartPolicy
-from baton.protocol import NORMAL, ROLES
+from baton.protocol import NORMAL, PROMPT, ROLES
 from baton.workload.results import parse_slos
 from baton_cli.engine_args import add_common_args, lora_module, parse_bytes
 from kv_transfer.auth import ENV_KEY_DIR
@@ -225,6 +225,25 @@ class LaunchConfig:
             window_s=self.planner_window_s, cooldown_s=self.planner_cooldown_s,
             min_observations=self.planner_min_requests, slo_target=self.planner_slo_target,
             slo_check_s=self.planner_slo_check_s, apply=self.planner == "apply")
+
+    def planner_fleet(self, profile):
+        """The fleet the planner simulates: one prompt and one completion engine (its shapes
+        replace the counts) with the engines' own limits, read from the flags after `--` as
+        the engines read them (without this a user's `-- --max-num-seqs 16` ran engines the
+        planner did not predict). `--kv-cache-gb` without `--num-blocks` scales the profiled
+        engine's pool, measured at the default 1 GiB."""
+        from simulator.fleet import FleetConfig
+
+        parser = argparse.ArgumentParser(add_help=False)
+        add_common_args(parser, PROMPT)
+        args, _ = parser.parse_known_args(self.engine_args)
+        num_blocks = args.num_blocks
+        if not num_blocks and args.kv_cache_gb != 1.0:
+            num_blocks = max(2, round(profile.model.num_blocks * args.kv_cache_gb))
+        return FleetConfig(num_normal=0, num_prompt=1, num_completion=1, num_blocks=num_blocks,
+                           max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_prefix_caching=args.enable_prefix_caching)
 
     def launcher_key(self) -> str:
         """A key the launcher itself may use to ask the router (the banner's model name)."""

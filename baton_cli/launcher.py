@@ -239,12 +239,10 @@ class Launcher:
         from baton.perf.profile import load as load_profile
         from baton_cli.live_planner import LivePlanner
         from planner.core import Planner
-        from simulator.fleet import FleetConfig
 
         cfg = self.config
         profile = load_profile(cfg.planner_profile)
-        fleet = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
-        planner = Planner(profile, cfg.planner_config(), fleet)
+        planner = Planner(profile, cfg.planner_config(), cfg.planner_fleet(profile))
         self.planner = LivePlanner(self, planner, cfg.planner_interval_s,
                                    cfg.planner_window_s).start()
         logger.info("planner (%s) every %.0f s on the last %.0f s of requests", cfg.planner,

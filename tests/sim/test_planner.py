@@ -397,6 +397,30 @@ def test_planner_flags_are_checked(capsys):
         LaunchConfig(**up, planner_slo_target=1.5)
 
 
+def test_baton_ups_planner_simulates_the_engines_it_runs():
+    """The fleet `baton up --planner` simulates has the engines' limits from the flags after
+    `--` (their defaults without any): a planner predicting other engines than it runs is
+    wrong by however much they differ."""
+    from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
+    from baton.perf.profile import load
+    from baton_cli.launch_config import LaunchConfig
+
+    profile = load(DATA / "profile_test.json")
+    up = dict(planner="apply", planner_profile=str(DATA / "profile_test.json"), slos_ms=SLOS)
+    plain = LaunchConfig(**up).planner_fleet(profile)
+    assert (plain.num_prompt, plain.num_completion, plain.num_normal) == (1, 1, 0)
+    assert (plain.max_num_seqs, plain.max_num_batched_tokens, plain.num_blocks) == \
+        (64, SERVE_MAX_NUM_BATCHED_TOKENS, 0)
+    fleet = LaunchConfig(**up, engine_args=[
+        "--max-num-seqs", "16", "--max-num-batched-tokens=512", "--kv-cache-gb", "0.5",
+        "--no-enable-prefix-caching", "--kv-timeout", "9"]).planner_fleet(profile)
+    assert (fleet.max_num_seqs, fleet.max_num_batched_tokens, fleet.enable_prefix_caching) == \
+        (16, 512, False)
+    assert fleet.num_blocks == round(profile.model.num_blocks / 2)
+    assert LaunchConfig(**up, engine_args=["--num-blocks", "300"]).planner_fleet(
+        profile).num_blocks == 300
+
+
 def test_baton_sim_planner_is_built_by_the_composition_root(tmp_path, capsys):
     """`baton sim --planner` (baton_cli/sim.py builds the planner, so the simulator imports no
     planner code); the simulator's own `run` without that factory refuses the flag."""
