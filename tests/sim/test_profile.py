@@ -123,6 +123,19 @@ def test_the_serving_path_is_optional_and_round_trips():
     assert P.from_dict(P.to_dict(prof)) == prof
 
 
+def test_the_routers_prepare_is_measured_with_the_routers_tokenizer_alone():
+    """`baton profile --router-only`'s prepare: the default model's tokenizer as the router
+    loads it (no engine, no weights), timed at the grid's lengths; longer costs more."""
+    from baton.load_cache import default_cache_dir
+    from baton.perf.measure import Grid, prepare_cost
+    from router.text import load_model_info
+
+    tokenizer = load_model_info("", load_cache_dir=default_cache_dir()).tokenizer
+    cost = prepare_cost(tokenizer, Grid(prepare_tokens=(64, 256, 2048)))
+    assert cost.features == P.PREPARE_FEATURES and cost.coef[1] > 0
+    assert cost.predict((1.0, 2048.0)) > cost.predict((1.0, 64.0))
+
+
 def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     """`baton profile`'s measurement end to end through the real loader and engine (a tiny
     random GGUF, a grid of a few points): every cost is fitted from real steps, and the grammar
