@@ -5,8 +5,9 @@ the KV pull). A live request also crosses the serving path: the router's HTTP an
 and the ZMQ hops both ways before its first token reaches the client, and, disaggregated, the
 hand-off between its first and second token (the prompt engine's first token to the router,
 the completion engine's admission and lease, the NIXL pull's own round trips, the commit). On
-this machine that is ~8 ms before the first token and ~14 ms a hand-off (6 December 2026), a
-tenth of a short request's TTFT, which a simulator without it under-predicts.
+this machine that is ~6 ms before the first token and 0.4-2.8 ms a hand-off beyond the pull
+(6 December 2026): a few percent of a short request's TTFT, which a simulator without it
+under-predicts.
 
 `calibrate_path` measures it where nothing else varies: `baton up --mock PROFILE` (the real
 router, engine loop, scheduler, ZMQ, registry and NIXL; each forward a sleep of the profile's
@@ -95,15 +96,20 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
     """The serving path's cost for this profile's engines on this machine, and the samples."""
     cfg = cfg or CalibrateConfig()
     profile = load_profile(profile_file)
+    tok = WordTokenizer(profile.model.vocab_size)  # the simulator's ids, sent as the prompts
     samples: list[Sample] = []
     for shape in cfg.shapes:
-        specs = _specs(profile, cfg, shape)
+        specs = _specs(cfg, shape)
         predicted = _predict(profile, cfg, shape, specs)
         with _MockFleet(profile_file, shape, cfg) as url, \
                 httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
             model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
-            _send(client, model, specs[0], profile)  # a first connection, not measured
-            live = [_send(client, model, spec, profile) for spec in specs]
+            # A first connection, not measured, with a prompt of its own: one of the specs'
+            # would make that spec a prefix-cache hit the simulator does not predict.
+            warm_up = words(random.Random(f"{cfg.seed}/{shape}/warm-up"), min(cfg.prompt_lens))
+            _send(client, model, tok.encode(warm_up), cfg.max_tokens)
+            live = [_send(client, model, tok.encode(spec.prompt), spec.max_tokens)
+                    for spec in specs]
         for spec, (ttft, gap), (p_ttft, p_gap) in zip(specs, live, predicted, strict=True):
             samples.append(Sample(shape, spec.num_prompt_words, ttft, p_ttft, gap, p_gap))
     request = [s.ttft_ms - s.predicted_ttft_ms for s in samples]
@@ -114,7 +120,7 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
     return cost, samples
 
 
-def _specs(profile: Profile, cfg: CalibrateConfig, shape: str) -> list[RequestSpec]:
+def _specs(cfg: CalibrateConfig, shape: str) -> list[RequestSpec]:
     """The shape's lone requests: every length `repeats` times, random words (no prefix-cache
     hit between them), one a minute in the simulator (each alone)."""
     rng = random.Random(f"{cfg.seed}/{shape}")
@@ -179,13 +185,12 @@ class _MockFleet:
             self.proc.wait(timeout=10)
 
 
-def _send(client: httpx.Client, model: str, spec: RequestSpec, profile: Profile
+def _send(client: httpx.Client, model: str, prompt_ids: list[int], max_tokens: int
           ) -> tuple[float, float]:
-    """One streamed completion of the spec's prompt as token ids (the simulator's own ids, so
-    both sides run the same prompt); (TTFT, first gap) in ms at this client. A chunk is a token
-    (the router streams one per engine delta; a lone request's deltas hold one token each)."""
-    ids = WordTokenizer(profile.model.vocab_size).encode(spec.prompt)
-    body = {"model": model, "prompt": ids, "max_tokens": spec.max_tokens, "temperature": 0.0,
+    """One streamed completion of a prompt given as token ids (the simulator's own, so both
+    sides run the same prompt); (TTFT, first gap) in ms at this client. A chunk is a token (the
+    router streams one per engine delta; a lone request's deltas hold one token each)."""
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True}
     times: list[float] = []
     t0 = time.perf_counter()
