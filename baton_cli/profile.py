@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     import httpx
 
     from baton.perf.measure import QUICK, Grid, measure, prepare_cost
@@ -82,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
 def _with_path(prof, out: str):
     """The profile with its serving path measured on mock engines of the profile in `out`."""
     import logging
-    from dataclasses import replace
 
     from simulator.calibrate import calibrate_path
 

@@ -184,13 +184,13 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                                 ignore_eos=True)
         # Each row its own context, as a workload's rows (until 6 December 2026 the rows shared
         # one prefix, which reads the same blocks for every row: decode steps of 8-16 separate
-        # rows ran 9-34% over that fit). Each row is prefilled alone first, then queued again:
-        # a prefix-cache hit for all but its last block, so one prompt step holds the whole
-        # batch's tails and the decode steps hold the whole batch (queued uncached, the rows
-        # spread over several prompt steps and the first finished before the last began).
+        # rows ran 9-34% over that fit). The rows are prefilled first (one token each), then
+        # queued again: a prefix-cache hit for all but the last block, so one prompt step
+        # holds the whole batch's tails and the decode steps hold the whole batch (queued
+        # uncached, the rows spread over several prompt steps and the first finished before
+        # the last began).
         prompts = [_prompt(rng, context, vocab) for _ in range(batch)]
-        for prompt in prompts:
-            engine.generate([prompt], greedy1)
+        engine.generate(prompts, greedy1)
         for prompt in prompts:
             engine.add_request(None, prompt, params)
         for k, n, ms, step_ms in _decode_steps(engine, timed, batch):

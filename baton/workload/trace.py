@@ -164,15 +164,10 @@ def spread_bursts(timestamps_ms: list[float]) -> list[float]:
     gaps = [b - a for a, b in itertools.pairwise(distinct)]
     last_gap = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
     next_of = dict(zip(distinct, [*distinct[1:], distinct[-1] + last_gap], strict=True))
-    out, i = [], 0
-    while i < len(timestamps_ms):
-        t = timestamps_ms[i]
-        j = i
-        while j < len(timestamps_ms) and timestamps_ms[j] == t:
-            j += 1
-        step = (next_of[t] - t) / (j - i)
-        out.extend(t + k * step for k in range(j - i))
-        i = j
+    out: list[float] = []
+    for t, run in itertools.groupby(timestamps_ms):
+        n = len(list(run))
+        out.extend(t + k * (next_of[t] - t) / n for k in range(n))
     return out
 
 
