@@ -41,6 +41,15 @@ def run(args: argparse.Namespace) -> int:
     if args.router_only:
         from router.text import load_model_info
 
+        # The engine's flags: no engine runs here (the tokenizer of --model only).
+        ignored = [flag for flag, given in (("--threads", args.threads != 1),
+                                            ("--quantization", args.quantization != "auto"))
+                   if given]
+        if ignored:
+            print(f"baton profile: --router-only runs no engine; {' and '.join(ignored)} "
+                  f"would do nothing", file=sys.stderr)
+            return 2
+
         try:
             prof = load(args.out)
         except ProfileError as exc:

@@ -43,3 +43,10 @@ def test_path_only_needs_a_readable_profile(tmp_path, capsys):
     shutil.copy(DATA / "profile_test.json", tmp_path / "p.json")
     with pytest.raises(SystemExit):  # one or the other
         baton_main(["profile", "--out", str(tmp_path / "p.json"), "--router-only", "--no-path"])
+    # The engine's flags mean nothing without an engine: refused by name, the file untouched.
+    before = (tmp_path / "p.json").read_text()
+    for flag, value in (("--threads", "2"), ("--quantization", "int8")):
+        assert baton_main(["profile", "--out", str(tmp_path / "p.json"), "--router-only",
+                           flag, value]) == 2
+        assert flag in capsys.readouterr().err
+    assert (tmp_path / "p.json").read_text() == before
