@@ -21,6 +21,12 @@
    each, as the simulator starts cold), reported as predicted vs the real runs' median
    [min-max] of TTFT p50/p90, TPOT p50, mean end-to-end latency and goodput; the error against
    the target (10%, or the real runs' spread where that is larger; 25% overloaded).
+6. Before each real run, a speed probe (simulator/calibrate.py `speed_probe`, ~5 s; --no-probe
+   skips it): fixed requests through the same fleet, the engines' busy seconds against the
+   simulator's for the same requests. This host's speed drifts by 10-30% within an hour, which
+   is not the simulator's error: each point is also predicted with the profile scaled to the
+   median of its probes (`at_probe`), and both comparisons are reported. The rate of a point
+   is the raw profile's (the probe comes after it is chosen).
 
 Writes bench/results/sim_validate.json (every run's summary, its requests one by one, and the
 engines' busy time: the simulator's, and the real engines' from their /metrics) and prints the
@@ -43,7 +49,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,6 +63,7 @@ from baton.workload.args import build_specs  # noqa: E402
 from baton.workload.results import RequestResult, parse_slos  # noqa: E402
 from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402
 from baton.workload.trace import TraceConfig, build_trace_workload  # noqa: E402
+from simulator.calibrate import speed_probe  # noqa: E402
 from simulator.fleet import FleetConfig  # noqa: E402
 from simulator.run import SimConfig, simulate  # noqa: E402
 
@@ -226,6 +233,14 @@ class RealFleet:
             self.proc.wait(timeout=10)
 
 
+def probe(fleet: RealFleet, profile, setup: str, args: argparse.Namespace) -> dict:
+    """This host's speed now: the probe's requests through the fleet (its cache reset first,
+    as the probe's prediction starts cold), busy seconds against the simulator's."""
+    fleet.reset_cache()
+    found = speed_probe(fleet.url, fleet.metrics_urls, profile, sim_config(setup, args, 1.0).fleet)
+    return {**asdict(found), "load_average": list(os.getloadavg())}
+
+
 def measure(fleet: RealFleet, kind: str, args: argparse.Namespace, rate: float) -> dict:
     """One real run's record: its summary (with the load average), requests and fleet."""
     workload, trace, request_rate = workload_at(kind, args, rate)
@@ -265,6 +280,30 @@ def compare(level: str, predicted: dict, runs: list[dict]) -> dict:
     return out
 
 
+def at_probe(profile, point: dict, args: argparse.Namespace) -> dict | None:
+    """The point predicted at the speed its probes found (the median factor), compared with
+    the same real runs; None without probes."""
+    factors = sorted(p["factor"] for p in point.get("probes") or [])
+    if not factors:
+        return None
+    factor = factors[len(factors) // 2] if len(factors) % 2 else \
+        (factors[len(factors) // 2 - 1] + factors[len(factors) // 2]) / 2
+    sim = predict(profile.scaled(factor), point["workload"], point["setup"], args, point["rate"])
+    return {"factor": factor, "predicted": sim["summary"], "predicted_fleet": sim["fleet"],
+            "compare": compare(point["level"], sim["summary"], point["runs"])}
+
+
+def _cells(compared: dict) -> list[str]:
+    cells = []
+    for key in ("ttft_p50", "ttft_p90", "tpot_p50", "e2e_mean", "goodput"):
+        c = compared[key]
+        cells.append(f"{key} {c['predicted']:.0f} vs {c['median']:.0f} [{c['min']:.0f}-"
+                     f"{c['max']:.0f}] {100 * c['error']:+.0f}%{'' if c['within'] else '!'}"
+                     if key != "goodput" else
+                     f"goodput {c['predicted']:.2f} vs {c['median']:.2f}")
+    return cells
+
+
 def print_point(p: dict) -> None:
     head = f"{p['workload']:<9} {p['setup']:<4} {p['level']:<10} {p['rate']:>6.2f}/s"
     busy = []
@@ -272,19 +311,28 @@ def print_point(p: dict) -> None:
         real = sorted(busy_of(f).get(role, [math.nan])[0] for f in p.get("runs_fleet") or [])
         if real:
             busy.append(f"{role} busy {sim_s:.1f} s vs {real[len(real) // 2]:.1f} s")
-    cells = []
-    for key in ("ttft_p50", "ttft_p90", "tpot_p50", "e2e_mean", "goodput"):
-        c = p["compare"][key]
-        cells.append(f"{key} {c['predicted']:.0f} vs {c['median']:.0f} [{c['min']:.0f}-"
-                     f"{c['max']:.0f}] {100 * c['error']:+.0f}%{'' if c['within'] else '!'}"
-                     if key != "goodput" else
-                     f"goodput {c['predicted']:.2f} vs {c['median']:.2f}")
-    print(head + "  " + "; ".join(cells + busy), flush=True)
+    print(head + "  " + "; ".join(_cells(p["compare"]) + busy), flush=True)
+    if p.get("at_probe"):
+        a = p["at_probe"]
+        print(f"{'':<34}at the probes' speed (x{a['factor']:.3f}): "
+              + "; ".join(_cells(a["compare"])), flush=True)
 
 
-def num_within(record: dict) -> int:
-    return sum(c["within"] for pt in record["points"] for k, c in pt["compare"].items()
+def num_within(record: dict, side: str = "") -> int:
+    """Figures within target over the record's points: the raw profile's predictions, or with
+    side="at_probe" those at the probes' speed (points without probes count none)."""
+    return sum(c["within"] for pt in record["points"]
+               for k, c in ((pt.get(side) or {}).get("compare", {}) if side
+                            else pt["compare"]).items()
                if k in ("ttft_p50", "tpot_p50", "e2e_mean"))
+
+
+def _within_line(record: dict) -> str:
+    n = 3 * len(record["points"])
+    line = f"within target: {num_within(record)} of {n} (TTFT p50, TPOT p50, mean E2E)"
+    if any(pt.get("at_probe") for pt in record["points"]):
+        line += f"; at the probes' speed: {num_within(record, 'at_probe')} of {n}"
+    return line
 
 
 def repredict(args: argparse.Namespace) -> int:
@@ -301,10 +349,10 @@ def repredict(args: argparse.Namespace) -> int:
     for point in record["points"]:
         sim = predict(profile, point["workload"], point["setup"], run_args, point["rate"])
         point.update(predicted_side(point["level"], sim, point["runs"]))
+        point["at_probe"] = at_probe(profile, point, run_args)
         print_point(point)
     Path(args.out).write_text(json.dumps(record, indent=1, default=str))
-    print(f"within target: {num_within(record)} of {3 * len(record['points'])}; "
-          f"wrote {rel(args.out)}")
+    print(f"{_within_line(record)}; wrote {rel(args.out)}")
     return 0
 
 
@@ -341,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="pin the bench client, the router and redis to these CPUs once the "
                         "fleet is up (e.g. the completion engine's core, 1, so the prompt "
                         "engine has core 0 alone: what sharing its core costs the TTFT)")
+    p.add_argument("--no-probe", action="store_true",
+                   help="no speed probe before each real run (runs 1-6 had none)")
     p.add_argument("--step-check", action="store_true",
                    help="first, each workload's steps on one real engine against the profile")
     p.add_argument("--step-check-only", action="store_true",
@@ -380,18 +430,22 @@ def main(argv: list[str] | None = None) -> int:
                 for level, frac in zip(LEVELS, args.load_fractions, strict=True):
                     rate = frac * cap
                     sim = predict(profile, kind, setup, args, rate)
-                    real = [measure(fleet, kind, args, rate) for _ in range(args.runs)]
+                    probes, real = [], []
+                    for _ in range(args.runs):
+                        if not args.no_probe:
+                            probes.append(probe(fleet, profile, setup, args))
+                        real.append(measure(fleet, kind, args, rate))
                     runs = [r["summary"] for r in real]
                     point = {"workload": kind, "setup": setup, "level": level, "rate": rate,
                              "capacity": cap, "runs": runs, **predicted_side(level, sim, runs),
                              "runs_fleet": [r.get("fleet") for r in real],
-                             "runs_requests": [requests_of(r) for r in real]}
+                             "runs_requests": [requests_of(r) for r in real],
+                             "probes": probes}
+                    point["at_probe"] = at_probe(profile, point, args)
                     record["points"].append(point)
                     print_point(point)
                     out.write_text(json.dumps(record, indent=1, default=str))  # as it goes
-    n = num_within(record)
-    print(f"within target: {n} of {3 * len(record['points'])} (TTFT p50, TPOT p50, mean E2E); "
-          f"wrote {rel(out)}")
+    print(f"{_within_line(record)}; wrote {rel(out)}")
     return 0
 
 

@@ -19,6 +19,14 @@ go as token ids, so the router tokenizes nothing):
   first) on the disaggregated fleet.
 Measured on mock engines, not on the real ones: a real engine's forward varies by more than
 the path takes, and the path's code is the same.
+
+`speed_probe` asks the other question, of real engines already serving: how fast is this host
+now, against the profile? A shared machine's speed drifts (here 10-30% within an hour, for the
+same work: bench/sim_validate.py runs 5 and 6, 6 December 2026), and a profile is one moment of
+it. The probe sends a fixed set of requests (lone prompts, then a burst that decodes together)
+to the fleet, reads the engines' busy seconds off their /metrics before and after, and divides
+by the busy seconds the simulator predicts for the same requests on the same fleet shape:
+`Profile.scaled(factor)` then predicts at the host's present speed.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,6 +51,7 @@ from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
 from baton.ops.ports import free_port
 from baton.perf.profile import PathCost, Profile
 from baton.perf.profile import load as load_profile
+from baton.workload.fleet_metrics import SETTLE_S, scrape
 from baton.workload.synthetic import RequestSpec
 from baton.workload.words import WordTokenizer, words
 from simulator.fleet import FleetConfig
@@ -144,14 +154,17 @@ def _predict(profile: Profile, cfg: CalibrateConfig, shape: str,
 class _MockFleet:
     """`baton up --mock PROFILE` of one shape, as a user starts it; its URL while entered."""
 
-    def __init__(self, profile_file: str | Path, shape: str, cfg: CalibrateConfig) -> None:
+    def __init__(self, profile_file: str | Path, shape: str, cfg: CalibrateConfig,
+                 metrics: bool = False) -> None:
+        """`metrics`: the engines serve /metrics (`metrics_urls` once entered)."""
         self.port = free_port()
         self.cmd = [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port),
-                    "--mock", str(profile_file), "--no-metrics", "--ready-timeout",
-                    str(cfg.ready_timeout_s), *_UP_FLAGS[shape], "--",
+                    "--mock", str(profile_file), *([] if metrics else ["--no-metrics"]),
+                    "--ready-timeout", str(cfg.ready_timeout_s), *_UP_FLAGS[shape], "--",
                     "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         self.ready_timeout_s = cfg.ready_timeout_s
         self.proc: subprocess.Popen | None = None
+        self.metrics_urls: list[str] = []
 
     def __enter__(self) -> str:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
@@ -167,6 +180,9 @@ class _MockFleet:
                 raise RuntimeError(f"baton up --mock not up within {self.ready_timeout_s:g} s "
                                    f"(exit {self.proc.returncode}): {' | '.join(lines[-3:])}")
             time.sleep(0.05)
+        # The banner's engine lines: "  <engine>  metrics http://.../metrics" (not the router's).
+        self.metrics_urls = [line.split("  metrics ", 1)[1].split()[0] for line in lines
+                             if "  metrics http" in line and "router" not in line]
         return f"http://127.0.0.1:{self.port}"
 
     def _read(self, lines: list[str]) -> None:
@@ -209,3 +225,86 @@ def _send(client: httpx.Client, model: str, prompt_ids: list[int], max_tokens: i
     if len(times) < 2:
         raise RuntimeError(f"calibration request streamed {len(times)} chunks, wanted >= 2")
     return 1e3 * (times[0] - t0), 1e3 * (times[1] - times[0])
+
+
+@dataclass
+class ProbeConfig:
+    lone_lens: tuple[int, ...] = (64, 256, 512)  # prompts sent one at a time (tokens)
+    burst: int = 8  # then this many prompts of burst_len at once: a decode batch
+    burst_len: int = 32
+    max_tokens: int = 16
+    request_timeout_s: float = 60.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lone_lens or min(self.lone_lens) < 1 or self.burst < 0 \
+                or self.burst_len < 1 or self.max_tokens < 2:
+            raise ValueError(f"a probe needs lone prompts >= 1 token, burst >= 0, burst_len "
+                             f">= 1 and max_tokens >= 2, got {self}")
+
+
+@dataclass
+class SpeedProbe:
+    """Real busy seconds over predicted ones, for the same requests on the same fleet."""
+
+    factor: float
+    real_busy_s: float
+    predicted_busy_s: float
+    real_by_role: dict[str, float]
+    predicted_by_role: dict[str, float]
+
+
+def _probe_specs(cfg: ProbeConfig) -> list[RequestSpec]:
+    """The lone prompts one a minute, then the burst at once (random words: no prefix-cache
+    hit between them)."""
+    rng = random.Random(f"{cfg.seed}/probe")
+    lens = [*cfg.lone_lens, *[cfg.burst_len] * cfg.burst]
+    times = [60.0 * i for i in range(len(cfg.lone_lens))]
+    times += [60.0 * len(cfg.lone_lens)] * cfg.burst
+    return [RequestSpec(idx=i, kind="fixed", prompt=words(rng, n), num_prompt_words=n,
+                        max_tokens=cfg.max_tokens, arrival_s=t)
+            for i, (n, t) in enumerate(zip(lens, times, strict=True))]
+
+
+def _busy_by_role(metrics_urls: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for url in metrics_urls:
+        for engine in scrape(url).values():
+            out[engine.role] = out.get(engine.role, 0.0) + engine.values.get("busy_s", 0.0)
+    return out
+
+
+def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: FleetConfig,
+                cfg: ProbeConfig | None = None) -> SpeedProbe:
+    """The probe's requests through the live fleet at `url` (its engines' /metrics at
+    `metrics_urls`, their prefix caches empty: reset them first), against the simulator's
+    busy seconds for the same requests on `fleet` (the live fleet's shape and limits).
+    `factor` > 1: the host runs slower than the profile. Raises RuntimeError on a failed
+    request, OSError/ValueError when a /metrics cannot be read."""
+    cfg = cfg or ProbeConfig()
+    specs = _probe_specs(cfg)
+    record = simulate(profile, SimConfig(fleet=fleet, num_requests=len(specs),
+                                         label="speed_probe"), None, specs=specs)
+    predicted: dict[str, float] = {}
+    for e in record["fleet"]["engines"]:
+        predicted[e["role"]] = predicted.get(e["role"], 0.0) + e["busy_s"]
+    tok = WordTokenizer(profile.model.vocab_size)
+    prompts = [tok.encode(s.prompt) for s in specs]
+    num_lone = len(cfg.lone_lens)
+    before = _busy_by_role(metrics_urls)
+    with httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
+        model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        for ids in prompts[:num_lone]:
+            _send(client, model, ids, cfg.max_tokens)
+        if cfg.burst:
+            with ThreadPoolExecutor(cfg.burst) as pool:
+                list(pool.map(lambda ids: _send(client, model, ids, cfg.max_tokens),
+                              prompts[num_lone:]))
+    time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
+    after = _busy_by_role(metrics_urls)
+    real = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
+    real_s, predicted_s = sum(real.values()), sum(predicted.values())
+    if predicted_s <= 0 or real_s <= 0:
+        raise RuntimeError(f"the probe measured no busy time (real {real_s:.3f} s, predicted "
+                           f"{predicted_s:.3f} s): are the /metrics URLs the fleet's engines?")
+    return SpeedProbe(real_s / predicted_s, real_s, predicted_s, real, predicted)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +145,18 @@ class Profile:
         return (self.transfer_latency_ms
                 + num_blocks * self.model.kv_bytes_per_block / self.transfer_bytes_per_ms)
 
+    def scaled(self, factor: float) -> Profile:
+        """The same profile on an engine `factor` times as slow (every step's forward and the
+        engine's own work; the router's prepare, the path and KV pulls unchanged): what a
+        speed probe (simulator/calibrate.py `speed_probe`) says this host runs at now."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ProfileError(f"a speed factor must be a finite number > 0, got {factor}")
+        return replace(self, prefill=_scaled_cost(self.prefill, factor),
+                       decode=_scaled_cost(self.decode, factor),
+                       sample_row_ms=self.sample_row_ms * factor,
+                       step_overhead_ms=self.step_overhead_ms * factor,
+                       grammar_row_ms=self.grammar_row_ms * factor)
+
     def with_link(self, bandwidth_gbit_s: float, latency_ms: float) -> Profile:
         """The same profile over another link: `bandwidth_gbit_s` Gbit/s, `latency_ms` per pull."""
         if bandwidth_gbit_s <= 0 or latency_ms < 0:
@@ -153,6 +165,10 @@ class Profile:
         d = to_dict(self)
         d["transfer"] = {"latency_ms": latency_ms, "bytes_per_ms": bandwidth_gbit_s * 1e9 / 8e3}
         return from_dict(d)
+
+
+def _scaled_cost(cost: LinearCost, factor: float) -> LinearCost:
+    return replace(cost, coef=tuple(c * factor for c in cost.coef))
 
 
 def prefill_features(seqlens_q: np.ndarray, seqlens_k: np.ndarray,

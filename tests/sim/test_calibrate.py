@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from baton.perf.profile import load as load_profile
 from baton_cli.main import main as baton_main
-from simulator.calibrate import CalibrateConfig, calibrate_path
+from simulator.calibrate import (
+    CalibrateConfig,
+    ProbeConfig,
+    _MockFleet,
+    calibrate_path,
+    speed_probe,
+)
+from simulator.fleet import FleetConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -29,12 +37,32 @@ def test_the_path_is_measured_on_a_mock_pd_fleet():
     assert 0 <= cost.request_ms < 1000 and 0 <= cost.handoff_ms < 1000
 
 
+def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators():
+    """bench/sim_validate.py's probe of the host's speed now, here on a mock engine: it sleeps
+    each forward the profile predicts, so the probe finds about the profile's speed."""
+    fleet = _MockFleet(DATA / "profile_test.json", "normal", CalibrateConfig(), metrics=True)
+    with fleet as url:
+        assert len(fleet.metrics_urls) == 1
+        found = speed_probe(url, fleet.metrics_urls, load_profile(DATA / "profile_test.json"),
+                            FleetConfig(num_normal=1),
+                            ProbeConfig(lone_lens=(32, 128), burst=2, burst_len=16,
+                                        max_tokens=3))
+    assert found.real_by_role.keys() == found.predicted_by_role.keys() == {"normal"}
+    assert found.factor == pytest.approx(found.real_busy_s / found.predicted_busy_s)
+    assert 0.7 < found.factor < 1.5, found
+
+
 @pytest.mark.parametrize("kw, field", [({"shapes": ("both",)}, "shapes"),
                                        ({"prompt_lens": (4096,)}, "prompt_lens"),
                                        ({"max_tokens": 1}, "max_tokens")])
 def test_bad_settings_are_named(kw, field):
     with pytest.raises(ValueError, match=field):
         CalibrateConfig(**kw)
+
+
+def test_a_probe_without_a_second_token_is_refused():
+    with pytest.raises(ValueError, match="max_tokens"):
+        ProbeConfig(max_tokens=1)  # a streamed request's timing needs two chunks
 
 
 def test_path_only_needs_a_readable_profile(tmp_path, capsys):

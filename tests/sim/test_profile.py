@@ -123,6 +123,23 @@ def test_the_serving_path_is_optional_and_round_trips():
     assert P.from_dict(P.to_dict(prof)) == prof
 
 
+def test_a_scaled_profile_slows_the_engines_work_only():
+    prof = P.from_dict(_good() | {"path": {"request_ms": 6.5, "handoff_ms": 1.5,
+                                           "num_requests": 18}})
+    slow = prof.scaled(1.25)
+    q, k = np.array([128, 32]), np.array([640, 32])
+    for prompt_run in (True, False):  # a prompt step and a decode step, the own work included
+        assert slow.step_ms(prompt_run, q, k, 2, 1) == pytest.approx(
+            1.25 * prof.step_ms(prompt_run, q, k, 2, 1))
+    # The router's prepare, the path and a KV pull are not the engine's forward.
+    assert slow.prepare_ms(512) == prof.prepare_ms(512)
+    assert slow.path == prof.path and slow.transfer_ms(8) == prof.transfer_ms(8)
+    assert P.from_dict(P.to_dict(slow)) == slow
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(P.ProfileError, match="speed factor"):
+            prof.scaled(bad)
+
+
 def test_the_routers_prepare_is_measured_with_the_routers_tokenizer_alone():
     """`baton profile --router-only`'s prepare: the default model's tokenizer as the router
     loads it (no engine, no weights), timed at the grid's lengths; longer costs more."""
