@@ -1,59 +1,29 @@
-"""`baton up` driven by a chaos test or a soak: its output collected line by line, its banner
-parsed (each engine's id and address), an engine's pid found by id to SIGKILL it, the
-supervisor's restarts counted from its log, and the wait until every victim is back and every
-pool is whole. Shared by tests/stress/test_chaos.py and bench/soak.py (a sibling module, not a
-package: tests put bench/ on sys.path, as tests/bench do).
+"""`baton up` driven by a chaos test or a soak (started and stopped by baton/ops/up_process.py):
+an engine's pid found by id to SIGKILL it, the supervisor's restarts counted from its log, and
+the wait until every victim is back and every pool is whole. Shared by tests/stress/test_chaos.py
+and bench/soak.py (a sibling module, not a package: tests put bench/ on sys.path, as tests/bench
+do).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 
 import psutil
 
-from baton.ops.ports import free_port
+from baton.ops.up_process import UpProcess
 from baton.service.client import is_whole, probe_engine
 from kv_transfer.auth import ClusterKeys, keys_from_env
 
 
-class Lines:
-    """A pipe's lines, collected by a thread (the children share the pipe and must not block)."""
+class BatonUp(UpProcess):
+    """A `baton up` (baton/ops/up_process.py) with what a chaos run needs: its children by
+    name, the supervisor's restarts, each engine probed with the cluster's keys."""
 
-    def __init__(self, pipe) -> None:
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True).start()
-
-    def matching(self, pattern: str) -> list[re.Match]:
-        return [m for m in map(re.compile(pattern).search, list(self.lines)) if m]
-
-
-@dataclass
-class BatonUp:
-    proc: subprocess.Popen
-    port: int
-    stdout: Lines
-    stderr: Lines
-    keys: ClusterKeys | None  # to probe the engines
-    engines: dict[str, str] = field(default_factory=dict)  # engine id -> address
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_up(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any("Ctrl-C stops" in line for line in self.stdout.lines):
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.tail()
-            time.sleep(0.2)
-        for m in self.stdout.matching(r"^\s+((?:normal|prompt|completion)-\d+)\s+(tcp://\S+)"):
-            self.engines[m.group(1)] = m.group(2)
+    def __init__(self, up: UpProcess, keys: ClusterKeys | None) -> None:
+        super().__init__(up.proc, up.port, up.stdout, up.stderr, up.ready_timeout_s)
+        self.keys = keys  # to probe the engines
 
     def children(self) -> dict[str, psutil.Process]:
         """The launcher's live children by name: each engine's id, "router", "redis"."""
@@ -79,37 +49,21 @@ class BatonUp:
     def probe(self, engine_id: str, timeout_s: float = 2.0):
         return probe_engine(self.engines[engine_id], timeout_s, self.keys)
 
-    def tail(self) -> str:
-        return "".join(self.stderr.lines[-60:])
-
-    def stop(self) -> None:
-        """SIGTERM: the launcher stops its children; SIGKILL to the group if it hangs."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+    def tail(self, n: int = 60) -> str:
+        return super().tail(n)
 
 
 def start_baton_up(num_prompt: int, num_completion: int, engine_args: list[str],
-                   up_args: list[str] = (), key_dir: str = "") -> BatonUp:
-    """`baton up` on a free port; `key_dir` "" = the cluster keys of $BATON_CLUSTER_KEY_DIR."""
-    port = free_port()
+                   up_args: list[str] = (), key_dir: str = "",
+                   ready_timeout_s: float = 300.0) -> BatonUp:
+    """`baton up` on a free port, up (or stopped, and UpError raised); `key_dir` "" = the
+    cluster keys of $BATON_CLUSTER_KEY_DIR."""
     keys_flags = ["--cluster-key-dir", key_dir] if key_dir else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--prompt-engines",
-         str(num_prompt), "--completion-engines", str(num_completion), *keys_flags, *up_args,
-         "--", *engine_args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    up = UpProcess.start(["--prompt-engines", str(num_prompt), "--completion-engines",
+                          str(num_completion), *keys_flags, *up_args, "--", *engine_args],
+                         ready_timeout_s=ready_timeout_s)
     keys = ClusterKeys.load(key_dir) if key_dir else keys_from_env()
-    baton = BatonUp(proc, port, Lines(proc.stdout), Lines(proc.stderr), keys)
-    try:
-        baton.wait_up()
-    except BaseException:
-        baton.stop()  # a launcher that did not come up leaves nothing running
-        raise
-    return baton
+    return BatonUp(up, keys).__enter__()
 
 
 def held(stats) -> int:

@@ -52,6 +52,7 @@ import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 
 from baton.ops.ports import free_port  # noqa: E402
 from baton.ops.redis_server import RedisServer  # noqa: E402
+from baton.ops.up_process import UpError, UpProcess  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.results import summarize  # noqa: E402
 from baton.workload.synthetic import WorkloadConfig  # noqa: E402
@@ -89,22 +90,17 @@ class Fleet:
         shape = (["--normal-engines", str(a.normal_engines)] if a.normal_engines else
                  ["--prompt-engines", str(a.prompt_engines),
                   "--completion-engines", str(a.completion_engines)])
-        up = subprocess.Popen(
-            [sys.executable, "-m", "baton_cli", "up", "--port", str(self.ports[0]), "--mock",
-             a.profile, "--no-cpu-pinning", "--no-metrics", "--ready-timeout",
+        up = UpProcess.start(
+            ["--mock", a.profile, "--no-cpu-pinning", "--no-metrics", "--ready-timeout",
              str(a.ready_timeout), *self._shared(), *shape, "--", "--num-blocks",
              str(a.num_blocks), "--max-num-seqs", str(a.max_num_seqs)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-        self.procs.append(up)
+            port=self.ports[0], ready_timeout_s=a.ready_timeout, keep_stderr=False)
+        self.procs.append(up.proc)
         deadline = time.monotonic() + a.ready_timeout
-        for line in up.stdout:  # the banner's last line says it is up
-            if "Ctrl-C stops" in line:
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"baton up --mock not up within {a.ready_timeout:g} s")
-        else:
-            raise SystemExit("baton up --mock exited before it was up")
-        threading.Thread(target=lambda: up.stdout.read(), daemon=True).start()
+        try:
+            up.wait_up()
+        except UpError as exc:
+            raise SystemExit(f"baton up --mock: {exc}") from exc
         for port in self.ports[1:]:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "baton_cli", "router", "--port", str(port),

@@ -31,10 +31,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -44,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 from repo_paths import relative_args  # noqa: E402
 
-from baton.ops.ports import free_port  # noqa: E402
+from baton.ops.up_process import UpError, UpProcess, start_up  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.synthetic import WorkloadConfig  # noqa: E402
 from simulator.fleet import FleetConfig  # noqa: E402
@@ -62,30 +59,17 @@ def policy_flags(policy: str, profile: str) -> list[str]:
             "predicted": ["--profile", profile]}[policy]
 
 
-def start_fleet(args: argparse.Namespace, policy: str, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", args.profile,
-         "--no-cpu-pinning", "--no-metrics", "--normal-engines", "1", "--prompt-engines", "1",
-         "--completion-engines", "1", *policy_flags(policy, args.profile),
-         "--", "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    deadline = time.monotonic() + args.ready_timeout
-    for line in proc.stdout:  # the banner's last line says it is up
-        if "Ctrl-C stops" in line:
-            return proc
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise SystemExit(f"baton up --mock ({policy}) did not come up within {args.ready_timeout:g} s")
-
-
-def stop_fleet(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+def start_fleet(args: argparse.Namespace, policy: str) -> UpProcess:
+    """The mixed mock fleet with `policy`'s router flags, up (or SystemExit)."""
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+        return start_up(["--mock", args.profile, "--no-cpu-pinning", "--no-metrics",
+                         "--normal-engines", "1", "--prompt-engines", "1",
+                         "--completion-engines", "1", *policy_flags(policy, args.profile), "--",
+                         "--num-blocks", str(args.num_blocks), "--max-num-seqs",
+                         str(args.max_num_seqs)],
+                        ready_timeout_s=args.ready_timeout, keep_stderr=False)
+    except UpError as exc:
+        raise SystemExit(f"baton up --mock ({policy}): {exc}") from exc
 
 
 def path_counts(base_url: str) -> dict[str, float]:
@@ -99,9 +83,8 @@ def path_counts(base_url: str) -> dict[str, float]:
 
 
 def one_run(args: argparse.Namespace, policy: str, seed: int) -> dict:
-    port = free_port()
-    proc = start_fleet(args, policy, port)
-    base_url = f"http://127.0.0.1:{port}"
+    fleet = start_fleet(args, policy)
+    base_url = fleet.base_url
     try:
         cfg = sb.BenchConfig(base_url=base_url, endpoint="completions",
                              request_rate=args.request_rate, num_requests=args.num_requests,
@@ -111,7 +94,7 @@ def one_run(args: argparse.Namespace, policy: str, seed: int) -> dict:
         record = asyncio.run(sb.run_async(cfg, workload))
         paths = path_counts(base_url)
     finally:
-        stop_fleet(proc)
+        fleet.stop()
     return _figures("mock", policy, seed, paths, record["summary"])
 
 

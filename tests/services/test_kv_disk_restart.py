@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from baton.ops.ports import free_port
 from baton.workload.words import WORDS
-from tests.sim.test_mock_engines import PROFILE, _Lines, _stop
+from tests.sim.test_mock_engines import _start
 
 pytestmark = pytest.mark.slow  # a multi-process deployment
 
@@ -36,20 +34,11 @@ def _engine_pid(proc: subprocess.Popen) -> int:
 def test_p10_a_restarted_engine_serves_the_returning_prompt_from_disk(tmp_path: Path) -> None:
     from openai import OpenAI
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", PROFILE,
-         "--no-cpu-pinning", "--normal-engines", "1", "--kv-disk-dir", str(tmp_path),
-         "--", "--num-blocks", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    up = _start(["--normal-engines", "1", "--kv-disk-dir", str(tmp_path)],
+                engine_flags=["--num-blocks", "16"])
+    proc = up.proc
     try:
-        deadline = time.monotonic() + 60
-        while not any("Ctrl-C stops" in line for line in out.lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines[-40:])
-            time.sleep(0.2)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                        max_retries=0, timeout=30)
+        client = OpenAI(base_url=f"{up.base_url}/v1", api_key="none", max_retries=0, timeout=30)
         model = client.models.list().data[0].id
         a = " ".join(WORDS[j % len(WORDS)] for j in range(120))
         b = " ".join(WORDS[(j * 7 + 3) % len(WORDS)] for j in range(120))
@@ -65,10 +54,10 @@ def test_p10_a_restarted_engine_serves_the_returning_prompt_from_disk(tmp_path: 
                     break
             except Exception:  # noqa: BLE001 (not back yet: the router answers 503)
                 pass
-            assert time.monotonic() < deadline, "".join(err.lines[-40:])
+            assert time.monotonic() < deadline, up.tail()
             time.sleep(0.5)
         assert again == first and cached > 0
         assert list((tmp_path / "normal-0").glob("*.kvd")), list(tmp_path.iterdir())
-        assert any("KV tiers: pool" in line for line in err.lines)
+        assert any("KV tiers: pool" in line for line in up.stderr.lines)
     finally:
-        _stop(proc)
+        up.stop()

@@ -69,33 +69,20 @@ def test_baton_up_with_a_local_store_publishes_from_its_engines() -> None:
     and tiers, only the model replaced): the store starts, every engine logs its shared tier,
     and the prompt blocks an engine computes reach the store (its metrics count them)."""
     import re
-    import subprocess
-    import sys
     import time
 
     import httpx
     from openai import OpenAI
 
-    from baton.ops.ports import free_port
     from baton.workload.words import WORDS
-    from tests.sim.test_mock_engines import PROFILE, _Lines, _stop
+    from tests.sim.test_mock_engines import _start
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", PROFILE,
-         "--no-cpu-pinning", "--normal-engines", "2", "--kv-shared-tier", "local:16M",
-         "--", "--num-blocks", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    up = _start(["--normal-engines", "2", "--kv-shared-tier", "local:16M"],
+                engine_flags=["--num-blocks", "16"])
     try:
-        deadline = time.monotonic() + 60
-        while not any("Ctrl-C stops" in line for line in out.lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines[-40:])
-            time.sleep(0.2)
-        banner = "".join(out.lines)
+        banner = up.banner
         assert "KV shared tier redis://baton@127.0.0.1:" in banner
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                        max_retries=0, timeout=30)
+        client = OpenAI(base_url=f"{up.base_url}/v1", api_key="none", max_retries=0, timeout=30)
         model = client.models.list().data[0].id
         content = " ".join(WORDS[j % len(WORDS)] for j in range(120))
         client.chat.completions.create(model=model, max_tokens=2, temperature=0,
@@ -111,6 +98,6 @@ def test_baton_up_with_a_local_store_publishes_from_its_engines() -> None:
                 break
             assert time.monotonic() < deadline, text[-2000:]
             time.sleep(0.3)
-        assert sum("shared redis://" in line for line in err.lines) == 2
+        assert sum("shared redis://" in line for line in up.stderr.lines) == 2
     finally:
-        _stop(proc)
+        up.stop()

@@ -4,11 +4,8 @@ replaced by the profile's step times; no torch imported, no weights loaded."""
 
 from __future__ import annotations
 
-import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from baton.ops.ports import free_port
+from baton.ops.up_process import UpProcess, start_up
 from baton.service.client import probe_engine
 from baton.workload.words import WORDS
 from tests.cluster import KEYS, is_whole
@@ -73,34 +70,11 @@ def test_mock_flags_that_mean_nothing_are_refused():
     assert baton_main(["up", "--mock", PROFILE, "--model", "x.gguf"]) == 2
 
 
-class _Lines:
-    def __init__(self, pipe) -> None:
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(pipe), daemon=True).start()
-
-
-def _start(fleet: list[str]) -> tuple[subprocess.Popen, int, _Lines, _Lines]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", PROFILE,
-         "--no-cpu-pinning", *fleet, "--", *ENGINE_FLAGS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
-    deadline = time.monotonic() + 60
-    while not any("Ctrl-C stops" in line for line in out.lines):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines[-40:])
-        time.sleep(0.2)
-    return proc, port, out, err
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """`baton up`'s Ctrl-C (it stops every child), then a kill if it hangs."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+def _start(flags: list[str], profile: str = PROFILE,
+           engine_flags: list[str] = ENGINE_FLAGS) -> UpProcess:
+    """`baton up --mock` with these flags (the fleet's shape, the launcher's own), up."""
+    return start_up(["--mock", profile, "--no-cpu-pinning", *flags, "--", *engine_flags],
+                    ready_timeout_s=60)
 
 
 def _ask(port: int, i: int) -> tuple[str, str, int]:
@@ -118,13 +92,25 @@ def _ask(port: int, i: int) -> tuple[str, str, int]:
         resp.usage.completion_tokens
 
 
+def test_a_baton_up_that_fails_to_start_is_reported_with_its_words(tmp_path):
+    """baton/ops/up_process.py: a launcher that exits before its banner raises UpError with
+    the tail of its log (each engine's refusal, naming the file), and nothing of it runs on."""
+    from baton.ops.up_process import UpError
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(UpError,
+                       match=r"exited with 1 before it was up[\s\S]*no-such\.json: not a read"):
+        start_up(["--mock", str(tmp_path / "no-such.json")], ready_timeout_s=60)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
 @pytest.fixture(scope="module")
 def fleets():
     """`baton up --mock` fleets by their flags, started on first use and shared by this module's
     tests (each start is a few seconds of processes importing the router and engine code)."""
-    started: dict[tuple[str, ...], tuple] = {}
+    started: dict[tuple[str, ...], UpProcess] = {}
 
-    def get(fleet: list[str]) -> tuple[subprocess.Popen, int, _Lines, _Lines]:
+    def get(fleet: list[str]) -> UpProcess:
         if tuple(fleet) not in started:
             started[tuple(fleet)] = _start(fleet)
         return started[tuple(fleet)]
@@ -132,21 +118,19 @@ def fleets():
     try:
         yield get
     finally:
-        for proc, *_ in started.values():
-            _stop(proc)
+        for up in started.values():
+            up.stop()
 
 
 @pytest.mark.slow  # multi-process deployments, as tests/services/test_launcher.py
 @pytest.mark.parametrize("fleet", [["--prompt-engines", "1", "--completion-engines", "1"],
                                    ["--normal-engines", "1"]], ids=["pd-1+1", "normal-1"])
 def test_baton_up_mock_serves_the_openai_client(fleets, fleet):
-    proc, port, out, err = fleets(fleet)
-    engines = {m.group(1): m.group(2) for m in map(
-        re.compile(r"^\s+((?:prompt|completion|normal)-\d+)\s+(tcp://\S+)").search,
-        out.lines) if m}
-    assert len(engines) == (2 if "--prompt-engines" in fleet else 1), out.lines
+    up = fleets(fleet)
+    engines = up.engines
+    assert len(engines) == (2 if "--prompt-engines" in fleet else 1), up.banner
     with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda i: _ask(port, i), range(NUM_REQUESTS)))
+        answers = list(pool.map(lambda i: _ask(up.port, i), range(NUM_REQUESTS)))
     assert all(a[1:] == ("length", MAX_TOKENS) and a[0] for a in answers), answers
     # Deterministic tokens: the same prompt, the same text (here through the prefix cache).
     assert len({a[0] for a in answers[0::2]}) == 1
@@ -160,7 +144,7 @@ def test_baton_up_mock_serves_the_openai_client(fleets, fleet):
     if "completion-0" in stats:  # NIXL moved the mock pool's bytes
         extra = stats["completion-0"].extra
         assert extra["kv_pulls_done"] == NUM_REQUESTS and extra["kv_bytes_total"] > 0
-    for child in psutil.Process(proc.pid).children():
+    for child in psutil.Process(up.proc.pid).children():
         argv = child.cmdline()
         if "--engine-id" in argv:  # no torch library mapped in an engine process
             assert "--mock" in argv
@@ -175,13 +159,12 @@ def test_baton_up_api_keys_file_reaches_the_router(tmp_path):
     keys.write_text("keys:\n  - {name: alice, key: sk-alice-0123456789abcdef}\n"
                     "  - {name: bob, key: sk-bob-0123456789abcdef0}\n")
     keys.chmod(0o600)
-    proc, port, out, err = _start(["--normal-engines", "1", "--api-keys-file", str(keys),
-                                   "--cache-salt-per-key"])
+    up = _start(["--normal-engines", "1", "--api-keys-file", str(keys), "--cache-salt-per-key"])
     try:
         from openai import AuthenticationError, OpenAI
 
-        assert not any('"model": "MODEL"' in line for line in out.lines), out.lines
-        base = f"http://127.0.0.1:{port}/v1"
+        assert '"model": "MODEL"' not in up.banner, up.banner
+        base = f"{up.base_url}/v1"
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=base, api_key="sk-nobody-0123456789ab", max_retries=0).models.list()
         client = OpenAI(base_url=base, api_key="sk-bob-0123456789abcdef0", max_retries=0,
@@ -190,7 +173,7 @@ def test_baton_up_api_keys_file_reaches_the_router(tmp_path):
                                          max_tokens=4, temperature=0)
         assert resp.usage.completion_tokens == 4
     finally:
-        _stop(proc)
+        up.stop()
 
 
 def test_baton_up_refuses_a_bad_api_keys_file_before_starting(tmp_path):
@@ -231,9 +214,8 @@ def test_a_request_whose_only_token_decodes_to_no_text_is_served(fleets):
     first = mock_token(len(ids), ids[-1], 0, 49152)
     assert TextStream(tok).add([first]) == "" and tok.decode([first]) == ""  # the premise
 
-    _, port, _, err = fleets(["--normal-engines", "1"])  # the serving test's, when it ran
-    cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
-                         progress=False)
+    up = fleets(["--normal-engines", "1"])  # the serving test's, when it ran
+    cfg = sb.BenchConfig(base_url=up.base_url, endpoint="completions", progress=False)
 
     async def ask(max_tokens: int):
         spec = RequestSpec(0, "short", SPECIAL_FIRST, 14, max_tokens)
@@ -242,7 +224,7 @@ def test_a_request_whose_only_token_decodes_to_no_text_is_served(fleets):
             return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
 
     one = asyncio.run(ask(1))
-    assert one.ok, (one.error, "".join(err.lines[-20:]))
+    assert one.ok, (one.error, up.tail(20))
     assert (one.text, one.output_tokens, one.prompt_tokens) == ("", 1, 14)
     assert 0 < one.ttft_s <= one.e2e_s
     two = asyncio.run(ask(2))  # the second token has text: TTFT at its chunk
@@ -295,20 +277,9 @@ def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
     slow["transfer"]["latency_ms"] = 1500.0
     profile = tmp_path / "slow_pull.json"
     profile.write_text(json.dumps(slow))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_cli", "up", "--port", str(port), "--mock", str(profile),
-         "--no-cpu-pinning", "--prompt-engines", "1", "--completion-engines", "1", "--",
-         *ENGINE_FLAGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+    up = _start(["--prompt-engines", "1", "--completion-engines", "1"], str(profile))
     try:
-        deadline = time.monotonic() + 60
-        while not any("Ctrl-C stops" in line for line in out.lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(err.lines[-40:])
-            time.sleep(0.2)
-        cfg = sb.BenchConfig(base_url=f"http://127.0.0.1:{port}", endpoint="completions",
-                             progress=False)
+        cfg = sb.BenchConfig(base_url=up.base_url, endpoint="completions", progress=False)
 
         async def ask():
             spec = RequestSpec(0, "short", " ".join(WORDS[:40]), 40, 3)
@@ -317,8 +288,8 @@ def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
                 return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
 
         res = asyncio.run(ask())
-        assert res.ok and res.output_tokens == 3, (res.error, "".join(err.lines[-20:]))
+        assert res.ok and res.output_tokens == 3, (res.error, up.tail(20))
         assert res.itl_s[0] > 1.0, res.itl_s  # the pull (1.5 s) between tokens 1 and 2
         assert res.itl_s[1] < 1.0, res.itl_s  # then decode steps of the profile's ~16 ms
     finally:
-        _stop(proc)
+        up.stop()

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from baton.ops.ports import free_port
 from baton.workload.words import WORDS
-from tests.sim.test_mock_engines import _start, _stop
+from tests.sim.test_mock_engines import _start
 
 NUM_ENGINES = 2
 
@@ -72,15 +72,14 @@ def _cached_routings(base: str) -> float:
 
 @pytest.mark.slow  # multi-process deployments, as tests/sim/test_mock_engines.py
 def test_two_routers_on_one_registry_serve_and_route_to_the_cache(redis_server, redis_url):
-    proc, port, _, err = _start(["--redis-url", redis_url, "--redis-password-file",
-                                 redis_server.password_file, "--normal-engines",
-                                 str(NUM_ENGINES)])
+    up = _start(["--redis-url", redis_url, "--redis-password-file",
+                 redis_server.password_file, "--normal-engines", str(NUM_ENGINES)])
     port_b = free_port()
     second = subprocess.Popen(
         [sys.executable, "-m", "baton_cli", "router", "--port", str(port_b), "--redis-url",
          redis_url, "--redis-password-file", redis_server.password_file],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    a, b = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port_b}"
+    a, b = up.base_url, f"http://127.0.0.1:{port_b}"
     try:
         for base in (a, b):
             _wait(f"{base} to see {NUM_ENGINES} engines", lambda base=base:
@@ -108,4 +107,4 @@ def test_two_routers_on_one_registry_serve_and_route_to_the_cache(redis_server, 
         except subprocess.TimeoutExpired:
             second.kill()
             second.wait(timeout=10)
-        _stop(proc)
+        up.stop()
