@@ -22,10 +22,11 @@
    [min-max] of TTFT p50/p90, TPOT p50, mean end-to-end latency and goodput; the error against
    the target (10%, or the real runs' spread where that is larger; 25% overloaded).
 6. Before each real run, a speed probe (simulator/calibrate.py `speed_probe`, ~5 s; --no-probe
-   skips it): fixed requests through the same fleet, the engines' busy seconds against the
-   simulator's for the same requests. This host's speed drifts by 10-30% within an hour, which
-   is not the simulator's error: each point is also predicted with the profile scaled to the
-   median of its probes (`at_probe`), and both comparisons are reported. The rate of a point
+   skips it): fixed requests through the same fleet (lone prompts, then a burst that decodes),
+   the engines' busy seconds against the simulator's for the same requests, solved for a
+   prompt-step and a decode-step factor. This host's speed drifts by 10-30% within an hour,
+   which is not the simulator's error: each point is also predicted with the profile scaled
+   by the median of its probes' factors (`at_probe`), and both comparisons are reported. The rate of a point
    is the raw profile's (the probe comes after it is chosen).
 
 Writes bench/results/sim_validate.json (every run's summary, its requests one by one, and the
@@ -56,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
 
 from baton.ops.cpus import parse_cpus  # noqa: E402
-from baton.ops.ports import free_port  # noqa: E402
+from baton.ops.up_process import UpError, UpProcess  # noqa: E402
 from baton.perf.check import check_steps, format_groups  # noqa: E402
 from baton.perf.profile import load as load_profile  # noqa: E402
 from baton.workload.args import build_specs  # noqa: E402
@@ -172,8 +173,8 @@ class RealFleet:
     """`baton up` with real engines of this setup; stopped on exit."""
 
     def __init__(self, setup: str, args: argparse.Namespace) -> None:
-        self.setup, self.args, self.port = setup, args, free_port()
-        self.metrics_urls: list[str] = []  # the engines' /metrics, from the banner
+        self.setup, self.args = setup, args
+        self.up: UpProcess | None = None
 
     def pin_client(self, cpus: set[int]) -> None:
         """This process (the bench client) and the launcher's non-engine children (the router
@@ -181,43 +182,39 @@ class RealFleet:
         import psutil
 
         os.sched_setaffinity(0, cpus)
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
+        launcher = psutil.Process(self.up.proc.pid)
+        for child in launcher.children(recursive=True):
             try:
                 if "--engine-id" not in child.cmdline():
                     child.cpu_affinity(sorted(cpus))
             except psutil.NoSuchProcess:
                 continue
-        psutil.Process(self.proc.pid).cpu_affinity(sorted(cpus))
+        launcher.cpu_affinity(sorted(cpus))
 
     def __enter__(self) -> RealFleet:
         f = SETUPS[self.setup]
         shape = (["--normal-engines", "1"] if f.num_normal else
                  ["--prompt-engines", "1", "--completion-engines", "1"])
         a = self.args
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port),
-             *shape, "--", "--num-threads", "1", "--num-blocks", str(a.num_blocks),
+        self.up = UpProcess.start(
+            [*shape, "--", "--num-threads", "1", "--num-blocks", str(a.num_blocks),
              "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens",
              str(a.max_num_batched_tokens), *a.engine_args.split()],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-        deadline = time.monotonic() + a.ready_timeout
+            ready_timeout_s=a.ready_timeout, keep_stderr=False)
         try:
-            for line in self.proc.stdout:
-                if "  metrics http" in line and "router" not in line:
-                    self.metrics_urls.append(line.split("  metrics ", 1)[1].split()[0])
-                if "Ctrl-C stops" in line:
-                    return self
-                if time.monotonic() > deadline:
-                    break
-        except BaseException:
-            self.__exit__()
-            raise
-        self.__exit__()
-        raise SystemExit(f"baton up ({self.setup}) not up within {a.ready_timeout:g} s")
+            self.up.__enter__()
+        except UpError as exc:
+            raise SystemExit(f"baton up ({self.setup}): {exc}") from exc
+        return self
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.up.base_url
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """The engines' /metrics, from the banner."""
+        return list(self.up.metrics_urls.values())
 
     def reset_cache(self) -> None:
         req = urllib.request.Request(f"{self.url}/reset_prefix_cache", method="POST")
@@ -225,12 +222,7 @@ class RealFleet:
             pass
 
     def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        self.up.stop()
 
 
 def probe(fleet: RealFleet, profile, setup: str, args: argparse.Namespace) -> dict:
@@ -280,16 +272,23 @@ def compare(level: str, predicted: dict, runs: list[dict]) -> dict:
     return out
 
 
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
 def at_probe(profile, point: dict, args: argparse.Namespace) -> dict | None:
-    """The point predicted at the speed its probes found (the median factor), compared with
-    the same real runs; None without probes."""
-    factors = sorted(p["factor"] for p in point.get("probes") or [])
-    if not factors:
+    """The point predicted at the speed its probes found (the median prompt-step and
+    decode-step factors; run 7's probes, of one phase, found one factor for both), compared
+    with the same real runs; None without probes (runs 1-6)."""
+    probes = point.get("probes") or []
+    if not probes:
         return None
-    factor = factors[len(factors) // 2] if len(factors) % 2 else \
-        (factors[len(factors) // 2 - 1] + factors[len(factors) // 2]) / 2
-    sim = predict(profile.scaled(factor), point["workload"], point["setup"], args, point["rate"])
-    return {"factor": factor, "predicted": sim["summary"], "predicted_fleet": sim["fleet"],
+    fp = _median([p.get("prefill_factor", p["factor"]) for p in probes])
+    fd = _median([p.get("decode_factor", p["factor"]) for p in probes])
+    sim = predict(profile.scaled(fp, fd), point["workload"], point["setup"], args, point["rate"])
+    return {"prefill_factor": fp, "decode_factor": fd, "predicted": sim["summary"],
+            "predicted_fleet": sim["fleet"],
             "compare": compare(point["level"], sim["summary"], point["runs"])}
 
 
@@ -314,7 +313,8 @@ def print_point(p: dict) -> None:
     print(head + "  " + "; ".join(_cells(p["compare"]) + busy), flush=True)
     if p.get("at_probe"):
         a = p["at_probe"]
-        print(f"{'':<34}at the probes' speed (x{a['factor']:.3f}): "
+        print(f"{'':<34}at the probes' speed (prompt steps x{a['prefill_factor']:.3f}, "
+              f"decode x{a['decode_factor']:.3f}): "
               + "; ".join(_cells(a["compare"])), flush=True)
 
 
@@ -401,6 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
     args = p.parse_args(argv)
     if args.repredict:
+        # The record's own workload and fleet flags are replayed: any given here would do
+        # nothing, so they are refused by name (only --profile and --out apply).
+        ignored = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                   if name not in ("repredict", "profile", "out")
+                   and value != p.get_default(name)]
+        if ignored:
+            p.error(f"--repredict replays the record's own settings: {', '.join(ignored)} "
+                    f"would do nothing (only --profile and --out apply)")
         return repredict(args)
     logging.basicConfig(level=logging.WARNING)
     # A stop (SIGTERM) unwinds through RealFleet, which stops its `baton up`.

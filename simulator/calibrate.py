@@ -33,22 +33,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
-from baton.ops.ports import free_port
+from baton.ops.up_process import UpProcess
 from baton.perf.profile import PathCost, Profile
 from baton.perf.profile import load as load_profile
 from baton.workload.fleet_metrics import SETTLE_S, scrape
@@ -111,8 +107,8 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
     for shape in cfg.shapes:
         specs = _specs(cfg, shape)
         predicted = _predict(profile, cfg, shape, specs)
-        with _MockFleet(profile_file, shape, cfg) as url, \
-                httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
+        with mock_fleet(profile_file, shape, cfg) as fleet, \
+                httpx.Client(base_url=fleet.base_url, timeout=cfg.request_timeout_s) as client:
             model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
             # A first connection, not measured, with a prompt of its own: one of the specs'
             # would make that spec a prefix-cache hit the simulator does not predict.
@@ -151,54 +147,16 @@ def _predict(profile: Profile, cfg: CalibrateConfig, shape: str,
     return [(1e3 * by_idx[s.idx]["ttft_s"], 1e3 * by_idx[s.idx]["itl_s"][0]) for s in specs]
 
 
-class _MockFleet:
-    """`baton up --mock PROFILE` of one shape, as a user starts it; its URL while entered."""
-
-    def __init__(self, profile_file: str | Path, shape: str, cfg: CalibrateConfig,
-                 metrics: bool = False) -> None:
-        """`metrics`: the engines serve /metrics (`metrics_urls` once entered)."""
-        self.port = free_port()
-        self.cmd = [sys.executable, "-m", "baton_cli", "up", "--port", str(self.port),
-                    "--mock", str(profile_file), *([] if metrics else ["--no-metrics"]),
-                    "--ready-timeout", str(cfg.ready_timeout_s), *_UP_FLAGS[shape], "--",
-                    "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
-        self.ready_timeout_s = cfg.ready_timeout_s
-        self.proc: subprocess.Popen | None = None
-        self.metrics_urls: list[str] = []
-
-    def __enter__(self) -> str:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True,
-                                     start_new_session=True)
-        lines: list[str] = []
-        reader = threading.Thread(target=self._read, args=(lines,), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + self.ready_timeout_s
-        while not any("Ctrl-C stops" in line for line in lines):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"baton up --mock not up within {self.ready_timeout_s:g} s "
-                                   f"(exit {self.proc.returncode}): {' | '.join(lines[-3:])}")
-            time.sleep(0.05)
-        # The banner's engine lines: "  <engine>  metrics http://.../metrics" (not the router's).
-        self.metrics_urls = [line.split("  metrics ", 1)[1].split()[0] for line in lines
-                             if "  metrics http" in line and "router" not in line]
-        return f"http://127.0.0.1:{self.port}"
-
-    def _read(self, lines: list[str]) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:  # read to the end: a full pipe would block baton up
-            lines.append(line.rstrip())
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # its whole session: engines and router too
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+def mock_fleet(profile_file: str | Path, shape: str, cfg: CalibrateConfig,
+               metrics: bool = False) -> UpProcess:
+    """`baton up --mock PROFILE` of one shape, as a user starts it, not yet waited for (a
+    context manager: up on entry, stopped on exit). `metrics`: the engines serve /metrics
+    (`metrics_urls` once up)."""
+    return UpProcess.start(
+        ["--mock", str(profile_file), *([] if metrics else ["--no-metrics"]),
+         "--ready-timeout", str(cfg.ready_timeout_s), *_UP_FLAGS[shape], "--",
+         "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)],
+        ready_timeout_s=cfg.ready_timeout_s, keep_stderr=False)
 
 
 def _send(client: httpx.Client, model: str, prompt_ids: list[int], max_tokens: int
@@ -229,82 +187,95 @@ def _send(client: httpx.Client, model: str, prompt_ids: list[int], max_tokens: i
 
 @dataclass
 class ProbeConfig:
-    lone_lens: tuple[int, ...] = (64, 256, 512)  # prompts sent one at a time (tokens)
-    burst: int = 8  # then this many prompts of burst_len at once: a decode batch
-    burst_len: int = 32
-    max_tokens: int = 16
+    """Two phases, each timed on its own: prompts, then decoding."""
+
+    lone_lens: tuple[int, ...] = (64, 256, 512)  # prompts sent one at a time (tokens) ...
+    lone_max_tokens: int = 2  # ... each with a token after the first (a short decode)
+    burst: int = 8  # then this many short prompts at once, decoding together
+    burst_len: int = 16
+    burst_max_tokens: int = 64
     request_timeout_s: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.lone_lens or min(self.lone_lens) < 1 or self.burst < 0 \
-                or self.burst_len < 1 or self.max_tokens < 2:
-            raise ValueError(f"a probe needs lone prompts >= 1 token, burst >= 0, burst_len "
-                             f">= 1 and max_tokens >= 2, got {self}")
+        if not self.lone_lens or min(self.lone_lens) < 1 or self.burst < 1 \
+                or self.burst_len < 1 or min(self.lone_max_tokens, self.burst_max_tokens) < 2:
+            raise ValueError(f"a probe needs lone prompts >= 1 token, a burst >= 1 of prompts "
+                             f">= 1 token and max_tokens >= 2 (a stream's second token), got "
+                             f"{self}")
 
 
 @dataclass
 class SpeedProbe:
-    """Real busy seconds over predicted ones, for the same requests on the same fleet."""
+    """This host's speed against the profile's: each phase's real busy seconds (all engines)
+    against the simulator's, solved for a prompt-step factor and a decode-step factor."""
 
-    factor: float
-    real_busy_s: float
-    predicted_busy_s: float
-    real_by_role: dict[str, float]
-    predicted_by_role: dict[str, float]
+    prefill_factor: float
+    decode_factor: float
+    factor: float  # all real busy seconds over all predicted ones
+    real_busy_s: list[float]  # per phase: prompts, decoding
+    predicted_prefill_s: list[float]  # per phase, the simulator's prompt steps
+    predicted_decode_s: list[float]  # and its decode steps
 
 
-def _probe_specs(cfg: ProbeConfig) -> list[RequestSpec]:
+def _probe_phases(cfg: ProbeConfig) -> list[list[RequestSpec]]:
     """The lone prompts one a minute, then the burst at once (random words: no prefix-cache
-    hit between them)."""
+    hit between any two)."""
     rng = random.Random(f"{cfg.seed}/probe")
-    lens = [*cfg.lone_lens, *[cfg.burst_len] * cfg.burst]
-    times = [60.0 * i for i in range(len(cfg.lone_lens))]
-    times += [60.0 * len(cfg.lone_lens)] * cfg.burst
-    return [RequestSpec(idx=i, kind="fixed", prompt=words(rng, n), num_prompt_words=n,
-                        max_tokens=cfg.max_tokens, arrival_s=t)
-            for i, (n, t) in enumerate(zip(lens, times, strict=True))]
+    lone = [RequestSpec(idx=i, kind="fixed", prompt=words(rng, n), num_prompt_words=n,
+                        max_tokens=cfg.lone_max_tokens, arrival_s=60.0 * i)
+            for i, n in enumerate(cfg.lone_lens)]
+    burst = [RequestSpec(idx=len(lone) + i, kind="fixed", prompt=words(rng, cfg.burst_len),
+                         num_prompt_words=cfg.burst_len, max_tokens=cfg.burst_max_tokens,
+                         arrival_s=0.0)
+             for i in range(cfg.burst)]
+    return [lone, burst]
 
 
-def _busy_by_role(metrics_urls: list[str]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for url in metrics_urls:
-        for engine in scrape(url).values():
-            out[engine.role] = out.get(engine.role, 0.0) + engine.values.get("busy_s", 0.0)
-    return out
+def _busy_s(metrics_urls: list[str]) -> float:
+    return sum(engine.values.get("busy_s", 0.0)
+               for url in metrics_urls for engine in scrape(url).values())
 
 
 def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: FleetConfig,
                 cfg: ProbeConfig | None = None) -> SpeedProbe:
     """The probe's requests through the live fleet at `url` (its engines' /metrics at
-    `metrics_urls`, their prefix caches empty: reset them first), against the simulator's
-    busy seconds for the same requests on `fleet` (the live fleet's shape and limits).
-    `factor` > 1: the host runs slower than the profile. Raises RuntimeError on a failed
-    request, OSError/ValueError when a /metrics cannot be read."""
+    `metrics_urls`, their prefix caches empty: reset them first), each phase's busy seconds
+    against the simulator's for the same requests on `fleet` (the live fleet's shape and
+    limits): real = prefill_factor * predicted prompt steps + decode_factor * predicted
+    decode steps, one equation a phase. A factor > 1: slower than the profile. Raises
+    RuntimeError on a failed request or a phase without busy time, OSError/ValueError when a
+    /metrics cannot be read."""
     cfg = cfg or ProbeConfig()
-    specs = _probe_specs(cfg)
-    record = simulate(profile, SimConfig(fleet=fleet, num_requests=len(specs),
-                                         label="speed_probe"), None, specs=specs)
-    predicted: dict[str, float] = {}
-    for e in record["fleet"]["engines"]:
-        predicted[e["role"]] = predicted.get(e["role"], 0.0) + e["busy_s"]
+    phases = _probe_phases(cfg)
     tok = WordTokenizer(profile.model.vocab_size)
-    prompts = [tok.encode(s.prompt) for s in specs]
-    num_lone = len(cfg.lone_lens)
-    before = _busy_by_role(metrics_urls)
+    pre, dec, real = [], [], []
     with httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
         model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
-        for ids in prompts[:num_lone]:
-            _send(client, model, ids, cfg.max_tokens)
-        if cfg.burst:
-            with ThreadPoolExecutor(cfg.burst) as pool:
-                list(pool.map(lambda ids: _send(client, model, ids, cfg.max_tokens),
-                              prompts[num_lone:]))
-    time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
-    after = _busy_by_role(metrics_urls)
-    real = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
-    real_s, predicted_s = sum(real.values()), sum(predicted.values())
-    if predicted_s <= 0 or real_s <= 0:
-        raise RuntimeError(f"the probe measured no busy time (real {real_s:.3f} s, predicted "
-                           f"{predicted_s:.3f} s): are the /metrics URLs the fleet's engines?")
-    return SpeedProbe(real_s / predicted_s, real_s, predicted_s, real, predicted)
+        for specs in phases:
+            record = simulate(profile, SimConfig(fleet=fleet, num_requests=len(specs),
+                                                 label="speed_probe"), None, specs=specs)
+            engines = record["fleet"]["engines"]
+            pre.append(sum(e["prefill_busy_s"] for e in engines))
+            dec.append(sum(e["busy_s"] - e["prefill_busy_s"] for e in engines))
+            prompts = [tok.encode(s.prompt) for s in specs]
+            before = _busy_s(metrics_urls)
+            jobs = [(ids, s.max_tokens) for ids, s in zip(prompts, specs, strict=True)]
+            if len({s.arrival_s for s in specs}) == 1:  # the burst: all at once
+                with ThreadPoolExecutor(len(jobs)) as pool:
+                    list(pool.map(lambda job: _send(client, model, *job), jobs))
+            else:  # one at a time, as the simulator's (a minute apart)
+                for job in jobs:
+                    _send(client, model, *job)
+            time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
+            real.append(_busy_s(metrics_urls) - before)
+    if min(real) <= 0 or min(pre[0], dec[1]) <= 0:
+        raise RuntimeError(f"the probe measured no busy time (real {real} s, predicted "
+                           f"prompt steps {pre} s, decode steps {dec} s): are the /metrics "
+                           f"URLs the fleet's engines?")
+    # Two phases, two unknowns: [pre dec] . [fp fd] = real (the prompts' phase mostly prompt
+    # steps, the burst's mostly decode steps, so the system is far from singular).
+    (fp, fd) = np.linalg.solve(np.array([pre, dec]).T, np.array(real))
+    return SpeedProbe(prefill_factor=float(fp), decode_factor=float(fd),
+                      factor=sum(real) / (sum(pre) + sum(dec)), real_busy_s=real,
+                      predicted_prefill_s=pre, predicted_decode_s=dec)

@@ -95,6 +95,7 @@ class MockRunner:
         self.structured = structured
         self.num_steps = 0
         self.busy_s = 0.0  # predicted time of every step run
+        self.prefill_busy_s = 0.0  # of which prompt steps (the rest: decode steps)
 
     @property
     def num_blocks(self) -> int:
@@ -148,6 +149,8 @@ class MockRunner:
                                sched_out.seqlens_k, num_sampled, num_grammar) / 1e3
         self.num_steps += 1
         self.busy_s += seconds
+        if sched_out.prompt_run:
+            self.prefill_busy_s += seconds
         if self.on_step is None:
             # The call takes the forward's predicted time, this mock's own work in it (the
             # KV bytes, the tokens) included; the engine's own share runs for real around it.

@@ -145,17 +145,21 @@ class Profile:
         return (self.transfer_latency_ms
                 + num_blocks * self.model.kv_bytes_per_block / self.transfer_bytes_per_ms)
 
-    def scaled(self, factor: float) -> Profile:
-        """The same profile on an engine `factor` times as slow (every step's forward and the
-        engine's own work; the router's prepare, the path and KV pulls unchanged): what a
-        speed probe (simulator/calibrate.py `speed_probe`) says this host runs at now."""
-        if not (math.isfinite(factor) and factor > 0):
-            raise ProfileError(f"a speed factor must be a finite number > 0, got {factor}")
-        return replace(self, prefill=_scaled_cost(self.prefill, factor),
-                       decode=_scaled_cost(self.decode, factor),
-                       sample_row_ms=self.sample_row_ms * factor,
-                       step_overhead_ms=self.step_overhead_ms * factor,
-                       grammar_row_ms=self.grammar_row_ms * factor)
+    def scaled(self, prefill: float, decode: float | None = None) -> Profile:
+        """The same profile on an engine whose prompt steps take `prefill` times as long and
+        whose decode steps `decode` times (default: `prefill`'s); the engine's own work per
+        step and row goes with `decode` (most steps are decode steps). The router's prepare,
+        the path and KV pulls are unchanged. What a speed probe (simulator/calibrate.py
+        `speed_probe`) says this host runs at now."""
+        decode = prefill if decode is None else decode
+        for factor in (prefill, decode):
+            if not (math.isfinite(factor) and factor > 0):
+                raise ProfileError(f"a speed factor must be a finite number > 0, got {factor}")
+        return replace(self, prefill=_scaled_cost(self.prefill, prefill),
+                       decode=_scaled_cost(self.decode, decode),
+                       sample_row_ms=self.sample_row_ms * decode,
+                       step_overhead_ms=self.step_overhead_ms * decode,
+                       grammar_row_ms=self.grammar_row_ms * decode)
 
     def with_link(self, bandwidth_gbit_s: float, latency_ms: float) -> Profile:
         """The same profile over another link: `bandwidth_gbit_s` Gbit/s, `latency_ms` per pull."""

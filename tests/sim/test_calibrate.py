@@ -14,8 +14,8 @@ from baton_cli.main import main as baton_main
 from simulator.calibrate import (
     CalibrateConfig,
     ProbeConfig,
-    _MockFleet,
     calibrate_path,
+    mock_fleet,
     speed_probe,
 )
 from simulator.fleet import FleetConfig
@@ -39,17 +39,21 @@ def test_the_path_is_measured_on_a_mock_pd_fleet():
 
 def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators():
     """bench/sim_validate.py's probe of the host's speed now, here on a mock engine: it sleeps
-    each forward the profile predicts, so the probe finds about the profile's speed."""
-    fleet = _MockFleet(DATA / "profile_test.json", "normal", CalibrateConfig(), metrics=True)
-    with fleet as url:
-        assert len(fleet.metrics_urls) == 1
-        found = speed_probe(url, fleet.metrics_urls, load_profile(DATA / "profile_test.json"),
+    each forward the profile predicts, so the probe finds about the profile's speed, for
+    prompt steps and decode steps alike."""
+    with mock_fleet(DATA / "profile_test.json", "normal", CalibrateConfig(),
+                    metrics=True) as fleet:
+        assert list(fleet.metrics_urls) == ["normal-0"]
+        found = speed_probe(fleet.base_url, list(fleet.metrics_urls.values()),
+                            load_profile(DATA / "profile_test.json"),
                             FleetConfig(num_normal=1),
-                            ProbeConfig(lone_lens=(32, 128), burst=2, burst_len=16,
-                                        max_tokens=3))
-    assert found.real_by_role.keys() == found.predicted_by_role.keys() == {"normal"}
-    assert found.factor == pytest.approx(found.real_busy_s / found.predicted_busy_s)
-    assert 0.7 < found.factor < 1.5, found
+                            ProbeConfig(lone_lens=(128, 256), burst=4, burst_max_tokens=12))
+    # Phase 1 is mostly prompt steps, phase 2 mostly decode steps: the system is solvable.
+    assert found.predicted_prefill_s[0] > found.predicted_decode_s[0]
+    assert found.predicted_decode_s[1] > found.predicted_prefill_s[1]
+    assert 0.7 < found.prefill_factor < 1.5 and 0.7 < found.decode_factor < 1.5, found
+    assert found.factor == pytest.approx(
+        sum(found.real_busy_s) / (sum(found.predicted_prefill_s) + sum(found.predicted_decode_s)))
 
 
 @pytest.mark.parametrize("kw, field", [({"shapes": ("both",)}, "shapes"),
@@ -62,7 +66,7 @@ def test_bad_settings_are_named(kw, field):
 
 def test_a_probe_without_a_second_token_is_refused():
     with pytest.raises(ValueError, match="max_tokens"):
-        ProbeConfig(max_tokens=1)  # a streamed request's timing needs two chunks
+        ProbeConfig(lone_max_tokens=1)  # a streamed request's timing needs two chunks
 
 
 def test_path_only_needs_a_readable_profile(tmp_path, capsys):

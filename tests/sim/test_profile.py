@@ -135,9 +135,17 @@ def test_a_scaled_profile_slows_the_engines_work_only():
     assert slow.prepare_ms(512) == prof.prepare_ms(512)
     assert slow.path == prof.path and slow.transfer_ms(8) == prof.transfer_ms(8)
     assert P.from_dict(P.to_dict(slow)) == slow
+    # Prompt steps and decode steps each their own factor.
+    both = prof.scaled(1.5, 0.8)
+    assert both.step_ms(True, q, k, 2) == pytest.approx(
+        1.5 * prof.prefill.predict(P.prefill_features(q, k, prof.prefill.features))
+        + 0.8 * prof.own_work_ms(2))
+    assert both.step_ms(False, q, k, 2) == pytest.approx(0.8 * prof.step_ms(False, q, k, 2))
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(P.ProfileError, match="speed factor"):
             prof.scaled(bad)
+        with pytest.raises(P.ProfileError, match="speed factor"):
+            prof.scaled(1.0, bad)
 
 
 def test_the_routers_prepare_is_measured_with_the_routers_tokenizer_alone():
