@@ -23,10 +23,11 @@ the path takes, and the path's code is the same.
 `speed_probe` asks the other question, of real engines already serving: how fast is this host
 now, against the profile? A shared machine's speed drifts (here 10-30% within an hour, for the
 same work: bench/sim_validate.py runs 5 and 6, 6 December 2026), and a profile is one moment of
-it. The probe sends a fixed set of requests (lone prompts, then a burst that decodes together)
-to the fleet, reads the engines' busy seconds off their /metrics before and after, and divides
-by the busy seconds the simulator predicts for the same requests on the same fleet shape:
-`Profile.scaled(factor)` then predicts at the host's present speed.
+it. The probe sends two fixed sets of requests to the fleet (lone prompts, then a burst that
+decodes together), reads the engines' busy seconds off their /metrics before and after each,
+and sets them against the simulator's prompt-step and decode-step seconds for the same requests
+on the same fleet shape: two equations, a prompt-step and a decode-step factor, and
+`Profile.scaled(prefill, decode)` predicts at the host's present speed.
 """
 
 from __future__ import annotations
