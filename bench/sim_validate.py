@@ -335,6 +335,36 @@ def _within_line(record: dict) -> str:
     return line
 
 
+def markdown(record: dict) -> str:
+    """The README's table of a record: per point, predicted / real median [min-max] (error)
+    of TTFT p50, TPOT p50 and mean E2E, as measured and at the probes' speed where probed."""
+    setups = {"colo": "1 normal", "pd": "1P + 1C"}
+    probed = any(pt.get("at_probe") for pt in record["points"])
+    head = ["workload", "setup", "load", "rate req/s", "TTFT p50 ms", "TPOT p50 ms",
+            "mean E2E ms"]
+    if probed:
+        head += ["at the probes' speed: factors", "TTFT p50", "TPOT p50", "mean E2E"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(c: dict) -> str:
+        return (f"{c['predicted']:.0f} / {c['median']:.0f} [{c['min']:.0f}-{c['max']:.0f}] "
+                f"({100 * c['error']:+.0f}%{'' if c['within'] else '!'})")
+
+    keys = ("ttft_p50", "tpot_p50", "e2e_mean")
+    for pt in record["points"]:
+        row = [pt["workload"], setups.get(pt["setup"], pt["setup"]), pt["level"],
+               f"{pt['rate']:.2f}", *(cell(pt["compare"][k]) for k in keys)]
+        if probed:
+            a = pt.get("at_probe")
+            factors = (f"x{a['prefill_factor']:.2f} / x{a['decode_factor']:.2f}"
+                       if a and "prefill_factor" in a else  # run 7's: one factor
+                       f"x{a['factor']:.2f}" if a else "")
+            row += ([factors,
+                     *(cell(a["compare"][k]) for k in keys)] if a else ["-"] * 4)
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + f"\n\n{_within_line(record)}"
+
+
 def repredict(args: argparse.Namespace) -> int:
     """The simulator again over an earlier record's points (their rates, workloads, real runs):
     a change to the simulator or the profile judged without running the engines again."""
@@ -398,13 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repredict", default="", metavar="RUN.json",
                    help="no real runs: the simulator again (this code, --profile) at each point "
                         "of an earlier run's record, compared with that run's real runs")
+    p.add_argument("--markdown", default="", metavar="RUN.json",
+                   help="print an earlier record as the README's table, and nothing else")
     p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     if args.repredict:
         # The record's own workload and fleet flags are replayed: any given here would do
         # nothing, so they are refused by name (only --profile and --out apply).
         ignored = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-                   if name not in ("repredict", "profile", "out")
+                   if name not in ("repredict", "profile", "out", "markdown")
                    and value != p.get_default(name)]
         if ignored:
             p.error(f"--repredict replays the record's own settings: {', '.join(ignored)} "
