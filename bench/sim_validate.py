@@ -26,8 +26,8 @@
    the engines' busy seconds against the simulator's for the same requests, solved for a
    prompt-step and a decode-step factor. This host's speed drifts by 10-30% within an hour,
    which is not the simulator's error: each point is also predicted with the profile scaled
-   by the median of its probes' factors (`at_probe`), and both comparisons are reported. The rate of a point
-   is the raw profile's (the probe comes after it is chosen).
+   by the median of its probes' factors (`at_probe`), and both comparisons are reported. The
+   rate of a point is the raw profile's (the probe comes after it is chosen).
 
 Writes bench/results/sim_validate.json (every run's summary, its requests one by one, and the
 engines' busy time: the simulator's, and the real engines' from their /metrics) and prints the
@@ -52,6 +52,8 @@ import time
 import urllib.request
 from dataclasses import asdict, replace
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
@@ -229,8 +231,13 @@ def probe(fleet: RealFleet, profile, setup: str, args: argparse.Namespace) -> di
     """This host's speed now: the probe's requests through the fleet (its cache reset first,
     as the probe's prediction starts cold), busy seconds against the simulator's."""
     fleet.reset_cache()
-    found = speed_probe(fleet.url, fleet.metrics_urls, profile, sim_config(setup, args, 1.0).fleet)
-    return {**asdict(found), "load_average": list(os.getloadavg())}
+    try:
+        found = asdict(speed_probe(fleet.url, fleet.metrics_urls, profile,
+                                   sim_config(setup, args, 1.0).fleet))
+    except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:  # not a failed run
+        print(f"speed probe failed: {exc}", file=sys.stderr, flush=True)
+        found = {"error": str(exc)[:500]}
+    return {**found, "load_average": list(os.getloadavg())}
 
 
 def measure(fleet: RealFleet, kind: str, args: argparse.Namespace, rate: float) -> dict:
@@ -261,8 +268,7 @@ def compare(level: str, predicted: dict, runs: list[dict]) -> dict:
     out = {}
     for key in (*(m[0] for m in METRICS), "goodput"):
         vals = sorted(figures(r)[key] for r in runs)
-        med = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1]
-                                                          + vals[len(vals) // 2]) / 2
+        med = _median(vals)
         pred = figures(predicted)[key]
         err = (pred - med) / med if med else math.nan
         spread = max(med - vals[0], vals[-1] - med) / med if med else math.nan
@@ -281,7 +287,7 @@ def at_probe(profile, point: dict, args: argparse.Namespace) -> dict | None:
     """The point predicted at the speed its probes found (the median prompt-step and
     decode-step factors; run 7's probes, of one phase, found one factor for both), compared
     with the same real runs; None without probes (runs 1-6)."""
-    probes = point.get("probes") or []
+    probes = [p for p in point.get("probes") or [] if "error" not in p]
     if not probes:
         return None
     fp = _median([p.get("prefill_factor", p["factor"]) for p in probes])

@@ -277,6 +277,9 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
     # Two phases, two unknowns: [pre dec] . [fp fd] = real (the prompts' phase mostly prompt
     # steps, the burst's mostly decode steps, so the system is far from singular).
     (fp, fd) = np.linalg.solve(np.array([pre, dec]).T, np.array(real))
+    if not (fp > 0 and fd > 0):  # noise past what the two phases can tell apart
+        raise RuntimeError(f"the probe's phases disagree (real {real} s against prompt steps "
+                           f"{pre} s and decode steps {dec} s: factors {fp:.3f}, {fd:.3f})")
     return SpeedProbe(prefill_factor=float(fp), decode_factor=float(fd),
                       factor=sum(real) / (sum(pre) + sum(dec)), real_busy_s=real,
                       predicted_prefill_s=pre, predicted_decode_s=dec)

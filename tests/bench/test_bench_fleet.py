@@ -92,33 +92,30 @@ def test_the_fleet_is_what_moved_over_the_run():
 def test_baton_bench_fills_the_fleet_from_mock_engines(tmp_path, capsys):
     from baton_cli.main import main as baton_main
     from tests.cluster import KEYS, wait_for
-    from tests.sim.test_mock_engines import _start, _stop
+    from tests.sim.test_mock_engines import _start
 
-    proc, port, out, err = _start(["--prompt-engines", "1", "--completion-engines", "1"])
+    up = _start(["--prompt-engines", "1", "--completion-engines", "1"])
     try:
-        urls = dict(m.groups() for m in map(re.compile(
-            r"^\s+((?:prompt|completion)-\d+)\s+tcp://\S+\s+metrics (\S+)").search, out.lines)
-            if m)
-        assert sorted(urls) == ["completion-0", "prompt-0"], out.lines
+        urls = up.metrics_urls
+        assert sorted(urls) == ["completion-0", "prompt-0"], up.banner
         # One system prompt for all: every request after the first hits the prefix cache.
-        code = baton_main(["bench", "--base-url", f"http://127.0.0.1:{port}", "--no-progress",
+        code = baton_main(["bench", "--base-url", up.base_url, "--no-progress",
                            "--dataset", "shared-prefix", "--num-system-prompts", "1",
                            "--system-prompt-len", "40", "--short-input-range", "8:16",
                            "--short-output-range", "4:4", "--num-requests", "6",
                            "--max-concurrency", "2", "--label", "fleet",
                            "--results-dir", str(tmp_path),
                            "--engine-metrics", *urls.values(), "http://127.0.0.1:9/metrics"])
-        addresses = [m.group(1) for m in map(re.compile(
-            r"^\s+(?:prompt|completion)-\d+\s+(tcp://\S+)").search, out.lines) if m]
+        addresses = list(up.engines.values())
 
         def whole() -> bool:  # no block owned, no lease, no pull on either engine
             stats = [probe_engine(a, 5.0, keys=KEYS) for a in addresses]
             return all(s is not None and is_whole(s) for s in stats)
 
-        assert len(addresses) == 2, out.lines
+        assert len(addresses) == 2, up.banner
         wait_for(whole, timeout_s=30, poll_s=0.2)
     finally:
-        _stop(proc)
+        up.stop()
     assert code == 0
     printed = capsys.readouterr().out
     assert re.search(r"^busy: prompt-0 \d+%, completion-0 \d+%; pulled KV", printed, re.M), printed

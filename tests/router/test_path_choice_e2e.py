@@ -21,7 +21,6 @@ meanwhile, and becomes a completion engine again. Every pool is whole after each
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ from router.config import RouterConfig
 from tests.cluster import KEYS, EngineProcess, is_whole, start_all, wait_for
 from tests.router.conftest import serve_router
 from tests.router.test_path_choice import PROFILE, _path_counts
-from tests.sim.test_mock_engines import _start, _stop
+from tests.sim.test_mock_engines import _start
 
 pytestmark = pytest.mark.slow
 
@@ -143,17 +142,14 @@ def _role_done(engine: EngineProcess, role: str) -> None:
 
 
 def test_baton_up_starts_a_mixed_fleet_whose_router_chooses_paths():
-    proc, port, out, _ = _start(["--normal-engines", "1", "--prompt-engines", "1",
-                                 "--completion-engines", "1", "--profile", str(PROFILE)])
+    up = _start(["--normal-engines", "1", "--prompt-engines", "1", "--completion-engines", "1",
+                 "--profile", str(PROFILE)])
     try:
-        engines = dict(re.findall(r"^\s+((?:prompt|completion|normal)-\d+)\s+(tcp://\S+)",
-                                  "".join(out.lines), re.MULTILINE))
-        assert sorted(engines) == ["completion-0", "normal-0", "prompt-0"], out.lines
-        url = f"http://127.0.0.1:{port}"
-        _complete(url, "The capital of France is")
-        assert _path_counts(url) == {("colocated", "predicted"): 1}  # the profile's policy
+        assert sorted(up.engines) == ["completion-0", "normal-0", "prompt-0"], up.banner
+        _complete(up.base_url, "The capital of France is")
+        assert _path_counts(up.base_url) == {("colocated", "predicted"): 1}  # the profile's
     finally:
-        _stop(proc)
+        up.stop()
 
 
 def test_mixed_fleet_short_colocated_long_disaggregated(fleet, model_info, caplog):

@@ -15,7 +15,7 @@ import pytest
 from baton.service.client import probe_engine
 from baton.workload.words import WORDS
 from tests.cluster import KEYS, is_whole
-from tests.sim.test_mock_engines import PROFILE, _start, _stop
+from tests.sim.test_mock_engines import PROFILE, _start
 
 pytestmark = pytest.mark.slow
 
@@ -28,19 +28,14 @@ def _long_request(port: int, i: int) -> int:
 
 
 def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
-    proc, port, out, err = _start(["--prompt-engines", "1", "--completion-engines", "2",
-                                   "--planner", "apply", "--planner-profile", PROFILE,
-                                   "--goodput", "ttft:1500", "tpot:200",
-                                   "--planner-interval", "1", "--planner-window", "20",
-                                   "--planner-cooldown", "600",
-                                   "--planner-min-requests", "4"])
+    up = _start(["--prompt-engines", "1", "--completion-engines", "2", "--planner", "apply",
+                 "--planner-profile", PROFILE, "--goodput", "ttft:1500", "tpot:200",
+                 "--planner-interval", "1", "--planner-window", "20",
+                 "--planner-cooldown", "600", "--planner-min-requests", "4"])
+    port = up.port
     try:
-        engines = {}
-        for line in out.lines:
-            parts = line.split()
-            if len(parts) >= 2 and parts[1].startswith("tcp://"):
-                engines[parts[0]] = parts[1]
-        assert len(engines) == 3, out.lines
+        engines = up.engines
+        assert len(engines) == 3, up.banner
         deadline = time.monotonic() + 120
         statuses, running, num_sent = [], [], 0
         with ThreadPoolExecutor(4) as pool:  # four long prompts in flight until it moves
@@ -56,7 +51,7 @@ def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
                 time.sleep(0.1)
             statuses += [f.result() for f in running]
         plan = httpx.get(f"http://127.0.0.1:{port}/planner").json()
-        assert roles.count("prompt") >= 2, (plan, "".join(err.lines[-30:]))
+        assert roles.count("prompt") >= 2, (plan, up.tail(30))
         assert set(statuses) == {200}, statuses
         assert plan["plan"]["recommended"]["prompt"] >= 2
         # what the requests met reached the planner: the router's outcomes (TTFT, TPOT)
@@ -72,4 +67,4 @@ def test_the_planner_moves_a_completion_engine_to_the_prompt_role():
             assert time.monotonic() < deadline, "pools not whole"
             time.sleep(0.2)
     finally:
-        _stop(proc)
+        up.stop()
