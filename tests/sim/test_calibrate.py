@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from baton.perf.profile import load as load_profile
 from baton_cli.main import main as baton_main
-from simulator.calibrate import (
-    CalibrateConfig,
-    ProbeConfig,
-    calibrate_path,
-    mock_fleet,
-    speed_probe,
-)
-from simulator.fleet import FleetConfig
+from simulator.calibrate import CalibrateConfig, ProbeConfig, calibrate_path
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -35,25 +27,6 @@ def test_the_path_is_measured_on_a_mock_pd_fleet():
         assert -50 < s.ttft_ms - s.predicted_ttft_ms < 1000
     assert samples[1].predicted_ttft_ms > samples[0].predicted_ttft_ms
     assert 0 <= cost.request_ms < 1000 and 0 <= cost.handoff_ms < 1000
-
-
-def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators():
-    """bench/sim_validate.py's probe of the host's speed now, here on a mock engine: it sleeps
-    each forward the profile predicts, so the probe finds about the profile's speed, for
-    prompt steps and decode steps alike."""
-    with mock_fleet(DATA / "profile_test.json", "normal", CalibrateConfig(),
-                    metrics=True) as fleet:
-        assert list(fleet.metrics_urls) == ["normal-0"]
-        found = speed_probe(fleet.base_url, list(fleet.metrics_urls.values()),
-                            load_profile(DATA / "profile_test.json"),
-                            FleetConfig(num_normal=1),
-                            ProbeConfig(lone_lens=(128, 256), burst=4, burst_max_tokens=12))
-    # Phase 1 is mostly prompt steps, phase 2 mostly decode steps: the system is solvable.
-    assert found.predicted_prefill_s[0] > found.predicted_decode_s[0]
-    assert found.predicted_decode_s[1] > found.predicted_prefill_s[1]
-    assert 0.7 < found.prefill_factor < 1.5 and 0.7 < found.decode_factor < 1.5, found
-    assert found.factor == pytest.approx(
-        sum(found.real_busy_s) / (sum(found.predicted_prefill_s) + sum(found.predicted_decode_s)))
 
 
 @pytest.mark.parametrize("kw, field", [({"shapes": ("both",)}, "shapes"),

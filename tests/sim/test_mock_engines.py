@@ -94,13 +94,12 @@ def _ask(port: int, i: int) -> tuple[str, str, int]:
 
 def test_a_baton_up_that_fails_to_start_is_reported_with_its_words(tmp_path):
     """baton/ops/up_process.py: a launcher that exits before its banner raises UpError with
-    the tail of its log (each engine's refusal, naming the file), and nothing of it runs on."""
+    the tail of its log (here its refusal of a flag, before it starts anything)."""
     from baton.ops.up_process import UpError
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(UpError,
-                       match=r"exited with 1 before it was up[\s\S]*no-such\.json: not a read"):
-        start_up(["--mock", str(tmp_path / "no-such.json")], ready_timeout_s=60)
+    with pytest.raises(UpError, match=r"exited with 2 before it was up[\s\S]*--no-such-flag"):
+        start_up(["--no-such-flag", str(tmp_path)], ready_timeout_s=60)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
@@ -229,6 +228,31 @@ def test_a_request_whose_only_token_decodes_to_no_text_is_served(fleets):
     assert 0 < one.ttft_s <= one.e2e_s
     two = asyncio.run(ask(2))  # the second token has text: TTFT at its chunk
     assert two.ok and two.output_tokens == 2 and two.text, two.error
+
+
+@pytest.mark.slow
+def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators(fleets):
+    """simulator/calibrate.py `speed_probe` (bench/sim_validate.py's probe of the host's speed
+    now), on the serving test's mock engine: it sleeps each forward the profile predicts, so
+    the probe finds about the profile's speed, for prompt steps and decode steps alike."""
+    import httpx
+
+    from baton.perf.profile import load
+    from simulator.calibrate import ProbeConfig, speed_probe
+    from simulator.fleet import FleetConfig
+
+    up = fleets(["--normal-engines", "1"])
+    httpx.post(f"{up.base_url}/reset_prefix_cache", timeout=30).raise_for_status()
+    assert list(up.metrics_urls) == ["normal-0"]
+    found = speed_probe(up.base_url, list(up.metrics_urls.values()), load(PROFILE),
+                        FleetConfig(num_normal=1, num_blocks=96, max_num_seqs=8),
+                        ProbeConfig(lone_lens=(128, 256), burst=4, burst_max_tokens=12))
+    # Phase 1 is mostly prompt steps, phase 2 mostly decode steps: the system is solvable.
+    assert found.predicted_prefill_s[0] > found.predicted_decode_s[0]
+    assert found.predicted_decode_s[1] > found.predicted_prefill_s[1]
+    assert 0.7 < found.prefill_factor < 1.5 and 0.7 < found.decode_factor < 1.5, found
+    assert found.factor == pytest.approx(
+        sum(found.real_busy_s) / (sum(found.predicted_prefill_s) + sum(found.predicted_decode_s)))
 
 
 def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step(monkeypatch):
