@@ -360,13 +360,13 @@ def markdown(record: dict) -> str:
     for pt in record["points"]:
         row = [pt["workload"], setups.get(pt["setup"], pt["setup"]), pt["level"],
                f"{pt['rate']:.2f}", *(cell(pt["compare"][k]) for k in keys)]
-        if probed:
-            a = pt.get("at_probe")
+        a = pt.get("at_probe")
+        if a:
             factors = (f"x{a['prefill_factor']:.2f} / x{a['decode_factor']:.2f}"
-                       if a and "prefill_factor" in a else  # run 7's: one factor
-                       f"x{a['factor']:.2f}" if a else "")
-            row += ([factors,
-                     *(cell(a["compare"][k]) for k in keys)] if a else ["-"] * 4)
+                       if "prefill_factor" in a else f"x{a['factor']:.2f}")  # run 7's: one
+            row += [factors, *(cell(a["compare"][k]) for k in keys)]
+        elif probed:
+            row += ["-"] * 4
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + f"\n\n{_within_line(record)}"
 
@@ -438,18 +438,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="print an earlier record as the README's table, and nothing else")
     p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
     args = p.parse_args(argv)
+    # The modes that read an earlier record take only their own flags: any other given beside
+    # them would do nothing, so it is refused by name.
+    for mode, applies in (("markdown", ()), ("repredict", ("profile", "out"))):
+        if getattr(args, mode):
+            ignored = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                       if name != mode and name not in applies and value != p.get_default(name)]
+            takes = " and ".join(f"--{a}" for a in applies) or "no other flag"
+            if ignored:
+                p.error(f"--{mode} reads an earlier record: {', '.join(ignored)} would do "
+                        f"nothing (it takes {takes})")
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
         return 0
     if args.repredict:
-        # The record's own workload and fleet flags are replayed: any given here would do
-        # nothing, so they are refused by name (only --profile and --out apply).
-        ignored = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-                   if name not in ("repredict", "profile", "out", "markdown")
-                   and value != p.get_default(name)]
-        if ignored:
-            p.error(f"--repredict replays the record's own settings: {', '.join(ignored)} "
-                    f"would do nothing (only --profile and --out apply)")
         return repredict(args)
     logging.basicConfig(level=logging.WARNING)
     # A stop (SIGTERM) unwinds through RealFleet, which stops its `baton up`.
