@@ -253,6 +253,10 @@ def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators(flee
     assert 0.7 < found.prefill_factor < 1.5 and 0.7 < found.decode_factor < 1.5, found
     assert found.factor == pytest.approx(
         sum(found.real_busy_s) / (sum(found.predicted_prefill_s) + sum(found.predicted_decode_s)))
+    deadline = time.monotonic() + 20  # the probe's requests leave the pool whole
+    while not all(is_whole(probe_engine(a, 5.0, keys=KEYS)) for a in up.engines.values()):
+        assert time.monotonic() < deadline, "pool not whole after the probe"
+        time.sleep(0.2)
 
 
 def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step(monkeypatch):
