@@ -2,9 +2,9 @@
 
 Every child is a separate process (`python -m baton_cli ROLE ...`) that dies with the launcher
 (PR_SET_PDEATHSIG), so a launcher killed at 3 a.m. leaves no orphan holding a port or a pool.
-Start-up waits for each engine to answer a stats request and for the router's /health; any
-child that exits or a wait that times out during start-up stops everything with one clear
-message. Once up, a child that exits is restarted (baton/ops/supervisor.py: same engine id and
+The router starts beside the engines; start-up waits for each engine to answer a stats
+request and for the router's /health to list every engine; any child that exits or a wait that
+times out during start-up stops everything with one clear message. Once up, a child that exits is restarted (baton/ops/supervisor.py: same engine id and
 port, backoff, a limit) while the others keep serving; SIGTERM or Ctrl-C stops them all.
 
 Every internal wire is CURVE-authenticated: unless given `--cluster-key-dir`, the launcher
@@ -118,9 +118,12 @@ class Launcher:
         for i, (command, role) in enumerate(roles):
             idx = counts[role] = counts.get(role, -1) + 1
             self._start_engine(command, f"{role}-{idx}", threads, shares[i] if shares else "")
+        # The router starts beside the engines (its imports, tokenizer and prepare workers take
+        # as long as a mock engine's start) and learns them from the registry as each comes up.
+        router = self._spawn_router()
         wait_engines_ready(self.children, self.engine_addresses, deadline, self.ready_s,
                            self.spawned_at, self.keys, self.address_files)
-        self._start_router(deadline)
+        self._wait_router(router, deadline, counts)
 
     def _start_shared_tier(self) -> list[str]:
         cfg = self.config
@@ -219,15 +222,26 @@ class Launcher:
                 *(["--cache-salt-per-key"] if cfg.cache_salt_per_key else []),
                 *self._path_args()]
 
-    def _start_router(self, deadline: float) -> None:
+    def _spawn_router(self) -> Child:
         cfg = self.config
-        argv = self.router_argv()
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
         health = f"http://{cfg.host}:{cfg.router_port}/health"
         self.spawned_at["router"] = time.monotonic()
-        router = Child("router", argv, env, is_ready=lambda: http_ok(health))
+        router = Child("router", self.router_argv(), env, is_ready=lambda: http_ok(health))
         self.children.append(router)
-        wait_http_ready(health, deadline, router)
+        return router
+
+    def _wait_router(self, router: Child, deadline: float, counts: dict[str, int]) -> None:
+        """Until the router's /health is ok and lists every engine started (`counts`: the
+        last index of each role): the banner's first request finds them all."""
+        cfg = self.config
+
+        def lists_all(health: dict) -> bool:
+            engines = health.get("engines") or {}
+            return all(engines.get(role, 0) > idx for role, idx in counts.items())
+
+        wait_http_ready(f"http://{cfg.host}:{cfg.router_port}/health", deadline, router,
+                        accept=lists_all)
         self.ready_s["router"] = time.monotonic() - self.spawned_at["router"]
         logger.info("router ready in %.1f s", self.ready_s["router"])
         for child in self.children:  # every child is up: now the spares, if asked for
@@ -281,9 +295,9 @@ class Launcher:
         if self.planner is not None:
             self.planner.stop()
             self.planner = None
-        # The router first (it was started last): no new work reaches the engines. Then the
-        # engines all at once: each one's graceful shutdown runs beside the others' (one after
-        # another, a fleet of N took N shutdowns).
+        # The router first: no new work reaches the engines. Then the engines all at once:
+        # each one's graceful shutdown runs beside the others' (one after another, a fleet of
+        # N took N shutdowns).
         engines = [c for c in self.children if c.name != "router"]
         for child in self.children:
             if child.name == "router":

@@ -1,11 +1,13 @@
 """Waiting for `baton up`'s children: every engine probed until it answers, the router's
-/health until it is 200, each wait bounded by the start-up deadline and failing at once when
+/health until it is 200 and lists the engines, each wait bounded by the start-up deadline and failing at once when
 the child it waits for has exited."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 
 from baton.ops.supervisor import Child, LaunchError
 from kv_transfer.auth import ClusterKeys
@@ -65,15 +67,18 @@ def _read_address(path: str) -> str:
         return ""
 
 
-def wait_http_ready(url: str, deadline: float, child: Child) -> None:
+def wait_http_ready(url: str, deadline: float, child: Child,
+                    accept: Callable[[dict], bool] | None = None) -> None:
+    """Until `url` answers 200 (and `accept` takes its JSON body, where given)."""
     import urllib.request
 
     while time.monotonic() < deadline:
         child.check_alive()
         try:
             with urllib.request.urlopen(url, timeout=1.0) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and (accept is None or accept(json.load(resp))):
                     return
-        except OSError:
-            time.sleep(0.2)
+        except (OSError, ValueError):  # not up yet, or not JSON yet
+            pass
+        time.sleep(0.1)
     raise LaunchError(f"{child.name} at {url} not ready in time")

@@ -22,9 +22,10 @@
    [min-max] of TTFT p50/p90, TPOT p50, mean end-to-end latency and goodput; the error against
    the target (10%, or the real runs' spread where that is larger; 25% overloaded).
 6. Before each real run, a speed probe (simulator/calibrate.py `speed_probe`, ~5 s; --no-probe
-   skips it): fixed requests through the same fleet (lone prompts, then a burst that decodes),
-   the engines' busy seconds against the simulator's for the same requests, solved for a
-   prompt-step and a decode-step factor. This host's speed drifts by 10-30% within an hour,
+   skips it): fixed requests through the same fleet (lone prompts, one stream decoding alone,
+   a burst that decodes together), the engines' busy seconds against the simulator's for the
+   same requests, solved for a prompt-step factor and two decode-step factors (the step's
+   fixed part, its part per row). This host's speed drifts by 10-30% within an hour,
    which is not the simulator's error: each point is also predicted with the profile scaled
    by the median of its probes' factors (`at_probe`), and both comparisons are reported. The
    rate of a point is the raw profile's (the probe comes after it is chosen).
@@ -284,18 +285,30 @@ def _median(values: list[float]) -> float:
 
 
 def at_probe(profile, point: dict, args: argparse.Namespace) -> dict | None:
-    """The point predicted at the speed its probes found (the median prompt-step and
-    decode-step factors; run 7's probes, of one phase, found one factor for both), compared
-    with the same real runs; None without probes (runs 1-6)."""
+    """The point predicted at the speed its probes found (the median of each factor: prompt
+    steps, decode steps' fixed part, their part per row; run 7's probes, of one phase, found
+    one factor for all, run 8's one for prompt steps and one for decode steps), compared with
+    the same real runs; None without probes (runs 1-6)."""
     probes = [p for p in point.get("probes") or [] if "error" not in p]
     if not probes:
         return None
     fp = _median([p.get("prefill_factor", p["factor"]) for p in probes])
     fd = _median([p.get("decode_factor", p["factor"]) for p in probes])
-    sim = predict(profile.scaled(fp, fd), point["workload"], point["setup"], args, point["rate"])
-    return {"prefill_factor": fp, "decode_factor": fd, "predicted": sim["summary"],
-            "predicted_fleet": sim["fleet"],
+    fr = _median([p.get("decode_row_factor", p.get("decode_factor", p["factor"]))
+                  for p in probes])
+    sim = predict(profile.scaled(fp, fd, fr), point["workload"], point["setup"], args,
+                  point["rate"])
+    return {"prefill_factor": fp, "decode_factor": fd, "decode_row_factor": fr,
+            "predicted": sim["summary"], "predicted_fleet": sim["fleet"],
             "compare": compare(point["level"], sim["summary"], point["runs"])}
+
+
+def _factors(a: dict) -> str:
+    """An `at_probe`'s factors: prompt steps / decode steps' fixed part / per row."""
+    if "prefill_factor" not in a:  # run 7's: one
+        return f"x{a['factor']:.2f}"
+    return "/".join(f"x{a[k]:.2f}" for k in ("prefill_factor", "decode_factor",
+                                              "decode_row_factor") if k in a)
 
 
 def _cells(compared: dict) -> list[str]:
@@ -319,8 +332,7 @@ def print_point(p: dict) -> None:
     print(head + "  " + "; ".join(_cells(p["compare"]) + busy), flush=True)
     if p.get("at_probe"):
         a = p["at_probe"]
-        print(f"{'':<34}at the probes' speed (prompt steps x{a['prefill_factor']:.3f}, "
-              f"decode x{a['decode_factor']:.3f}): "
+        print(f"{'':<34}at the probes' speed ({_factors(a)}): "
               + "; ".join(_cells(a["compare"])), flush=True)
 
 
@@ -362,9 +374,7 @@ def markdown(record: dict) -> str:
                f"{pt['rate']:.2f}", *(cell(pt["compare"][k]) for k in keys)]
         a = pt.get("at_probe")
         if a:
-            factors = (f"x{a['prefill_factor']:.2f} / x{a['decode_factor']:.2f}"
-                       if "prefill_factor" in a else f"x{a['factor']:.2f}")  # run 7's: one
-            row += [factors, *(cell(a["compare"][k]) for k in keys)]
+            row += [_factors(a), *(cell(a["compare"][k]) for k in keys)]
         elif probed:
             row += ["-"] * 4
         lines.append("| " + " | ".join(row) + " |")

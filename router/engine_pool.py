@@ -64,6 +64,9 @@ _WAIT_POLL_S = 0.05  # how often a waiting request looks again (registry, connec
 # An engine's published counts are a snapshot up to this old at its record's `updated_at`
 # (baton/service: snapshots every 0.25 s), with margin.
 _SNAPSHOT_LAG_S = 0.5
+# A router that can serve nothing (its first engines still starting, or every one gone) reads
+# the registry this often, not every refresh_s: the first engine serves as soon as it is up.
+_IDLE_REFRESH_S = 0.2
 PATH_ROLES = {COLOCATED: (NORMAL,), DISAGGREGATED: (PROMPT, COMPLETION)}
 
 
@@ -117,8 +120,16 @@ class EnginePool:
 
     async def _refresh_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.refresh_s)
+            await asyncio.sleep(self.config.refresh_s if self._can_serve()
+                                else min(self.config.refresh_s, _IDLE_REFRESH_S))
             await self.refresh()
+
+    def _can_serve(self) -> bool:
+        try:
+            self.check_path()
+            return True
+        except NoEngineError:
+            return False
 
     async def refresh(self) -> None:
         if await self.membership.refresh():

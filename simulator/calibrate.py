@@ -23,11 +23,14 @@ the path takes, and the path's code is the same.
 `speed_probe` asks the other question, of real engines already serving: how fast is this host
 now, against the profile? A shared machine's speed drifts (here 10-30% within an hour, for the
 same work: bench/sim_validate.py runs 5 and 6, 6 December 2026), and a profile is one moment of
-it. The probe sends two fixed sets of requests to the fleet (lone prompts, then a burst that
-decodes together), reads the engines' busy seconds off their /metrics before and after each,
-and sets them against the simulator's prompt-step and decode-step seconds for the same requests
-on the same fleet shape: two equations, a prompt-step and a decode-step factor, and
-`Profile.scaled(prefill, decode)` predicts at the host's present speed.
+it; nor does it drift alike for every step (a decode step of one row, which reads every weight
+for one token, slowed 17% in an hour while steps of eight rows did not: run 8's note). The
+probe sends three fixed sets of requests to the fleet (lone prompts, one stream decoding alone,
+a burst that decodes together), reads the engines' busy seconds off their /metrics before and
+after each, and sets them against the simulator's seconds of prompt steps, of decode steps'
+fixed part and of their part per row for the same requests on the same fleet shape: three
+equations, three factors, and `Profile.scaled(prefill, decode, decode_row)` predicts at the
+host's present speed.
 """
 
 from __future__ import annotations
@@ -188,10 +191,12 @@ def _send(client: httpx.Client, model: str, prompt_ids: list[int], max_tokens: i
 
 @dataclass
 class ProbeConfig:
-    """Two phases, each timed on its own: prompts, then decoding."""
+    """Three phases, each timed on its own: prompts, one stream decoding, a batch decoding."""
 
     lone_lens: tuple[int, ...] = (64, 256, 512)  # prompts sent one at a time (tokens) ...
     lone_max_tokens: int = 2  # ... each with a token after the first (a short decode)
+    solo_len: int = 16  # then one short prompt decoding alone (steps of one row) ...
+    solo_max_tokens: int = 96
     burst: int = 8  # then this many short prompts at once, decoding together
     burst_len: int = 16
     burst_max_tokens: int = 64
@@ -199,38 +204,45 @@ class ProbeConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.lone_lens or min(self.lone_lens) < 1 or self.burst < 1 \
-                or self.burst_len < 1 or min(self.lone_max_tokens, self.burst_max_tokens) < 2:
-            raise ValueError(f"a probe needs lone prompts >= 1 token, a burst >= 1 of prompts "
-                             f">= 1 token and max_tokens >= 2 (a stream's second token), got "
-                             f"{self}")
+        if not self.lone_lens or min(self.lone_lens) < 1 or self.burst < 2 \
+                or min(self.burst_len, self.solo_len) < 1 \
+                or min(self.lone_max_tokens, self.burst_max_tokens, self.solo_max_tokens) < 2:
+            raise ValueError(f"a probe needs lone prompts >= 1 token, a solo prompt >= 1 token, "
+                             f"a burst >= 2 of prompts >= 1 token and max_tokens >= 2 (a "
+                             f"stream's second token), got {self}")
 
 
 @dataclass
 class SpeedProbe:
     """This host's speed against the profile's: each phase's real busy seconds (all engines)
-    against the simulator's, solved for a prompt-step factor and a decode-step factor."""
+    against the simulator's, solved for a prompt-step factor and two decode-step factors (the
+    step's fixed part, its part per row)."""
 
     prefill_factor: float
-    decode_factor: float
+    decode_factor: float  # a decode step's fixed part (Profile.decode_fixed_ms)
+    decode_row_factor: float  # its part per row and per token of context
     factor: float  # all real busy seconds over all predicted ones
-    real_busy_s: list[float]  # per phase: prompts, decoding
+    real_busy_s: list[float]  # per phase: prompts, one stream, a batch
     predicted_prefill_s: list[float]  # per phase, the simulator's prompt steps
-    predicted_decode_s: list[float]  # and its decode steps
+    predicted_decode_s: list[float]  # and its decode steps' fixed part
+    predicted_decode_row_s: list[float]  # and their part per row
 
 
 def _probe_phases(cfg: ProbeConfig) -> list[list[RequestSpec]]:
-    """The lone prompts one a minute, then the burst at once (random words: no prefix-cache
-    hit between any two)."""
+    """The lone prompts one a minute, then the solo stream, then the burst at once (random
+    words: no prefix-cache hit between any two)."""
     rng = random.Random(f"{cfg.seed}/probe")
     lone = [RequestSpec(idx=i, kind="fixed", prompt=words(rng, n), num_prompt_words=n,
                         max_tokens=cfg.lone_max_tokens, arrival_s=60.0 * i)
             for i, n in enumerate(cfg.lone_lens)]
-    burst = [RequestSpec(idx=len(lone) + i, kind="fixed", prompt=words(rng, cfg.burst_len),
+    solo = [RequestSpec(idx=len(lone), kind="fixed", prompt=words(rng, cfg.solo_len),
+                        num_prompt_words=cfg.solo_len, max_tokens=cfg.solo_max_tokens,
+                        arrival_s=0.0)]
+    burst = [RequestSpec(idx=len(lone) + 1 + i, kind="fixed", prompt=words(rng, cfg.burst_len),
                          num_prompt_words=cfg.burst_len, max_tokens=cfg.burst_max_tokens,
                          arrival_s=0.0)
              for i in range(cfg.burst)]
-    return [lone, burst]
+    return [lone, solo, burst]
 
 
 def _busy_s(metrics_urls: list[str]) -> float:
@@ -244,25 +256,27 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
     `metrics_urls`, their prefix caches empty: reset them first), each phase's busy seconds
     against the simulator's for the same requests on `fleet` (the live fleet's shape and
     limits): real = prefill_factor * predicted prompt steps + decode_factor * predicted
-    decode steps, one equation a phase. A factor > 1: slower than the profile. Raises
-    RuntimeError on a failed request or a phase without busy time, OSError/ValueError when a
-    /metrics cannot be read."""
+    decode steps' fixed part + decode_row_factor * their part per row, one equation a phase.
+    A factor > 1: slower than the profile. Raises RuntimeError on a failed request or a phase
+    without busy time, OSError/ValueError when a /metrics cannot be read."""
     cfg = cfg or ProbeConfig()
     phases = _probe_phases(cfg)
     tok = WordTokenizer(profile.model.vocab_size)
-    pre, dec, real = [], [], []
+    predicted, real = [], []  # per phase: [prompt steps, decode fixed, decode rows]; busy
     with httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
         model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         for specs in phases:
             record = simulate(profile, SimConfig(fleet=fleet, num_requests=len(specs),
                                                  label="speed_probe"), None, specs=specs)
             engines = record["fleet"]["engines"]
-            pre.append(sum(e["prefill_busy_s"] for e in engines))
-            dec.append(sum(e["busy_s"] - e["prefill_busy_s"] for e in engines))
+            pre = sum(e["prefill_busy_s"] for e in engines)
+            fixed = sum(e["decode_fixed_busy_s"] for e in engines)
+            rows = sum(e["busy_s"] for e in engines) - pre - fixed
+            predicted.append([pre, fixed, rows])
             prompts = [tok.encode(s.prompt) for s in specs]
             before = _busy_s(metrics_urls)
             jobs = [(ids, s.max_tokens) for ids, s in zip(prompts, specs, strict=True)]
-            if len({s.arrival_s for s in specs}) == 1:  # the burst: all at once
+            if len(jobs) > 1 and len({s.arrival_s for s in specs}) == 1:  # the burst: at once
                 with ThreadPoolExecutor(len(jobs)) as pool:
                     list(pool.map(lambda job: _send(client, model, *job), jobs))
             else:  # one at a time, as the simulator's (a minute apart)
@@ -270,16 +284,20 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
                     _send(client, model, *job)
             time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
             real.append(_busy_s(metrics_urls) - before)
-    if min(real) <= 0 or min(pre[0], dec[1]) <= 0:
+    a = np.array(predicted)
+    if min(real) <= 0 or min(a[0, 0], a[1, 1], a[2, 2]) <= 0:
         raise RuntimeError(f"the probe measured no busy time (real {real} s, predicted "
-                           f"prompt steps {pre} s, decode steps {dec} s): are the /metrics "
-                           f"URLs the fleet's engines?")
-    # Two phases, two unknowns: [pre dec] . [fp fd] = real (the prompts' phase mostly prompt
-    # steps, the burst's mostly decode steps, so the system is far from singular).
-    (fp, fd) = np.linalg.solve(np.array([pre, dec]).T, np.array(real))
-    if not (fp > 0 and fd > 0):  # noise past what the two phases can tell apart
-        raise RuntimeError(f"the probe's phases disagree (real {real} s against prompt steps "
-                           f"{pre} s and decode steps {dec} s: factors {fp:.3f}, {fd:.3f})")
+                           f"{a.round(4).tolist()} s): are the /metrics URLs the fleet's "
+                           f"engines?")
+    # Three phases, three unknowns: a . [fp fd fr] = real. The prompts' phase is mostly prompt
+    # steps, the solo stream's decode steps of one row (mostly their fixed part), the burst's
+    # of many rows: far from singular.
+    fp, fd, fr = np.linalg.solve(a, np.array(real))
+    if not (fp > 0 and fd > 0 and fr > 0):  # noise past what the phases can tell apart
+        raise RuntimeError(f"the probe's phases disagree (real {real} s against predicted "
+                           f"{a.round(4).tolist()} s: factors {fp:.3f}, {fd:.3f}, {fr:.3f})")
     return SpeedProbe(prefill_factor=float(fp), decode_factor=float(fd),
-                      factor=sum(real) / (sum(pre) + sum(dec)), real_busy_s=real,
-                      predicted_prefill_s=pre, predicted_decode_s=dec)
+                      decode_row_factor=float(fr), factor=sum(real) / float(a.sum()),
+                      real_busy_s=real, predicted_prefill_s=a[:, 0].tolist(),
+                      predicted_decode_s=a[:, 1].tolist(),
+                      predicted_decode_row_s=a[:, 2].tolist())

@@ -40,6 +40,10 @@ def test_bad_settings_are_named(kw, field):
 def test_a_probe_without_a_second_token_is_refused():
     with pytest.raises(ValueError, match="max_tokens"):
         ProbeConfig(lone_max_tokens=1)  # a streamed request's timing needs two chunks
+    with pytest.raises(ValueError, match="max_tokens"):
+        ProbeConfig(solo_max_tokens=1)
+    with pytest.raises(ValueError, match="burst"):
+        ProbeConfig(burst=1)  # one stream in the burst: the solo phase again, no third equation
 
 
 def test_path_only_needs_a_readable_profile(tmp_path, capsys):

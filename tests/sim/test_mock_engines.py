@@ -117,8 +117,8 @@ def fleets():
     try:
         yield get
     finally:
-        for up in started.values():
-            up.stop()
+        with ThreadPoolExecutor(max(1, len(started))) as pool:  # each stop waits on its drain
+            list(pool.map(UpProcess.stop, started.values()))
 
 
 @pytest.mark.slow  # multi-process deployments, as tests/services/test_launcher.py
@@ -234,7 +234,9 @@ def test_a_request_whose_only_token_decodes_to_no_text_is_served(fleets):
 def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators(fleets):
     """simulator/calibrate.py `speed_probe` (bench/sim_validate.py's probe of the host's speed
     now), on the serving test's mock engine: it sleeps each forward the profile predicts, so
-    the probe finds about the profile's speed, for prompt steps and decode steps alike."""
+    the probe finds about the profile's speed for prompt steps and decode steps' fixed part.
+    Their part per row it finds slower (x1.3-2.7 here, by phase lengths): the mock engine's
+    own work per row is real (~0.4 ms), the test profile's is 0.05 ms, not measured."""
     import httpx
 
     from baton.perf.profile import load
@@ -246,13 +248,18 @@ def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators(flee
     assert list(up.metrics_urls) == ["normal-0"]
     found = speed_probe(up.base_url, list(up.metrics_urls.values()), load(PROFILE),
                         FleetConfig(num_normal=1, num_blocks=96, max_num_seqs=8),
-                        ProbeConfig(lone_lens=(128, 256), burst=4, burst_max_tokens=12))
-    # Phase 1 is mostly prompt steps, phase 2 mostly decode steps: the system is solvable.
-    assert found.predicted_prefill_s[0] > found.predicted_decode_s[0]
-    assert found.predicted_decode_s[1] > found.predicted_prefill_s[1]
-    assert 0.7 < found.prefill_factor < 1.5 and 0.7 < found.decode_factor < 1.5, found
-    assert found.factor == pytest.approx(
-        sum(found.real_busy_s) / (sum(found.predicted_prefill_s) + sum(found.predicted_decode_s)))
+                        ProbeConfig(lone_lens=(128, 256), solo_max_tokens=12, burst=8,
+                                    burst_max_tokens=12))
+    # Phase 1 is mostly prompt steps, phase 2 mostly decode steps' fixed part, phase 3 has the
+    # most decode rows: the system is solvable.
+    pre, fixed, rows = (found.predicted_prefill_s, found.predicted_decode_s,
+                        found.predicted_decode_row_s)
+    assert pre[0] > fixed[0] + rows[0] and fixed[1] > pre[1] + rows[1]
+    assert rows[2] / fixed[2] > 3 * rows[1] / fixed[1]
+    assert 0.7 < found.prefill_factor < 1.4 and 0.7 < found.decode_factor < 1.4, found
+    assert 0.7 < found.decode_row_factor < 5, found  # a sleep is never shorter
+    assert found.factor == pytest.approx(sum(found.real_busy_s) / (sum(pre) + sum(fixed)
+                                                                   + sum(rows)))
     deadline = time.monotonic() + 20  # the probe's requests leave the pool whole
     while not all(is_whole(probe_engine(a, 5.0, keys=KEYS)) for a in up.engines.values()):
         assert time.monotonic() < deadline, "pool not whole after the probe"
@@ -289,7 +296,7 @@ def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step
 @pytest.mark.slow
 def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
     """A mock completion engine's pull lands no sooner than the profile's transfer time (its
-    tiny pool moves in far less): a profile of 1.5 s a pull puts that gap between the prompt
+    tiny pool moves in far less): a profile of 0.8 s a pull puts that gap between the prompt
     engine's first token and the completion engine's second, as the simulator predicts."""
     import asyncio
     import json
@@ -302,7 +309,7 @@ def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
     from baton.workload.synthetic import RequestSpec
 
     slow = json.loads(Path(PROFILE).read_text())
-    slow["transfer"]["latency_ms"] = 1500.0
+    slow["transfer"]["latency_ms"] = 800.0
     profile = tmp_path / "slow_pull.json"
     profile.write_text(json.dumps(slow))
     up = _start(["--prompt-engines", "1", "--completion-engines", "1"], str(profile))
@@ -317,7 +324,7 @@ def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
 
         res = asyncio.run(ask())
         assert res.ok and res.output_tokens == 3, (res.error, up.tail(20))
-        assert res.itl_s[0] > 1.0, res.itl_s  # the pull (1.5 s) between tokens 1 and 2
-        assert res.itl_s[1] < 1.0, res.itl_s  # then decode steps of the profile's ~16 ms
+        assert res.itl_s[0] > 0.8, res.itl_s  # the pull (0.8 s) between tokens 1 and 2
+        assert res.itl_s[1] < 0.4, res.itl_s  # then decode steps of the profile's ~16 ms
     finally:
         up.stop()
