@@ -60,7 +60,7 @@ class LaunchConfig:
     # A mixed fleet's path choice, the router's flags of the same names (router/path.py):
     profile: str = ""  # --profile: predict each path's cost from this [sim] profile
     pd_threshold_tokens: int | None = None  # --pd-threshold-tokens: a static rule instead
-    pd_handoff_ms: float | None = None  # --pd-handoff-ms (with profile); None = the router's
+    pd_handoff_ms: float | None = None  # --pd-handoff-ms (with profile); None: the profile's
     admission_ttft_ms: float = 0.0  # --admission-ttft-ms (with profile; router/admission.py)
     admission_factor: float = 2.0  # --admission-factor
     cluster_key_dir: str = ""  # "" = generate the cluster's keys into a private temp dir
@@ -334,7 +334,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the restarts are counted over")
     p.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's engine choice (see baton router --help)")
-    add_path_args(p, handoff_default=None)  # the router's flags, handed to it
+    add_path_args(p)  # the router's flags, handed to it
     add_key_args(p)
     p.add_argument("--warm-standby", action="store_true",
                    help="keep a warm spare of each engine (imported, model loaded, waiting), "

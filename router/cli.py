@@ -80,11 +80,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_path_args(p: argparse._ActionsContainer,
-                  handoff_default: float | None = DEFAULT_HANDOFF_MS) -> None:
+def add_path_args(p: argparse._ActionsContainer) -> None:
     """The path choice of a mixed fleet (router/path.py) and SLO-aware admission
-    (router/admission.py); `baton up` takes the same flags and passes them on (its
-    --pd-handoff-ms default None: the router's own)."""
+    (router/admission.py); `baton up` takes the same flags and passes them on."""
     p.add_argument("--profile", default="", metavar="PROFILE.json",
                    help="mixed fleets: choose each request's path (co-located or "
                         "disaggregated) from this profile's predicted costs (baton profile); "
@@ -99,10 +97,10 @@ def add_path_args(p: argparse._ActionsContainer,
                         "--admission-factor x MS; 0 = off")
     p.add_argument("--admission-factor", type=float, default=2.0,
                    help="with --admission-ttft-ms: refuse past this multiple of the SLO")
-    p.add_argument("--pd-handoff-ms", type=float, default=handoff_default,
+    p.add_argument("--pd-handoff-ms", type=float, default=None,
                    help="with --profile: the disaggregated path's cost beyond the KV copy "
-                        f"(the extra hop, admission, the pull's claim), milliseconds (default "
-                        f"{DEFAULT_HANDOFF_MS:g})")
+                        "(the extra hop, admission, the pull's claim), milliseconds (default: "
+                        f"the profile's measured path.handoff_ms, else {DEFAULT_HANDOFF_MS:g})")
 
 
 def run(args: argparse.Namespace) -> int:

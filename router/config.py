@@ -10,7 +10,6 @@ from baton.ops.cluster_keys import resolve_keys
 from baton.protocol import MAX_CHOICES, ROLES
 from kv_transfer.auth import ENV_KEY_DIR, ClusterKeys
 from router.api_keys import ENV_KEYS_FILE, ApiKey, load_api_keys
-from router.path import DEFAULT_HANDOFF_MS
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded")
 
@@ -96,8 +95,9 @@ class RouterConfig:
     # exceed this; None = no static rule (the profile's prediction, else the default threshold).
     pd_threshold_tokens: int | None = None
     # The disaggregated path's cost beyond the profile's KV copy (the extra hop, admission, the
-    # pull's claim), in milliseconds; used with profile_path.
-    pd_handoff_ms: float = DEFAULT_HANDOFF_MS
+    # pull's claim), in milliseconds; used with profile_path. None: the profile's measured
+    # `path.handoff_ms`, else router/path.py's DEFAULT_HANDOFF_MS.
+    pd_handoff_ms: float | None = None
     # SLO-aware admission (router/admission.py): a fresh request whose predicted TTFT (from
     # profile_path) is over admission_factor x admission_ttft_ms is answered 429 with
     # Retry-After at once; 0 = off.
@@ -185,7 +185,7 @@ class RouterConfig:
         if threshold is not None and self.profile_path:
             raise ValueError("give either pd_threshold_tokens (a static rule) or profile_path "
                              "(predicted costs), not both")
-        if not 0 <= self.pd_handoff_ms < float("inf"):
+        if self.pd_handoff_ms is not None and not 0 <= self.pd_handoff_ms < float("inf"):
             raise ValueError(f"pd_handoff_ms must be >= 0 and finite, got {self.pd_handoff_ms}")
         if self.admission_ttft_ms:
             from router.admission import SloAdmission

@@ -66,8 +66,10 @@ DEFAULT_THRESHOLD_TOKENS = 512
 # balances the decode batches).
 DECODE_HORIZON_TOKENS = 16
 # The disaggregated path's fixed cost beyond the profile's KV copy: one more router -> engine
-# hop, the completion engine's admission and the claim round trip of the pull. An estimate for
-# one host (two ZMQ hops and a step boundary); `--pd-handoff-ms` overrides it.
+# hop, the completion engine's admission and the claim round trip of the pull. A profile's
+# `path.handoff_ms` measures it (baton profile, on mock engines); this estimate for one host
+# (two ZMQ hops and a step boundary) stands in for a profile without one; `--pd-handoff-ms`
+# overrides both.
 DEFAULT_HANDOFF_MS = 10.0
 
 
@@ -137,7 +139,7 @@ class ThresholdPath(PathPolicy):
 
 
 def build_path_policy(profile: Profile | None, threshold_tokens: int | None = None,
-                      handoff_ms: float = DEFAULT_HANDOFF_MS) -> PathPolicy:
+                      handoff_ms: float | None = None) -> PathPolicy:
     """The mixed fleet's path policy, for the router and the simulator alike: the static
     threshold when one is given, else the profile's prediction, else the default threshold."""
     if threshold_tokens is not None:
@@ -150,7 +152,10 @@ def build_path_policy(profile: Profile | None, threshold_tokens: int | None = No
 class PredictedPath(PathPolicy):
     """The path of the lower predicted cost (the module docstring's formula)."""
 
-    def __init__(self, profile: Profile, handoff_ms: float = DEFAULT_HANDOFF_MS):
+    def __init__(self, profile: Profile, handoff_ms: float | None = None):
+        """`handoff_ms` None: the profile's measured `path.handoff_ms`, else DEFAULT_HANDOFF_MS."""
+        if handoff_ms is None:
+            handoff_ms = profile.path.handoff_ms if profile.path else DEFAULT_HANDOFF_MS
         if not 0 <= handoff_ms < float("inf"):
             raise ValueError(f"handoff_ms must be >= 0 and finite, got {handoff_ms}")
         self.profile = profile

@@ -66,9 +66,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a static rule, as the router's: disaggregated when a normal engine "
                         "would prefill more than N prompt tokens (its cached prefix left out); "
                         "default: the path of the lower predicted cost on --profile")
-    g.add_argument("--pd-handoff-ms", type=float, default=DEFAULT_HANDOFF_MS,
+    g.add_argument("--pd-handoff-ms", type=float, default=None,
                    help="the predicted disaggregated path's cost beyond the KV copy, ms "
-                        "(the router's flag)")
+                        "(the router's flag; default: the profile's path.handoff_ms, else "
+                        f"{DEFAULT_HANDOFF_MS:g})")
     g = p.add_argument_group("planner (planner/core.py; a prompt/completion fleet)")
     g.add_argument("--planner", choices=("off", "advise", "apply"), default="off",
                    help="advise: record its decisions; apply: also re-role engines (S41)")

@@ -12,7 +12,7 @@ from baton.workload.results import RequestResult, summarize
 from baton.workload.synthetic import RequestSpec, WorkloadConfig
 from baton.workload.trace import TraceConfig
 from baton.workload.words import WordTokenizer
-from router.path import DEFAULT_HANDOFF_MS, PathPolicy, build_path_policy
+from router.path import PathPolicy, build_path_policy
 from router.selection import KeySets, LeastLoaded, OverlapMinusLoad, SelectionPolicy
 from simulator.fleet import FleetConfig, Flight, Simulation
 
@@ -32,7 +32,7 @@ class SimConfig:
     # of uncached prompt tokens (None: the profile's predicted costs) and the prediction's
     # fixed cost of the disaggregated path.
     pd_threshold_tokens: int | None = None
-    pd_handoff_ms: float = DEFAULT_HANDOFF_MS
+    pd_handoff_ms: float | None = None  # None: the profile's path.handoff_ms, as the router
 
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
@@ -46,12 +46,12 @@ class SimConfig:
             raise ValueError(f"kv_overlap_weight must be >= 0 and finite, got "
                              f"{self.kv_overlap_weight}")
         if not self.fleet.is_mixed and (self.pd_threshold_tokens is not None
-                                        or self.pd_handoff_ms != DEFAULT_HANDOFF_MS):
+                                        or self.pd_handoff_ms is not None):
             raise ValueError("pd_threshold_tokens and pd_handoff_ms choose a mixed fleet's "
                              "path: give normal engines beside prompt and completion engines")
         if self.pd_threshold_tokens is not None and self.pd_threshold_tokens < 0:
             raise ValueError(f"pd_threshold_tokens must be >= 0, got {self.pd_threshold_tokens}")
-        if not 0 <= self.pd_handoff_ms < math.inf:
+        if self.pd_handoff_ms is not None and not 0 <= self.pd_handoff_ms < math.inf:
             raise ValueError(f"pd_handoff_ms must be >= 0 and finite, got {self.pd_handoff_ms}")
 
     def make_policy(self, cache: KeySets) -> SelectionPolicy:

@@ -89,6 +89,21 @@ def test_the_handoff_cost_moves_the_break_even(predicted):
         PredictedPath(predicted.profile, handoff_ms=-1)
 
 
+def test_the_handoff_cost_defaults_to_the_profiles_measured_one(predicted):
+    """`--pd-handoff-ms` unset: the profile's `path.handoff_ms` (baton profile measures it on
+    mock engines), else the estimate DEFAULT_HANDOFF_MS for a profile without one."""
+    import dataclasses
+
+    from baton.perf.profile import PathCost
+    from router.path import DEFAULT_HANDOFF_MS, build_path_policy
+
+    assert predicted.profile.path is None and predicted.handoff_ms == DEFAULT_HANDOFF_MS
+    measured = dataclasses.replace(predicted.profile, path=PathCost(6.0, 1.9, 18))
+    assert PredictedPath(measured).handoff_ms == 1.9
+    assert build_path_policy(measured).handoff_ms == 1.9
+    assert build_path_policy(measured, handoff_ms=25.0).handoff_ms == 25.0
+
+
 def test_static_threshold_counts_the_normal_engines_uncached_tokens():
     policy = ThresholdPath(256)
     assert policy.choose(PathRequest(200), IDLE, IDLE, IDLE) == \
