@@ -21,14 +21,17 @@
    each, as the simulator starts cold), reported as predicted vs the real runs' median
    [min-max] of TTFT p50/p90, TPOT p50, mean end-to-end latency and goodput; the error against
    the target (10%, or the real runs' spread where that is larger; 25% overloaded).
-6. Before each real run, a speed probe (simulator/calibrate.py `speed_probe`, ~5 s; --no-probe
+6. Before each real run, a speed probe (simulator/calibrate.py `speed_probe`, ~7 s; --no-probe
    skips it): fixed requests through the same fleet (lone prompts, one stream decoding alone,
    a burst that decodes together), the engines' busy seconds against the simulator's for the
-   same requests, solved for a prompt-step factor and two decode-step factors (the step's
-   fixed part, its part per row). This host's speed drifts by 10-30% within an hour,
-   which is not the simulator's error: each point is also predicted with the profile scaled
-   by the median of its probes' factors (`at_probe`), and both comparisons are reported. The
-   rate of a point is the raw profile's (the probe comes after it is chosen).
+   same requests, fitted with a prompt-step and a decode-step factor. This host's speed drifts
+   by 10-30% within an hour, which is not the simulator's error: each point is also predicted
+   with the profile scaled by the median of its probes' factors (`at_probe`). The rate of a
+   point is the raw profile's (the probe comes after it is chosen).
+7. And at the runs' own speed (`at_run_speed`): the profile scaled by the real engines' busy
+   seconds over the simulator's (per role disaggregated, one factor co-located). It reads the
+   runs it is compared with, so it is no prediction: it is what the simulator gets wrong once
+   it knows how fast the host ran, the host's speed set apart.
 
 Writes bench/results/sim_validate.json (every run's summary, its requests one by one, and the
 engines' busy time: the simulator's, and the real engines' from their /metrics) and prints the
@@ -55,6 +58,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench as sb  # noqa: E402 - a sibling script, not a package
@@ -284,31 +288,72 @@ def _median(values: list[float]) -> float:
     return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
-def at_probe(profile, point: dict, args: argparse.Namespace) -> dict | None:
-    """The point predicted at the speed its probes found (the median of each factor: prompt
-    steps, decode steps' fixed part, their part per row; run 7's probes, of one phase, found
-    one factor for all, run 8's one for prompt steps and one for decode steps), compared with
-    the same real runs; None without probes (runs 1-6)."""
-    probes = [p for p in point.get("probes") or [] if "error" not in p]
-    if not probes:
-        return None
-    fp = _median([p.get("prefill_factor", p["factor"]) for p in probes])
-    fd = _median([p.get("decode_factor", p["factor"]) for p in probes])
-    fr = _median([p.get("decode_row_factor", p.get("decode_factor", p["factor"]))
-                  for p in probes])
-    sim = predict(profile.scaled(fp, fd, fr), point["workload"], point["setup"], args,
+# The other predictions of a point beside the profile's as measured, and their names in print.
+SIDES = (("at_probe", "the probes' speed"), ("at_run_speed", "the runs' own speed"))
+
+
+def probe_factors(probe: dict) -> tuple[float, float]:
+    """A recorded probe's (prompt-step, decode-step) factors. Run 7's probes, of one phase,
+    found one factor for both; run 9's solved three (a decode step's fixed part apart from
+    its part per row): refitted here with two, as `speed_probe` now fits."""
+    if "predicted_decode_row_s" in probe:
+        pre = np.array(probe["predicted_prefill_s"])
+        dec = np.array(probe["predicted_decode_s"]) + np.array(probe["predicted_decode_row_s"])
+        real = np.array(probe["real_busy_s"])
+        a = np.stack([pre, dec], axis=1) / real[:, None]
+        fp, fd = np.linalg.lstsq(a, np.ones(len(real)), rcond=None)[0]
+        return float(fp), float(fd)
+    return probe.get("prefill_factor", probe["factor"]), probe.get("decode_factor", probe["factor"])
+
+
+def at_speed(profile, point: dict, args: argparse.Namespace, fp: float, fd: float) -> dict:
+    """The point predicted with the profile at (prompt steps x fp, decode steps x fd),
+    compared with the same real runs."""
+    sim = predict(profile.scaled(fp, fd), point["workload"], point["setup"], args,
                   point["rate"])
-    return {"prefill_factor": fp, "decode_factor": fd, "decode_row_factor": fr,
-            "predicted": sim["summary"], "predicted_fleet": sim["fleet"],
+    return {"prefill_factor": fp, "decode_factor": fd, "predicted": sim["summary"],
+            "predicted_fleet": sim["fleet"],
             "compare": compare(point["level"], sim["summary"], point["runs"])}
 
 
+def at_probe(profile, point: dict, args: argparse.Namespace) -> dict | None:
+    """The point at the speed its probes found before its runs (the median of each factor);
+    None without probes (runs 1-6)."""
+    found = [probe_factors(p) for p in point.get("probes") or [] if "error" not in p]
+    if not found:
+        return None
+    return at_speed(profile, point, args, _median([f[0] for f in found]),
+                    _median([f[1] for f in found]))
+
+
+def at_run_speed(profile, point: dict, args: argparse.Namespace) -> dict | None:
+    """The point at the speed its real runs' engines ran: their busy seconds (the median
+    run's, from /metrics) over the simulator's for the same requests, per role
+    disaggregated (the prompt engine's for prompt steps, the completion engine's for decode
+    steps), one factor co-located. Not a prediction (it reads the runs it is compared with):
+    what the simulator gets wrong when it knows the host's speed, apart from the speed
+    itself. A planner correcting its profile from a live fleet's /metrics has the same
+    figure (Dynamo's planner scales its profile by observed over predicted latency)."""
+    real = [b for b in map(busy_of, point.get("runs_fleet") or []) if b]
+    sim = busy_of(point.get("predicted_fleet"))
+    if not real or not sim or min(v[0] for v in sim.values()) <= 0:
+        return None  # no /metrics read during the runs
+
+    def factor(roles: tuple[str, ...]) -> float:
+        pred = sum(sim[r][0] for r in roles if r in sim)
+        return _median([sum(b[r][0] for r in roles if r in b) for b in real]) / pred
+
+    if "prompt" in sim and "completion" in sim:
+        return at_speed(profile, point, args, factor(("prompt",)), factor(("completion",)))
+    f = factor(tuple(sim))
+    return at_speed(profile, point, args, f, f)
+
+
 def _factors(a: dict) -> str:
-    """An `at_probe`'s factors: prompt steps / decode steps' fixed part / per row."""
+    """An `at_probe`'s or `at_run_speed`'s factors: prompt steps / decode steps."""
     if "prefill_factor" not in a:  # run 7's: one
         return f"x{a['factor']:.2f}"
-    return "/".join(f"x{a[k]:.2f}" for k in ("prefill_factor", "decode_factor",
-                                              "decode_row_factor") if k in a)
+    return f"x{a['prefill_factor']:.2f}/x{a['decode_factor']:.2f}"
 
 
 def _cells(compared: dict) -> list[str]:
@@ -330,15 +375,15 @@ def print_point(p: dict) -> None:
         if real:
             busy.append(f"{role} busy {sim_s:.1f} s vs {real[len(real) // 2]:.1f} s")
     print(head + "  " + "; ".join(_cells(p["compare"]) + busy), flush=True)
-    if p.get("at_probe"):
-        a = p["at_probe"]
-        print(f"{'':<34}at the probes' speed ({_factors(a)}): "
-              + "; ".join(_cells(a["compare"])), flush=True)
+    for side, name in SIDES:
+        if p.get(side):
+            print(f"{'':<34}at {name} ({_factors(p[side])}): "
+                  + "; ".join(_cells(p[side]["compare"])), flush=True)
 
 
 def num_within(record: dict, side: str = "") -> int:
     """Figures within target over the record's points: the raw profile's predictions, or with
-    side="at_probe" those at the probes' speed (points without probes count none)."""
+    side="at_probe" or "at_run_speed" those at that speed (points without it count none)."""
     return sum(c["within"] for pt in record["points"]
                for k, c in ((pt.get(side) or {}).get("compare", {}) if side
                             else pt["compare"]).items()
@@ -348,20 +393,22 @@ def num_within(record: dict, side: str = "") -> int:
 def _within_line(record: dict) -> str:
     n = 3 * len(record["points"])
     line = f"within target: {num_within(record)} of {n} (TTFT p50, TPOT p50, mean E2E)"
-    if any(pt.get("at_probe") for pt in record["points"]):
-        line += f"; at the probes' speed: {num_within(record, 'at_probe')} of {n}"
+    for side, name in SIDES:
+        if any(pt.get(side) for pt in record["points"]):
+            line += f"; at {name}: {num_within(record, side)} of {n}"
     return line
 
 
 def markdown(record: dict) -> str:
     """The README's table of a record: per point, predicted / real median [min-max] (error)
-    of TTFT p50, TPOT p50 and mean E2E, as measured and at the probes' speed where probed."""
+    of TTFT p50, TPOT p50 and mean E2E, as measured and at each other speed recorded."""
     setups = {"colo": "1 normal", "pd": "1P + 1C"}
-    probed = any(pt.get("at_probe") for pt in record["points"])
+    sides = [(side, name) for side, name in SIDES
+             if any(pt.get(side) for pt in record["points"])]
     head = ["workload", "setup", "load", "rate req/s", "TTFT p50 ms", "TPOT p50 ms",
             "mean E2E ms"]
-    if probed:
-        head += ["at the probes' speed: factors", "TTFT p50", "TPOT p50", "mean E2E"]
+    for _, name in sides:
+        head += [f"at {name}: factors", "TTFT p50", "TPOT p50", "mean E2E"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def cell(c: dict) -> str:
@@ -372,11 +419,9 @@ def markdown(record: dict) -> str:
     for pt in record["points"]:
         row = [pt["workload"], setups.get(pt["setup"], pt["setup"]), pt["level"],
                f"{pt['rate']:.2f}", *(cell(pt["compare"][k]) for k in keys)]
-        a = pt.get("at_probe")
-        if a:
-            row += [_factors(a), *(cell(a["compare"][k]) for k in keys)]
-        elif probed:
-            row += ["-"] * 4
+        for side, _ in sides:
+            a = pt.get(side)
+            row += [_factors(a), *(cell(a["compare"][k]) for k in keys)] if a else ["-"] * 4
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + f"\n\n{_within_line(record)}"
 
@@ -396,6 +441,7 @@ def repredict(args: argparse.Namespace) -> int:
         sim = predict(profile, point["workload"], point["setup"], run_args, point["rate"])
         point.update(predicted_side(point["level"], sim, point["runs"]))
         point["at_probe"] = at_probe(profile, point, run_args)
+        point["at_run_speed"] = at_run_speed(profile, point, run_args)
         print_point(point)
     Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     print(f"{_within_line(record)}; wrote {rel(args.out)}")
@@ -503,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                              "runs_requests": [requests_of(r) for r in real],
                              "probes": probes}
                     point["at_probe"] = at_probe(profile, point, args)
+                    point["at_run_speed"] = at_run_speed(profile, point, args)
                     record["points"].append(point)
                     print_point(point)
                     out.write_text(json.dumps(record, indent=1, default=str))  # as it goes

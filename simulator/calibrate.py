@@ -27,10 +27,11 @@ it; nor does it drift alike for every step (a decode step of one row, which read
 for one token, slowed 17% in an hour while steps of eight rows did not: run 8's note). The
 probe sends three fixed sets of requests to the fleet (lone prompts, one stream decoding alone,
 a burst that decodes together), reads the engines' busy seconds off their /metrics before and
-after each, and sets them against the simulator's seconds of prompt steps, of decode steps'
-fixed part and of their part per row for the same requests on the same fleet shape: three
-equations, three factors, and `Profile.scaled(prefill, decode, decode_row)` predicts at the
-host's present speed.
+after each, and sets them against the simulator's seconds of prompt steps and of decode steps
+for the same requests on the same fleet shape: three equations, a prompt-step and a
+decode-step factor fitted to them, and `Profile.scaled(prefill, decode)` predicts at the
+host's present speed. (Three factors, a decode step's fixed part apart from its part per row,
+solved the three phases exactly and did worse: bench/sim_validate.py run 9, 7 December 2026.)
 """
 
 from __future__ import annotations
@@ -215,17 +216,15 @@ class ProbeConfig:
 @dataclass
 class SpeedProbe:
     """This host's speed against the profile's: each phase's real busy seconds (all engines)
-    against the simulator's, solved for a prompt-step factor and two decode-step factors (the
-    step's fixed part, its part per row)."""
+    against the simulator's, fitted with a prompt-step factor and a decode-step factor."""
 
     prefill_factor: float
-    decode_factor: float  # a decode step's fixed part (Profile.decode_fixed_ms)
-    decode_row_factor: float  # its part per row and per token of context
+    decode_factor: float
     factor: float  # all real busy seconds over all predicted ones
+    misfit: float  # the fit's largest error on a phase's busy seconds, relative
     real_busy_s: list[float]  # per phase: prompts, one stream, a batch
     predicted_prefill_s: list[float]  # per phase, the simulator's prompt steps
-    predicted_decode_s: list[float]  # and its decode steps' fixed part
-    predicted_decode_row_s: list[float]  # and their part per row
+    predicted_decode_s: list[float]  # and its decode steps
 
 
 def _probe_phases(cfg: ProbeConfig) -> list[list[RequestSpec]]:
@@ -255,24 +254,22 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
     """The probe's requests through the live fleet at `url` (its engines' /metrics at
     `metrics_urls`, their prefix caches empty: reset them first), each phase's busy seconds
     against the simulator's for the same requests on `fleet` (the live fleet's shape and
-    limits): real = prefill_factor * predicted prompt steps + decode_factor * predicted
-    decode steps' fixed part + decode_row_factor * their part per row, one equation a phase.
-    A factor > 1: slower than the profile. Raises RuntimeError on a failed request or a phase
-    without busy time, OSError/ValueError when a /metrics cannot be read."""
+    limits): real = prefill_factor * predicted prompt steps + decode_factor * predicted decode
+    steps, one equation a phase, fitted by least squares. A factor > 1: slower than the
+    profile. Raises RuntimeError on a failed request, a phase without busy time or a factor
+    <= 0; OSError/ValueError when a /metrics cannot be read."""
     cfg = cfg or ProbeConfig()
     phases = _probe_phases(cfg)
     tok = WordTokenizer(profile.model.vocab_size)
-    predicted, real = [], []  # per phase: [prompt steps, decode fixed, decode rows]; busy
+    pre, dec, real = [], [], []
     with httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
         model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         for specs in phases:
             record = simulate(profile, SimConfig(fleet=fleet, num_requests=len(specs),
                                                  label="speed_probe"), None, specs=specs)
             engines = record["fleet"]["engines"]
-            pre = sum(e["prefill_busy_s"] for e in engines)
-            fixed = sum(e["decode_fixed_busy_s"] for e in engines)
-            rows = sum(e["busy_s"] for e in engines) - pre - fixed
-            predicted.append([pre, fixed, rows])
+            pre.append(sum(e["prefill_busy_s"] for e in engines))
+            dec.append(sum(e["busy_s"] - e["prefill_busy_s"] for e in engines))
             prompts = [tok.encode(s.prompt) for s in specs]
             before = _busy_s(metrics_urls)
             jobs = [(ids, s.max_tokens) for ids, s in zip(prompts, specs, strict=True)]
@@ -284,20 +281,20 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
                     _send(client, model, *job)
             time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
             real.append(_busy_s(metrics_urls) - before)
-    a = np.array(predicted)
-    if min(real) <= 0 or min(a[0, 0], a[1, 1], a[2, 2]) <= 0:
+    if min(real) <= 0 or pre[0] <= 0 or min(dec[1:]) <= 0:
         raise RuntimeError(f"the probe measured no busy time (real {real} s, predicted "
-                           f"{a.round(4).tolist()} s): are the /metrics URLs the fleet's "
-                           f"engines?")
-    # Three phases, three unknowns: a . [fp fd fr] = real. The prompts' phase is mostly prompt
-    # steps, the solo stream's decode steps of one row (mostly their fixed part), the burst's
-    # of many rows: far from singular.
-    fp, fd, fr = np.linalg.solve(a, np.array(real))
-    if not (fp > 0 and fd > 0 and fr > 0):  # noise past what the phases can tell apart
-        raise RuntimeError(f"the probe's phases disagree (real {real} s against predicted "
-                           f"{a.round(4).tolist()} s: factors {fp:.3f}, {fd:.3f}, {fr:.3f})")
+                           f"prompt steps {pre} s, decode steps {dec} s): are the /metrics "
+                           f"URLs the fleet's engines?")
+    # Three phases, two unknowns: [pre dec] . [fp fd] = real, least squares relative to each
+    # phase's busy time (the phases weigh alike, whatever their length). The prompts' phase is
+    # mostly prompt steps, the others mostly decode steps (one row, then a batch: the light
+    # and the loaded decode step, which this host does not always slow alike).
+    a = np.array([pre, dec]).T / np.array(real)[:, None]
+    fp, fd = np.linalg.lstsq(a, np.ones(len(real)), rcond=None)[0]
+    if not (fp > 0 and fd > 0):  # noise past what the phases can tell apart
+        raise RuntimeError(f"the probe's phases disagree (real {real} s against prompt steps "
+                           f"{pre} s and decode steps {dec} s: factors {fp:.3f}, {fd:.3f})")
+    misfit = float(np.abs(a @ np.array([fp, fd]) - 1.0).max())
     return SpeedProbe(prefill_factor=float(fp), decode_factor=float(fd),
-                      decode_row_factor=float(fr), factor=sum(real) / float(a.sum()),
-                      real_busy_s=real, predicted_prefill_s=a[:, 0].tolist(),
-                      predicted_decode_s=a[:, 1].tolist(),
-                      predicted_decode_row_s=a[:, 2].tolist())
+                      factor=sum(real) / (sum(pre) + sum(dec)), misfit=misfit,
+                      real_busy_s=real, predicted_prefill_s=pre, predicted_decode_s=dec)

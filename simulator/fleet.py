@@ -590,7 +590,6 @@ class Simulation:
                 engines.append({
                     "name": e.name, "role": e.role, "busy_s": e.runner.busy_s,
                     "prefill_busy_s": e.runner.prefill_busy_s,
-                    "decode_fixed_busy_s": e.runner.decode_fixed_busy_s,
                     "busy_fraction": e.runner.busy_s / self.now if self.now else 0.0,
                     "num_steps": e.runner.num_steps,
                     "num_prompt_tokens": e.engine.num_prompt_tokens,

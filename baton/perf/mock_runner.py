@@ -96,7 +96,6 @@ class MockRunner:
         self.num_steps = 0
         self.busy_s = 0.0  # predicted time of every step run
         self.prefill_busy_s = 0.0  # of which prompt steps (the rest: decode steps)
-        self.decode_fixed_busy_s = 0.0  # of the decode steps': their fixed part (no rows)
 
     @property
     def num_blocks(self) -> int:
@@ -152,8 +151,6 @@ class MockRunner:
         self.busy_s += seconds
         if sched_out.prompt_run:
             self.prefill_busy_s += seconds
-        else:
-            self.decode_fixed_busy_s += prof.decode_fixed_ms() / 1e3
         if self.on_step is None:
             # The call takes the forward's predicted time, this mock's own work in it (the
             # KV bytes, the tokens) included; the engine's own share runs for real around it.

@@ -145,31 +145,21 @@ class Profile:
         return (self.transfer_latency_ms
                 + num_blocks * self.model.kv_bytes_per_block / self.transfer_bytes_per_ms)
 
-    def decode_fixed_ms(self) -> float:
-        """The part of a decode step that does not grow with its rows: the fit's constant (a
-        step reads every weight once, whatever its batch) and the engine's work per step."""
-        return self.decode.coef[0] + self.step_overhead_ms
-
-    def scaled(self, prefill: float, decode: float | None = None,
-               decode_row: float | None = None) -> Profile:
-        """The same profile on an engine whose prompt steps take `prefill` times as long,
-        whose decode steps' fixed part (`decode_fixed_ms`) `decode` times (default:
-        `prefill`'s) and their part per row and per token of context `decode_row` times
-        (default: `decode`'s); the engine's work per step goes with `decode`, per sampled row
-        with `decode_row`. The router's prepare, the path and KV pulls are unchanged. What a
-        speed probe (simulator/calibrate.py `speed_probe`) says this host runs at now."""
+    def scaled(self, prefill: float, decode: float | None = None) -> Profile:
+        """The same profile on an engine whose prompt steps take `prefill` times as long and
+        whose decode steps `decode` times (default: `prefill`'s); the engine's own work per
+        step and row goes with `decode` (most steps are decode steps). The router's prepare,
+        the path and KV pulls are unchanged. What a speed probe (simulator/calibrate.py
+        `speed_probe`) says this host runs at now."""
         decode = prefill if decode is None else decode
-        decode_row = decode if decode_row is None else decode_row
-        for factor in (prefill, decode, decode_row):
+        for factor in (prefill, decode):
             if not (math.isfinite(factor) and factor > 0):
                 raise ProfileError(f"a speed factor must be a finite number > 0, got {factor}")
-        coef = self.decode.coef
         return replace(self, prefill=_scaled_cost(self.prefill, prefill),
-                       decode=replace(self.decode, coef=(coef[0] * decode,
-                                                         *(c * decode_row for c in coef[1:]))),
-                       sample_row_ms=self.sample_row_ms * decode_row,
+                       decode=_scaled_cost(self.decode, decode),
+                       sample_row_ms=self.sample_row_ms * decode,
                        step_overhead_ms=self.step_overhead_ms * decode,
-                       grammar_row_ms=self.grammar_row_ms * decode_row)
+                       grammar_row_ms=self.grammar_row_ms * decode)
 
     def with_link(self, bandwidth_gbit_s: float, latency_ms: float) -> Profile:
         """The same profile over another link: `bandwidth_gbit_s` Gbit/s, `latency_ms` per pull."""

@@ -234,9 +234,7 @@ def test_a_request_whose_only_token_decodes_to_no_text_is_served(fleets):
 def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators(fleets):
     """simulator/calibrate.py `speed_probe` (bench/sim_validate.py's probe of the host's speed
     now), on the serving test's mock engine: it sleeps each forward the profile predicts, so
-    the probe finds about the profile's speed for prompt steps and decode steps' fixed part.
-    Their part per row it finds slower (x1.3-2.7 here, by phase lengths): the mock engine's
-    own work per row is real (~0.4 ms), the test profile's is 0.05 ms, not measured."""
+    the probe finds about the profile's speed, for prompt steps and decode steps alike."""
     import httpx
 
     from baton.perf.profile import load
@@ -250,16 +248,12 @@ def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators(flee
                         FleetConfig(num_normal=1, num_blocks=96, max_num_seqs=8),
                         ProbeConfig(lone_lens=(128, 256), solo_max_tokens=12, burst=8,
                                     burst_max_tokens=12))
-    # Phase 1 is mostly prompt steps, phase 2 mostly decode steps' fixed part, phase 3 has the
-    # most decode rows: the system is solvable.
-    pre, fixed, rows = (found.predicted_prefill_s, found.predicted_decode_s,
-                        found.predicted_decode_row_s)
-    assert pre[0] > fixed[0] + rows[0] and fixed[1] > pre[1] + rows[1]
-    assert rows[2] / fixed[2] > 3 * rows[1] / fixed[1]
+    # Phase 1 is mostly prompt steps, phases 2 and 3 mostly decode steps: a solvable fit.
+    pre, dec = found.predicted_prefill_s, found.predicted_decode_s
+    assert pre[0] > dec[0] and min(dec[1] - pre[1], dec[2] - pre[2]) > 0, found
     assert 0.7 < found.prefill_factor < 1.4 and 0.7 < found.decode_factor < 1.4, found
-    assert 0.7 < found.decode_row_factor < 5, found  # a sleep is never shorter
-    assert found.factor == pytest.approx(sum(found.real_busy_s) / (sum(pre) + sum(fixed)
-                                                                   + sum(rows)))
+    assert found.factor == pytest.approx(sum(found.real_busy_s) / (sum(pre) + sum(dec)))
+    assert 0 <= found.misfit < 0.3, found
     deadline = time.monotonic() + 20  # the probe's requests leave the pool whole
     while not all(is_whole(probe_engine(a, 5.0, keys=KEYS)) for a in up.engines.values()):
         assert time.monotonic() < deadline, "pool not whole after the probe"

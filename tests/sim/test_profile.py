@@ -141,19 +141,11 @@ def test_a_scaled_profile_slows_the_engines_work_only():
         1.5 * prof.prefill.predict(P.prefill_features(q, k, prof.prefill.features))
         + 0.8 * prof.own_work_ms(2))
     assert both.step_ms(False, q, k, 2) == pytest.approx(0.8 * prof.step_ms(False, q, k, 2))
-    # A decode step's fixed part (the fit's constant, the engine's work per step) and its part
-    # per row and per token of context each their own.
-    split = prof.scaled(1.0, 1.2, 0.9)
-    rows = prof.step_ms(False, q, k, 2) - prof.decode_fixed_ms()
-    assert split.decode_fixed_ms() == pytest.approx(1.2 * prof.decode_fixed_ms())
-    assert split.step_ms(False, q, k, 2) == pytest.approx(1.2 * prof.decode_fixed_ms()
-                                                          + 0.9 * rows)
-    assert split.step_ms(True, q, k, 2) == pytest.approx(
-        prof.step_ms(True, q, k, 2) + 0.2 * prof.step_overhead_ms - 0.1 * 2 * prof.sample_row_ms)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
-        for args in ((bad,), (1.0, bad), (1.0, 1.0, bad)):
-            with pytest.raises(P.ProfileError, match="speed factor"):
-                prof.scaled(*args)
+        with pytest.raises(P.ProfileError, match="speed factor"):
+            prof.scaled(bad)
+        with pytest.raises(P.ProfileError, match="speed factor"):
+            prof.scaled(1.0, bad)
 
 
 def test_the_routers_prepare_is_measured_with_the_routers_tokenizer_alone():

@@ -1,0 +1,72 @@
+"""bench/sim_validate.py's speeds and report from canned records (no engine, no simulation):
+the factors of each run's probes, the runs' own speed per role, the README's table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import sim_validate as sv  # noqa: E402
+
+
+def test_each_runs_probes_give_a_prompt_and_a_decode_factor():
+    assert sv.probe_factors({"factor": 1.1}) == (1.1, 1.1)  # run 7: one phase, one factor
+    assert sv.probe_factors({"factor": 1.1, "prefill_factor": 1.2, "decode_factor": 0.9}) \
+        == (1.2, 0.9)
+    # Run 9 solved three factors (a decode step's fixed part apart from its part per row):
+    # refitted with two, relative to each phase, as speed_probe fits now.
+    pre, fixed, rows = [1.8, 0.1, 0.4], [0.03, 0.8, 0.6], [0.01, 0.2, 0.9]
+    real = [1.8 * 1.1 + 0.04 * 0.9, 0.11 + 1.0 * 0.9, 0.44 + 1.5 * 0.9]  # x1.1 / x0.9, exact
+    fp, fd = sv.probe_factors({"factor": 1.0, "prefill_factor": 9.0, "decode_factor": 9.0,
+                               "decode_row_factor": 9.0, "real_busy_s": real,
+                               "predicted_prefill_s": pre, "predicted_decode_s": fixed,
+                               "predicted_decode_row_s": rows})
+    assert (fp, fd) == pytest.approx((1.1, 0.9))
+
+
+def _fleet(**busy: float) -> dict:
+    return {"engines": [{"role": role, "busy_s": s, "num_steps": 1} for role, s in busy.items()]}
+
+
+def test_the_runs_own_speed_is_their_busy_time_over_the_simulators(monkeypatch):
+    monkeypatch.setattr(sv, "at_speed", lambda profile, point, args, fp, fd: (fp, fd))
+    pd = {"predicted_fleet": _fleet(prompt=10.0, completion=20.0),
+          "runs_fleet": [_fleet(prompt=9.0, completion=24.0), _fleet(prompt=8.0, completion=22.0),
+                         _fleet(prompt=12.0, completion=26.0)]}
+    assert sv.at_run_speed(None, pd, None) == pytest.approx((0.9, 1.2))  # medians, per role
+    colo = {"predicted_fleet": _fleet(normal=10.0), "runs_fleet": [_fleet(normal=11.0)]}
+    assert sv.at_run_speed(None, colo, None) == pytest.approx((1.1, 1.1))
+    # Runs whose /metrics were not read have no speed of their own.
+    assert sv.at_run_speed(None, {"predicted_fleet": _fleet(normal=10.0),
+                                  "runs_fleet": [None, {"engines": []}]}, None) is None
+
+
+def _compare(error: float, within: bool) -> dict:
+    c = {"predicted": 100 * (1 + error), "median": 100.0, "min": 90.0, "max": 110.0,
+         "error": error, "spread": 0.1, "within": within}
+    return {k: c for k in ("ttft_p50", "ttft_p90", "tpot_p50", "e2e_mean")} \
+        | {"goodput": {**c, "predicted": 1.0, "median": 1.0}}
+
+
+def test_the_table_counts_each_speed_apart():
+    point = {"workload": "trace", "setup": "pd", "level": "light", "rate": 0.25,
+             "compare": _compare(0.3, False),
+             "at_probe": {"prefill_factor": 0.9, "decode_factor": 0.8,
+                          "compare": _compare(0.05, True)},
+             "at_run_speed": {"prefill_factor": 0.95, "decode_factor": 0.85,
+                              "compare": _compare(-0.02, True)}}
+    old = {**point, "at_probe": None, "at_run_speed": None}  # a record before the probes
+    record = {"points": [point, old]}
+    assert [sv.num_within(record, side) for side in ("", "at_probe", "at_run_speed")] \
+        == [0, 3, 3]
+    table = sv.markdown(record)
+    assert "| trace | 1P + 1C | light | 0.25 | 130 / 100 [90-110] (+30%!)" in table
+    assert "x0.90/x0.80 | 105 / 100 [90-110] (+5%)" in table
+    assert "x0.95/x0.85 | 98 / 100 [90-110] (-2%)" in table
+    assert table.splitlines()[3].endswith("| - | - | - | - | - | - | - | - |")
+    assert table.endswith("within target: 0 of 6 (TTFT p50, TPOT p50, mean E2E); at the "
+                          "probes' speed: 3 of 6; at the runs' own speed: 3 of 6")
