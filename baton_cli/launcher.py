@@ -4,8 +4,9 @@ Every child is a separate process (`python -m baton_cli ROLE ...`) that dies wit
 (PR_SET_PDEATHSIG), so a launcher killed at 3 a.m. leaves no orphan holding a port or a pool.
 The router starts beside the engines; start-up waits for each engine to answer a stats
 request and for the router's /health to list every engine; any child that exits or a wait that
-times out during start-up stops everything with one clear message. Once up, a child that exits is restarted (baton/ops/supervisor.py: same engine id and
-port, backoff, a limit) while the others keep serving; SIGTERM or Ctrl-C stops them all.
+times out during start-up stops everything with one clear message. Once up, a child that exits
+is restarted (baton/ops/supervisor.py: same engine id and port, backoff, a limit) while the
+others keep serving; SIGTERM or Ctrl-C stops them all.
 
 Every internal wire is CURVE-authenticated: unless given `--cluster-key-dir`, the launcher
 generates the cluster's keys at start into a private temp dir (0700, files 0600) that every

@@ -1,6 +1,6 @@
 """Waiting for `baton up`'s children: every engine probed until it answers, the router's
-/health until it is 200 and lists the engines, each wait bounded by the start-up deadline and failing at once when
-the child it waits for has exited."""
+/health until it is 200 and lists the engines, each wait bounded by the start-up deadline and
+failing at once when the child it waits for has exited."""
 
 from __future__ import annotations
 

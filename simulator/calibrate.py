@@ -31,7 +31,7 @@ after each, and sets them against the simulator's seconds of prompt steps and of
 for the same requests on the same fleet shape: three equations, a prompt-step and a
 decode-step factor fitted to them, and `Profile.scaled(prefill, decode)` predicts at the
 host's present speed. (Three factors, a decode step's fixed part apart from its part per row,
-solved the three phases exactly and did worse: bench/sim_validate.py run 9, 7 December 2026.)
+solved the three phases exactly and predicted worse: bench/sim_validate.py run 9.)
 """
 
 from __future__ import annotations
