@@ -106,7 +106,10 @@ def simulate(profile: Profile, cfg: SimConfig, workload: WorkloadConfig | None,
              else cfg.request_rate, "num_requests": len(specs), "slos_ms": cfg.slos_ms,
              "label": cfg.label, "kv_overlap_weight": cfg.kv_overlap_weight,
              "routing": cfg.routing, "pd_threshold_tokens": cfg.pd_threshold_tokens,
-             "pd_handoff_ms": cfg.pd_handoff_ms,
+             # What a mixed fleet's predicted path charged a hand-off (the profile's measured
+             # one unless given); None where no path was predicted.
+             "pd_handoff_ms": getattr(sim.path_policy, "handoff_ms", None)
+             if cfg.fleet.is_mixed else None,
              "fleet": asdict(cfg.fleet), "profile": profile.model.fingerprint}
     return {"label": cfg.label, "model": f"mock/{profile.model.name}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "bench": bench,

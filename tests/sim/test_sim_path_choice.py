@@ -5,15 +5,16 @@ counts go; never timings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from baton.perf.profile import load
+from baton.perf.profile import PathCost, load
 from baton.workload.synthetic import WorkloadConfig
 from baton_cli.main import main as baton_main
-from router.path import PredictedPath, ThresholdPath
+from router.path import DEFAULT_HANDOFF_MS, PredictedPath, ThresholdPath
 from simulator.fleet import FleetConfig, Simulation
 from simulator.run import SimConfig, simulate
 
@@ -54,6 +55,8 @@ def test_the_router_policy_chooses_short_colocated_long_disaggregated():
     roles = {e["role"] for e in rec["fleet"]["engines"]}
     assert roles == {"normal", "prompt", "completion"}
     assert rec["fleet"]["pulled_kv_bytes"] > 0  # the disaggregated ones moved their KV
+    # The test profile measured no serving path: the router's estimate of a hand-off.
+    assert rec["bench"]["pd_handoff_ms"] == DEFAULT_HANDOFF_MS
     _drained(rec)
     again = _run()
     assert {k: again[k] for k in ("summary", "requests", "fleet")} == \
@@ -80,6 +83,10 @@ def test_a_fleet_of_one_kind_counts_its_only_path():
 def test_the_simulation_runs_the_routers_policy_class():
     sim = Simulation(PROFILE, MIXED, SimConfig(fleet=MIXED).make_policy)
     assert type(sim.path_policy) is PredictedPath
+    # A profile with its serving path measured: a hand-off costs what it measured, unless given.
+    measured = dataclasses.replace(PROFILE, path=PathCost(6.0, 1.9, 18))
+    assert SimConfig(fleet=MIXED).make_path_policy(measured).handoff_ms == 1.9
+    assert SimConfig(fleet=MIXED, pd_handoff_ms=4.0).make_path_policy(measured).handoff_ms == 4.0
     cfg = SimConfig(fleet=MIXED, pd_threshold_tokens=256)
     assert type(cfg.make_path_policy(PROFILE)) is ThresholdPath
 
