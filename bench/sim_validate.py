@@ -32,6 +32,9 @@
    seconds over the simulator's (per role disaggregated, one factor co-located). It reads the
    runs it is compared with, so it is no prediction: it is what the simulator gets wrong once
    it knows how fast the host ran, the host's speed set apart.
+8. With --mock the fleet is mock engines of --profile (`baton up --mock`): the same points,
+   rates and workloads against the real router, engine loop, scheduler and wires, every step a
+   sleep of the profile's price: the simulator against the serving stack alone.
 
 Writes bench/results/sim_validate.json (every run's summary, its requests one by one, and the
 engines' busy time: the simulator's, and the real engines' from their /metrics) and prints the
@@ -177,7 +180,8 @@ def step_check(profile, kind: str, args: argparse.Namespace) -> dict:
 
 # --------------------------------------------------------------------------- real runs
 class RealFleet:
-    """`baton up` with real engines of this setup; stopped on exit."""
+    """`baton up` with real engines of this setup (with --mock, mock engines of the profile);
+    stopped on exit."""
 
     def __init__(self, setup: str, args: argparse.Namespace) -> None:
         self.setup, self.args = setup, args
@@ -203,8 +207,11 @@ class RealFleet:
         shape = (["--normal-engines", "1"] if f.num_normal else
                  ["--prompt-engines", "1", "--completion-engines", "1"])
         a = self.args
+        # A mock engine loads no model: it takes no thread count (and refuses one by name).
+        engines = ["--mock", a.profile] if a.mock else []
+        threads = [] if a.mock else ["--num-threads", "1"]
         self.up = UpProcess.start(
-            [*shape, "--", "--num-threads", "1", "--num-blocks", str(a.num_blocks),
+            [*engines, *shape, "--", *threads, "--num-blocks", str(a.num_blocks),
              "--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens",
              str(a.max_num_batched_tokens), *a.engine_args.split()],
             ready_timeout_s=a.ready_timeout, keep_stderr=False)
@@ -483,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
                         "engine has core 0 alone: what sharing its core costs the TTFT)")
     p.add_argument("--no-probe", action="store_true",
                    help="no speed probe before each real run (runs 1-6 had none)")
+    p.add_argument("--mock", action="store_true",
+                   help="run every point on mock engines of --profile (`baton up --mock`: the "
+                        "real router, engine loop, scheduler and wires, each step a sleep of "
+                        "the profile's price) instead of real ones: the simulator against the "
+                        "serving stack with the host's speed taken out")
     p.add_argument("--step-check", action="store_true",
                    help="first, each workload's steps on one real engine against the profile")
     p.add_argument("--step-check-only", action="store_true",
@@ -494,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="print an earlier record as the README's table, and nothing else")
     p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
     args = p.parse_args(argv)
+    if args.mock and not args.profile:
+        p.error("--mock needs --profile (the mock engines sleep its step times)")
     # The modes that read an earlier record take only their own flags: any other given beside
     # them would do nothing, so it is refused by name.
     for mode, applies in (("markdown", ()), ("repredict", ("profile", "out"))):

@@ -70,3 +70,33 @@ def test_the_table_counts_each_speed_apart():
     assert table.splitlines()[3].endswith("| - | - | - | - | - | - | - | - |")
     assert table.endswith("within target: 0 of 6 (TTFT p50, TPOT p50, mean E2E); at the "
                           "probes' speed: 3 of 6; at the runs' own speed: 3 of 6")
+
+
+def test_mock_runs_the_points_on_mock_engines_of_the_profile(monkeypatch, capsys):
+    """--mock: `baton up --mock PROFILE` of the same shape and limits, no thread count (a mock
+    engine refuses one); without --profile it is refused (the mock engines sleep its prices)."""
+    import argparse
+
+    with pytest.raises(SystemExit):
+        sv.main(["--mock"])
+    assert "--mock needs --profile" in capsys.readouterr().err
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def start(flags, **kw):
+        started.append(list(flags))
+        raise Started
+
+    monkeypatch.setattr(sv.UpProcess, "start", start)
+    args = argparse.Namespace(mock=True, profile="P.json", num_blocks=512, max_num_seqs=16,
+                              max_num_batched_tokens=1024, engine_args="", ready_timeout=60.0)
+    for mock in (True, False):
+        with pytest.raises(Started):
+            sv.RealFleet("pd", argparse.Namespace(**{**vars(args), "mock": mock})).__enter__()
+    assert started[0] == ["--mock", "P.json", "--prompt-engines", "1", "--completion-engines",
+                          "1", "--", "--num-blocks", "512", "--max-num-seqs", "16",
+                          "--max-num-batched-tokens", "1024"]
+    assert started[1][:4] == ["--prompt-engines", "1", "--completion-engines", "1"]
+    assert started[1][5:7] == ["--num-threads", "1"]
