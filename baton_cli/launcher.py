@@ -223,10 +223,14 @@ class Launcher:
                 *(["--cache-salt-per-key"] if cfg.cache_salt_per_key else []),
                 *self._path_args()]
 
+    @property
+    def router_health_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.router_port}/health"
+
     def _spawn_router(self) -> Child:
         cfg = self.config
         env = {"BATON_API_KEY": cfg.api_key} if cfg.api_key else None
-        health = f"http://{cfg.host}:{cfg.router_port}/health"
+        health = self.router_health_url
         self.spawned_at["router"] = time.monotonic()
         router = Child("router", self.router_argv(), env, is_ready=lambda: http_ok(health))
         self.children.append(router)
@@ -241,8 +245,7 @@ class Launcher:
             engines = health.get("engines") or {}
             return all(engines.get(role, 0) > idx for role, idx in counts.items())
 
-        wait_http_ready(f"http://{cfg.host}:{cfg.router_port}/health", deadline, router,
-                        accept=lists_all)
+        wait_http_ready(self.router_health_url, deadline, router, accept=lists_all)
         self.ready_s["router"] = time.monotonic() - self.spawned_at["router"]
         logger.info("router ready in %.1f s", self.ready_s["router"])
         for child in self.children:  # every child is up: now the spares, if asked for

@@ -74,7 +74,7 @@ from baton.workload.args import build_specs  # noqa: E402
 from baton.workload.results import RequestResult, parse_slos  # noqa: E402
 from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402
 from baton.workload.trace import TraceConfig, build_trace_workload  # noqa: E402
-from simulator.calibrate import speed_probe  # noqa: E402
+from simulator.calibrate import fit_speed, speed_probe  # noqa: E402
 from simulator.fleet import FleetConfig  # noqa: E402
 from simulator.run import SimConfig, simulate  # noqa: E402
 
@@ -304,12 +304,9 @@ def probe_factors(probe: dict) -> tuple[float, float]:
     found one factor for both; run 9's solved three (a decode step's fixed part apart from
     its part per row): refitted here with two, as `speed_probe` now fits."""
     if "predicted_decode_row_s" in probe:
-        pre = np.array(probe["predicted_prefill_s"])
-        dec = np.array(probe["predicted_decode_s"]) + np.array(probe["predicted_decode_row_s"])
-        real = np.array(probe["real_busy_s"])
-        a = np.stack([pre, dec], axis=1) / real[:, None]
-        fp, fd = np.linalg.lstsq(a, np.ones(len(real)), rcond=None)[0]
-        return float(fp), float(fd)
+        dec = np.add(probe["predicted_decode_s"], probe["predicted_decode_row_s"])
+        fp, fd, _ = fit_speed(probe["predicted_prefill_s"], dec, probe["real_busy_s"])
+        return fp, fd
     return probe.get("prefill_factor", probe["factor"]), probe.get("decode_factor", probe["factor"])
 
 

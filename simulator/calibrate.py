@@ -41,6 +41,7 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -249,6 +250,20 @@ def _busy_s(metrics_urls: list[str]) -> float:
                for url in metrics_urls for engine in scrape(url).values())
 
 
+def fit_speed(prefill_s: Sequence[float], decode_s: Sequence[float],
+              real_s: Sequence[float]) -> tuple[float, float, float]:
+    """(prefill_factor, decode_factor, misfit) of phases whose real busy seconds are `real_s`
+    and whose simulated ones are `prefill_s` in prompt steps and `decode_s` in decode steps:
+    real = prefill_factor * prefill + decode_factor * decode, least squares relative to each
+    phase's real time (the phases weigh alike, whatever their length); misfit, the largest
+    relative error of the fit on a phase. The prompts' phase is mostly prompt steps, the
+    others mostly decode steps (one row, then a batch: the light and the loaded decode step,
+    which this host does not always slow alike), so the fit is far from singular."""
+    a = np.array([prefill_s, decode_s], dtype=np.float64).T / np.array(real_s)[:, None]
+    fp, fd = np.linalg.lstsq(a, np.ones(len(real_s)), rcond=None)[0]
+    return float(fp), float(fd), float(np.abs(a @ np.array([fp, fd]) - 1.0).max())
+
+
 def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: FleetConfig,
                 cfg: ProbeConfig | None = None) -> SpeedProbe:
     """The probe's requests through the live fleet at `url` (its engines' /metrics at
@@ -285,16 +300,10 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
         raise RuntimeError(f"the probe measured no busy time (real {real} s, predicted "
                            f"prompt steps {pre} s, decode steps {dec} s): are the /metrics "
                            f"URLs the fleet's engines?")
-    # Three phases, two unknowns: [pre dec] . [fp fd] = real, least squares relative to each
-    # phase's busy time (the phases weigh alike, whatever their length). The prompts' phase is
-    # mostly prompt steps, the others mostly decode steps (one row, then a batch: the light
-    # and the loaded decode step, which this host does not always slow alike).
-    a = np.array([pre, dec]).T / np.array(real)[:, None]
-    fp, fd = np.linalg.lstsq(a, np.ones(len(real)), rcond=None)[0]
+    fp, fd, misfit = fit_speed(pre, dec, real)
     if not (fp > 0 and fd > 0):  # noise past what the phases can tell apart
         raise RuntimeError(f"the probe's phases disagree (real {real} s against prompt steps "
                            f"{pre} s and decode steps {dec} s: factors {fp:.3f}, {fd:.3f})")
-    misfit = float(np.abs(a @ np.array([fp, fd]) - 1.0).max())
-    return SpeedProbe(prefill_factor=float(fp), decode_factor=float(fd),
+    return SpeedProbe(prefill_factor=fp, decode_factor=fd,
                       factor=sum(real) / (sum(pre) + sum(dec)), misfit=misfit,
                       real_busy_s=real, predicted_prefill_s=pre, predicted_decode_s=dec)
