@@ -505,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.mock and not args.profile:
         p.error("--mock needs --profile (the mock engines sleep its step times)")
+    if args.quick_profile and args.profile:
+        p.error("--quick-profile fits the profile that --profile would give: one or the other")
     # The modes that read an earlier record take only their own flags: any other given beside
     # them would do nothing, so it is refused by name.
     for mode, applies in (("markdown", ()), ("repredict", ("profile", "out"))):

@@ -80,6 +80,9 @@ def test_mock_runs_the_points_on_mock_engines_of_the_profile(monkeypatch, capsys
     with pytest.raises(SystemExit):
         sv.main(["--mock"])
     assert "--mock needs --profile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a profile given is not fitted: --quick-profile says nothing
+        sv.main(["--mock", "--profile", "P.json", "--quick-profile"])
+    assert "--quick-profile" in capsys.readouterr().err
     started = []
 
     class Started(Exception):
