@@ -26,8 +26,12 @@
    a burst that decodes together), the engines' busy seconds against the simulator's for the
    same requests, fitted with a prompt-step and a decode-step factor. This host's speed drifts
    by 10-30% within an hour, which is not the simulator's error: each point is also predicted
-   with the profile scaled by the median of its probes' factors (`at_probe`). The rate of a
-   point is the raw profile's (the probe comes after it is chosen).
+   with the profile scaled by the median of its probes' factors (`at_probe`).
+   A point's rate is a fraction of the capacity at the speed one more probe finds just
+   before the point (--rate-from probe, the default; `rate_basis`): "the knee" is 0.75 of
+   what the host does now, not of what the profile said minutes ago (a host 15% slower
+   than its profile puts a 0.75 point at 0.88, where queueing multiplies every error).
+   Runs 1-10 took the raw profile's capacity (--rate-from profile; --no-probe's).
 7. And at the runs' own speed (`at_run_speed`): the profile scaled by the real engines' busy
    seconds over the simulator's (per role disaggregated, one factor co-located). It reads the
    runs it is compared with, so it is no prediction: it is what the simulator gets wrong once
@@ -252,6 +256,20 @@ def probe(fleet: RealFleet, profile, setup: str, args: argparse.Namespace) -> di
     return {**found, "load_average": list(os.getloadavg())}
 
 
+def rate_basis(fleet: RealFleet, profile, kind: str, setup: str,
+               args: argparse.Namespace) -> tuple[float, dict | None]:
+    """The capacity a point's rate is a fraction of, and the probe it was found at: with
+    --rate-from probe, the simulator's capacity at the speed a probe finds now (the raw
+    profile's if the probe failed: said in its record); else the raw profile's, no probe."""
+    if args.rate_from != "probe":
+        return capacity(profile, kind, setup, args), None
+    found = probe(fleet, profile, setup, args)
+    if "error" in found:
+        print("the point's rate from the raw profile's capacity", file=sys.stderr, flush=True)
+        return capacity(profile, kind, setup, args), found
+    return capacity(profile.scaled(*probe_factors(found)), kind, setup, args), found
+
+
 def measure(fleet: RealFleet, kind: str, args: argparse.Namespace, rate: float) -> dict:
     """One real run's record: its summary (with the load average), requests and fleet."""
     workload, trace, request_rate = workload_at(kind, args, rate)
@@ -373,6 +391,9 @@ def _cells(compared: dict) -> list[str]:
 
 def print_point(p: dict) -> None:
     head = f"{p['workload']:<9} {p['setup']:<4} {p['level']:<10} {p['rate']:>6.2f}/s"
+    if p.get("rate_probe") and "error" not in p["rate_probe"]:
+        fp, fd = probe_factors(p["rate_probe"])
+        head += f" (speed x{fp:.2f}/x{fd:.2f})"
     busy = []
     for role, (sim_s, _) in busy_of(p.get("predicted_fleet")).items():
         real = sorted(busy_of(f).get(role, [math.nan])[0] for f in p.get("runs_fleet") or [])
@@ -487,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
                         "engine has core 0 alone: what sharing its core costs the TTFT)")
     p.add_argument("--no-probe", action="store_true",
                    help="no speed probe before each real run (runs 1-6 had none)")
+    p.add_argument("--rate-from", choices=("probe", "profile"), default=None,
+                   help="a point's rate is a fraction of the simulated capacity at the speed "
+                        "a probe finds just before the point (probe, the default) or at the "
+                        "raw profile's (profile: runs 1-10; the default with --no-probe)")
     p.add_argument("--mock", action="store_true",
                    help="run every point on mock engines of --profile (`baton up --mock`: the "
                         "real router, engine loop, scheduler and wires, each step a sleep of "
@@ -517,11 +542,14 @@ def main(argv: list[str] | None = None) -> int:
             if ignored:
                 p.error(f"--{mode} reads an earlier record: {', '.join(ignored)} would do "
                         f"nothing (it takes {takes})")
+    if args.rate_from == "probe" and args.no_probe:
+        p.error("--rate-from probe needs the speed probe that --no-probe turns off")
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
         return 0
     if args.repredict:
         return repredict(args)
+    args.rate_from = args.rate_from or ("profile" if args.no_probe else "probe")
     logging.basicConfig(level=logging.WARNING)
     # A stop (SIGTERM) unwinds through RealFleet, which stops its `baton up`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -546,8 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.client_cpus:
                 fleet.pin_client(parse_cpus(args.client_cpus))
             for kind in args.workloads:
-                cap = capacity(profile, kind, setup, args)
                 for level, frac in zip(LEVELS, args.load_fractions, strict=True):
+                    cap, rate_probe = rate_basis(fleet, profile, kind, setup, args)
                     rate = frac * cap
                     sim = predict(profile, kind, setup, args, rate)
                     probes, real = [], []
@@ -557,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                         real.append(measure(fleet, kind, args, rate))
                     runs = [r["summary"] for r in real]
                     point = {"workload": kind, "setup": setup, "level": level, "rate": rate,
-                             "capacity": cap, "runs": runs, **predicted_side(level, sim, runs),
+                             "capacity": cap, "rate_probe": rate_probe, "runs": runs,
+                             **predicted_side(level, sim, runs),
                              "runs_fleet": [r.get("fleet") for r in real],
                              "runs_requests": [requests_of(r) for r in real],
                              "probes": probes}

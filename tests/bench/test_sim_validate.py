@@ -103,3 +103,35 @@ def test_mock_runs_the_points_on_mock_engines_of_the_profile(monkeypatch, capsys
                           "--max-num-batched-tokens", "1024"]
     assert started[1][:4] == ["--prompt-engines", "1", "--completion-engines", "1"]
     assert started[1][5:7] == ["--num-threads", "1"]
+
+
+def test_a_points_rate_is_a_fraction_of_the_capacity_at_the_speed_probed_now(monkeypatch,
+                                                                             capsys):
+    """--rate-from probe (the default): the capacity of the profile scaled by a probe run just
+    before the point; the raw profile's if that probe fails (said), or with --rate-from
+    profile (no probe); --rate-from probe beside --no-probe is refused."""
+    import argparse
+
+    with pytest.raises(SystemExit):
+        sv.main(["--no-probe", "--rate-from", "probe", "--profile", "P.json"])
+    assert "--rate-from probe needs the speed probe" in capsys.readouterr().err
+
+    class Profile:
+        def __init__(self, speed=(1.0, 1.0)):
+            self.speed = speed
+
+        def scaled(self, fp, fd):
+            return Profile((fp, fd))
+
+    found = {"prefill_factor": 1.25, "decode_factor": 2.0, "factor": 1.6}
+    monkeypatch.setattr(sv, "probe", lambda fleet, profile, setup, args: dict(found))
+    # A profile twice as slow at decoding completes half as many requests a second.
+    monkeypatch.setattr(sv, "capacity", lambda profile, kind, setup, args:
+                        4.0 / profile.speed[1])
+    args = argparse.Namespace(rate_from="probe")
+    assert sv.rate_basis(None, Profile(), "trace", "pd", args) == (2.0, found)
+    assert sv.rate_basis(None, Profile(), "trace", "pd",
+                         argparse.Namespace(rate_from="profile")) == (4.0, None)
+    monkeypatch.setattr(sv, "probe", lambda *a: {"error": "no engine"})
+    assert sv.rate_basis(None, Profile(), "trace", "pd", args) == (4.0, {"error": "no engine"})
+    assert "rate from the raw profile's capacity" in capsys.readouterr().err
