@@ -173,6 +173,16 @@ def busy_of(fleet: dict | None) -> dict:
     return out
 
 
+def split_of(fleet: dict | None) -> tuple[float, float] | None:
+    """(prompt steps' busy seconds, decode steps') over a record's engines; None where an
+    engine does not split its busy time (the real engines of runs 1-10)."""
+    engines = (fleet or {}).get("engines", [])
+    if not engines or any("prefill_busy_s" not in e for e in engines):
+        return None
+    prompt = sum(e["prefill_busy_s"] for e in engines)
+    return prompt, sum(e["busy_s"] for e in engines) - prompt
+
+
 def step_check(profile, kind: str, args: argparse.Namespace) -> dict:
     """`kind`'s prompts through one real engine here, its steps against the profile."""
     workload, trace, _ = workload_at(kind, args, 1.0)
@@ -349,13 +359,20 @@ def at_probe(profile, point: dict, args: argparse.Namespace) -> dict | None:
 
 
 def at_run_speed(profile, point: dict, args: argparse.Namespace) -> dict | None:
-    """The point at the speed its real runs' engines ran: their busy seconds (the median
-    run's, from /metrics) over the simulator's for the same requests, per role
-    disaggregated (the prompt engine's for prompt steps, the completion engine's for decode
-    steps), one factor co-located. Not a prediction (it reads the runs it is compared with):
-    what the simulator gets wrong when it knows the host's speed, apart from the speed
-    itself. A planner correcting its profile from a live fleet's /metrics has the same
-    figure (Dynamo's planner scales its profile by observed over predicted latency)."""
+    """The point at the speed its real runs' engines ran: their seconds in prompt steps and in
+    decode steps (the median run's, from /metrics) over the simulator's for the same
+    requests. Engines that do not split their busy time (runs 1-10): per role disaggregated
+    (the prompt engine's for prompt steps, the completion engine's for decode steps), one
+    factor co-located. Not a prediction (it reads the runs it is compared with): what the
+    simulator gets wrong when it knows the host's speed, apart from the speed itself. A
+    planner correcting its profile from a live fleet's /metrics has the same figure
+    (Dynamo's planner scales its profile by observed over predicted latency)."""
+    sim_split = split_of(point.get("predicted_fleet"))
+    real_split = [s for s in map(split_of, point.get("runs_fleet") or []) if s]
+    if sim_split and real_split and min(sim_split) > 0:
+        return at_speed(profile, point, args,
+                        _median([s[0] for s in real_split]) / sim_split[0],
+                        _median([s[1] for s in real_split]) / sim_split[1])
     real = [b for b in map(busy_of, point.get("runs_fleet") or []) if b]
     sim = busy_of(point.get("predicted_fleet"))
     if not real or not sim or min(v[0] for v in sim.values()) <= 0:
@@ -396,9 +413,14 @@ def print_point(p: dict) -> None:
         head += f" (speed x{fp:.2f}/x{fd:.2f})"
     busy = []
     for role, (sim_s, _) in busy_of(p.get("predicted_fleet")).items():
-        real = sorted(busy_of(f).get(role, [math.nan])[0] for f in p.get("runs_fleet") or [])
+        real = [busy_of(f).get(role, [math.nan])[0] for f in p.get("runs_fleet") or []]
         if real:
-            busy.append(f"{role} busy {sim_s:.1f} s vs {real[len(real) // 2]:.1f} s")
+            busy.append(f"{role} busy {sim_s:.1f} s vs {_median(real):.1f} s")
+    real_split = [sp for sp in map(split_of, p.get("runs_fleet") or []) if sp]
+    sim_split = split_of(p.get("predicted_fleet"))
+    if real_split and sim_split:
+        busy.append(f"prompt steps {sim_split[0]:.1f} s vs "
+                    f"{_median([sp[0] for sp in real_split]):.1f} s")
     print(head + "  " + "; ".join(_cells(p["compare"]) + busy), flush=True)
     for side, name in SIDES:
         if p.get(side):

@@ -216,16 +216,20 @@ class ProbeConfig:
 
 @dataclass
 class SpeedProbe:
-    """This host's speed against the profile's: each phase's real busy seconds (all engines)
-    against the simulator's, fitted with a prompt-step factor and a decode-step factor."""
+    """This host's speed against the profile's: the real engines' busy seconds in prompt steps
+    and in decode steps against the simulator's (or, from engines that do not split their busy
+    time, each phase's whole busy seconds fitted with the two factors)."""
 
     prefill_factor: float
     decode_factor: float
     factor: float  # all real busy seconds over all predicted ones
-    misfit: float  # the fit's largest error on a phase's busy seconds, relative
+    misfit: float  # the factors' largest error on a phase's busy seconds, relative
     real_busy_s: list[float]  # per phase: prompts, one stream, a batch
     predicted_prefill_s: list[float]  # per phase, the simulator's prompt steps
     predicted_decode_s: list[float]  # and its decode steps
+    # Per phase, the real engines' seconds in prompt steps (baton_engine_prompt_busy_seconds);
+    # None where an engine does not expose it: the factors were then fitted (`fit_speed`).
+    real_prefill_s: list[float] | None = None
 
 
 def _probe_phases(cfg: ProbeConfig) -> list[list[RequestSpec]]:
@@ -245,15 +249,37 @@ def _probe_phases(cfg: ProbeConfig) -> list[list[RequestSpec]]:
     return [lone, solo, burst]
 
 
-def _busy_s(metrics_urls: list[str]) -> float:
-    return sum(engine.values.get("busy_s", 0.0)
-               for url in metrics_urls for engine in scrape(url).values())
+def _busy_s(metrics_urls: list[str]) -> tuple[float, float | None]:
+    """The engines' busy seconds, and of them those in prompt steps (None if an engine does
+    not say)."""
+    busy, prompt = 0.0, 0.0
+    for engine in (e for url in metrics_urls for e in scrape(url).values()):
+        busy += engine.values.get("busy_s", 0.0)
+        split = engine.values.get("prefill_busy_s")
+        prompt = None if prompt is None or split is None else prompt + split
+    return busy, prompt
+
+
+def speed_factors(prefill_s: Sequence[float], decode_s: Sequence[float],
+                  real_s: Sequence[float], real_prefill_s: Sequence[float]
+                  ) -> tuple[float, float, float]:
+    """(prefill_factor, decode_factor, misfit) of phases whose real busy seconds are `real_s`,
+    `real_prefill_s` of them in prompt steps, and whose simulated ones are `prefill_s` in prompt
+    steps and `decode_s` in decode steps: each factor the real seconds of its kind of step over
+    the simulated ones, all phases together; misfit, the factors' largest relative error on a
+    phase's whole busy seconds (how differently the phases' steps ran)."""
+    pre, dec, real = (np.asarray(v, dtype=np.float64) for v in (prefill_s, decode_s, real_s))
+    fp = float(np.sum(real_prefill_s)) / float(pre.sum())
+    fd = float(real.sum() - np.sum(real_prefill_s)) / float(dec.sum())
+    return fp, fd, float(np.abs((fp * pre + fd * dec) / real - 1.0).max())
 
 
 def fit_speed(prefill_s: Sequence[float], decode_s: Sequence[float],
               real_s: Sequence[float]) -> tuple[float, float, float]:
     """(prefill_factor, decode_factor, misfit) of phases whose real busy seconds are `real_s`
-    and whose simulated ones are `prefill_s` in prompt steps and `decode_s` in decode steps:
+    and whose simulated ones are `prefill_s` in prompt steps and `decode_s` in decode steps,
+    where the real engines do not say which of their seconds were prompt steps (engines before
+    baton_engine_prompt_busy_seconds; the probes of runs 7-10 of bench/sim_validate.py):
     real = prefill_factor * prefill + decode_factor * decode, least squares relative to each
     phase's real time (the phases weigh alike, whatever their length); misfit, the largest
     relative error of the fit on a phase. The prompts' phase is mostly prompt steps, the
@@ -269,14 +295,18 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
     """The probe's requests through the live fleet at `url` (its engines' /metrics at
     `metrics_urls`, their prefix caches empty: reset them first), each phase's busy seconds
     against the simulator's for the same requests on `fleet` (the live fleet's shape and
-    limits): real = prefill_factor * predicted prompt steps + decode_factor * predicted decode
-    steps, one equation a phase, fitted by least squares. A factor > 1: slower than the
-    profile. Raises RuntimeError on a failed request, a phase without busy time or a factor
-    <= 0; OSError/ValueError when a /metrics cannot be read."""
+    limits): the engines' seconds in prompt steps over the simulator's are prefill_factor,
+    their seconds in decode steps over the simulator's decode_factor (`speed_factors`); from
+    engines that do not split their busy time, real = prefill_factor * predicted prompt steps
+    + decode_factor * predicted decode steps, one equation a phase, fitted by least squares
+    (`fit_speed`). A factor > 1: slower than the profile. Raises RuntimeError on a failed
+    request, a phase without busy time or a factor <= 0; OSError/ValueError when a /metrics
+    cannot be read."""
     cfg = cfg or ProbeConfig()
     phases = _probe_phases(cfg)
     tok = WordTokenizer(profile.model.vocab_size)
     pre, dec, real = [], [], []
+    real_pre: list[float] | None = []
     with httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
         model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         for specs in phases:
@@ -286,7 +316,7 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
             pre.append(sum(e["prefill_busy_s"] for e in engines))
             dec.append(sum(e["busy_s"] - e["prefill_busy_s"] for e in engines))
             prompts = [tok.encode(s.prompt) for s in specs]
-            before = _busy_s(metrics_urls)
+            before, before_pre = _busy_s(metrics_urls)
             jobs = [(ids, s.max_tokens) for ids, s in zip(prompts, specs, strict=True)]
             if len(jobs) > 1 and len({s.arrival_s for s in specs}) == 1:  # the burst: at once
                 with ThreadPoolExecutor(len(jobs)) as pool:
@@ -295,15 +325,23 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
                 for job in jobs:
                     _send(client, model, *job)
             time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
-            real.append(_busy_s(metrics_urls) - before)
+            after, after_pre = _busy_s(metrics_urls)
+            real.append(after - before)
+            if real_pre is not None and before_pre is not None and after_pre is not None:
+                real_pre.append(after_pre - before_pre)
+            else:
+                real_pre = None
     if min(real) <= 0 or pre[0] <= 0 or min(dec[1:]) <= 0:
         raise RuntimeError(f"the probe measured no busy time (real {real} s, predicted "
                            f"prompt steps {pre} s, decode steps {dec} s): are the /metrics "
                            f"URLs the fleet's engines?")
-    fp, fd, misfit = fit_speed(pre, dec, real)
+    fp, fd, misfit = (fit_speed(pre, dec, real) if real_pre is None
+                      else speed_factors(pre, dec, real, real_pre))
     if not (fp > 0 and fd > 0):  # noise past what the phases can tell apart
-        raise RuntimeError(f"the probe's phases disagree (real {real} s against prompt steps "
-                           f"{pre} s and decode steps {dec} s: factors {fp:.3f}, {fd:.3f})")
+        raise RuntimeError(f"the probe's factors are not > 0 (real {real} s, {real_pre} s of "
+                           f"them prompt steps, against prompt steps {pre} s and decode steps "
+                           f"{dec} s: factors {fp:.3f}, {fd:.3f})")
     return SpeedProbe(prefill_factor=fp, decode_factor=fd,
                       factor=sum(real) / (sum(pre) + sum(dec)), misfit=misfit,
-                      real_busy_s=real, predicted_prefill_s=pre, predicted_decode_s=dec)
+                      real_busy_s=real, predicted_prefill_s=pre, predicted_decode_s=dec,
+                      real_prefill_s=real_pre)

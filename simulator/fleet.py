@@ -592,6 +592,7 @@ class Simulation:
                     "prefill_busy_s": e.runner.prefill_busy_s,
                     "busy_fraction": e.runner.busy_s / self.now if self.now else 0.0,
                     "num_steps": e.runner.num_steps,
+                    "num_prompt_steps": e.engine.num_prompt_steps,
                     "num_prompt_tokens": e.engine.num_prompt_tokens,
                     "num_generated_tokens": e.engine.num_generated_tokens,
                     "num_preemptions": stats["num_preemptions"],

@@ -26,6 +26,7 @@ shared tiers), kv_keys.py (KV identity), pipeline.py (two-beat), speculation.py 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -104,6 +105,10 @@ class LLMEngine:
         self.num_prompt_steps = 0
         self.num_empty_prompt_steps = 0
         self.num_decode_steps = 0
+        # Seconds of the `step()` calls that launched a prompt step (the rest of the service's
+        # busy seconds are decode steps): the real engine's split of its busy time, which the
+        # simulator keeps per engine (`prefill_busy_s`) and a speed probe divides by.
+        self.prompt_busy_s = 0.0
         logger.info("engine: %s, model %s, %d KV blocks, max_model_len %d", config,
                     self.model_path, num_blocks, max_len)
         # The disk (P10) and shared (P11) tiers below the pool (kv_tiers.py).
@@ -350,12 +355,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One schedule -> run -> process_outputs round; what it produced, per request. With
         `async_scheduling`, the two-beat pipeline's round (baton/engine/pipeline.py)."""
+        started, prompt_steps = time.monotonic(), self.num_prompt_steps
         if self.pipeline is not None:
-            return self.pipeline.step()
-        outputs, self._pending = self._pending, []
-        launch = self._launch(self._schedule(outputs))
-        if launch is not None:
-            outputs += self._book(launch, *launch.run(self.runner))
+            outputs = self.pipeline.step()
+        else:
+            outputs, self._pending = self._pending, []
+            launch = self._launch(self._schedule(outputs))
+            if launch is not None:
+                outputs += self._book(launch, *launch.run(self.runner))
+        if self.num_prompt_steps != prompt_steps:
+            self.prompt_busy_s += time.monotonic() - started
         return outputs
 
     def _schedule(self, outputs: list[RequestOutput]):

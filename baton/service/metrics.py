@@ -50,6 +50,10 @@ _NOT_FAILURES = {FailReason.ABORTED.value}
 _COUNTERS = [
     ("baton_engine_busy_seconds", "Seconds spent in engine steps (the forward and its booking; "
      "over wall time, how busy the engine is)", "busy_s"),
+    ("baton_engine_prompt_busy_seconds", "Of the busy seconds, those of steps that ran a prompt "
+     "step (the rest: decode steps)", "prompt_busy_s"),
+    ("baton_engine_prompt_steps", "Prompt steps run (the rest of the steps: decode steps)",
+     "num_prompt_steps"),
     ("baton_engine_loop_seconds", "Seconds of the engine loop's iterations that ran a step (the "
      "step, its messages and KV events; minus busy seconds, the service's own work)", "loop_s"),
     ("baton_engine_steps", "Engine steps run (a batch of prompt chunks and decodes each)",

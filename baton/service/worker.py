@@ -111,6 +111,7 @@ class EngineWorker:
         stats.extra["num_prompt_steps"] = float(engine.num_prompt_steps)
         stats.extra["num_empty_prompt_steps"] = float(engine.num_empty_prompt_steps)
         stats.extra["num_decode_steps"] = float(engine.num_decode_steps)
+        stats.extra["prompt_busy_s"] = engine.prompt_busy_s
         stats.extra["num_recomputed"] = float(engine.num_recomputed)
         for key in ("num_preemptions", "num_handed_off", "prefix_cache_query_tokens",
                     "prefix_cache_hit_tokens", "num_cached_blocks"):

@@ -6,7 +6,9 @@ them, from two scrapes of each engine's `/metrics` (the URLs `baton up`'s banner
 before the run and one after it. Every figure is a difference of the two, so it covers the run
 and not the engine's life; a counter that went down (the engine restarted during the run)
 counts from zero. Per engine: name (its `engine_id` label), role, busy_s
-(`baton_engine_busy_seconds_total`: seconds in engine steps), loop_s (`baton_engine_loop_seconds_total`:
+(`baton_engine_busy_seconds_total`: seconds in engine steps), prefill_busy_s and
+num_prompt_steps (`baton_engine_prompt_busy_seconds_total`, `..._prompt_steps_total`: those of
+prompt steps; left out for an engine that does not expose them), loop_s (`baton_engine_loop_seconds_total`:
 the loop iterations that stepped; minus busy_s, the service's own work), busy_fraction (over the run's
 wall time), num_steps, num_prompt_tokens (computed by prefill, cached ones excluded),
 num_generated_tokens, num_preemptions, pulled_kv_blocks and pulled_kv_bytes (completion
@@ -31,6 +33,8 @@ from baton.protocol import COMPLETION
 # fleet key -> the engine's counter sample (baton/service/metrics.py).
 COUNTERS = {
     "busy_s": "baton_engine_busy_seconds_total",
+    "prefill_busy_s": "baton_engine_prompt_busy_seconds_total",
+    "num_prompt_steps": "baton_engine_prompt_steps_total",
     "loop_s": "baton_engine_loop_seconds_total",
     "num_steps": "baton_engine_steps_total",
     "num_prompt_tokens": "baton_prompt_tokens_total",
@@ -41,8 +45,11 @@ COUNTERS = {
     "cache_queries": "baton_prefix_cache_queries_total",
     "cache_hits": "baton_prefix_cache_hits_total",
 }
-_INTEGER_KEYS = ("num_steps", "num_prompt_tokens", "num_generated_tokens", "num_preemptions",
-                 "pulled_kv_blocks", "pulled_kv_bytes")
+# Counters an engine of an earlier version does not expose: left out of its record rather
+# than read as 0 (an engine without the prompt-step split is not one that ran no prompt step).
+_OPTIONAL_KEYS = ("prefill_busy_s", "num_prompt_steps")
+_INTEGER_KEYS = ("num_steps", "num_prompt_steps", "num_prompt_tokens", "num_generated_tokens",
+                 "num_preemptions", "pulled_kv_blocks", "pulled_kv_bytes")
 # The engines publish their counters every 0.25 s (the service loop's snapshot): a scrape this
 # long after the last answer sees all of the run.
 SETTLE_S = 0.5
@@ -119,9 +126,10 @@ def fleet_delta(before: Scrape, after: Scrape, wall_s: float) -> dict:
             queries, hits = d.pop("cache_queries"), d.pop("cache_hits")
             engines.append({
                 "name": name, "role": end.role, "url": url, "busy_s": d["busy_s"],
+                **{k: d[k] for k in _OPTIONAL_KEYS if k in end.values},
                 "loop_s": d["loop_s"],
                 "busy_fraction": d["busy_s"] / wall_s if wall_s > 0 else 0.0,
-                **{k: d[k] for k in _INTEGER_KEYS},
+                **{k: d[k] for k in _INTEGER_KEYS if k not in _OPTIONAL_KEYS},
                 "cache_hit_rate": hits / queries if queries else 0.0,
                 "cache_query_tokens": round(queries), "cache_hit_tokens": round(hits)})
     return {"source": "engine_metrics", "wall_s": wall_s, "engines": engines,

@@ -22,9 +22,11 @@ from baton.workload.fleet_metrics import (
 
 def _text(engine_id: str, role: str, busy: float, steps: int, prompt: int, generated: int,
           queries: int, hits: int, pulled_blocks: int = 0, pulled_bytes: int = 0) -> str:
+    """One engine's /metrics text; a quarter of its busy seconds and steps prompt steps."""
     stats = EngineStats(engine_id=engine_id, role=role, num_steps=steps,
                         num_prompt_tokens=prompt, num_generated_tokens=generated,
                         extra={"busy_s": busy, "loop_s": busy + 0.01 * steps,
+                               "prompt_busy_s": busy / 4, "num_prompt_steps": steps / 4,
                                "prefix_cache_query_tokens": queries,
                                "prefix_cache_hit_tokens": hits, "num_preemptions": 1,
                                "kv_blocks_pulled": pulled_blocks,
@@ -42,7 +44,9 @@ def test_the_parser_reads_every_counter_an_engine_exposes():
     (engine,) = parse_engine_metrics(text).values()
     assert (engine.name, engine.role) == ("completion-0", "completion")
     assert set(engine.values) == set(COUNTERS)
-    assert engine.values == {"busy_s": 2.5, "loop_s": 2.9, "num_steps": 40, "num_prompt_tokens": 7,
+    assert engine.values == {"busy_s": 2.5, "loop_s": 2.9, "num_steps": 40,
+                             "prefill_busy_s": 0.625, "num_prompt_steps": 10,
+                             "num_prompt_tokens": 7,
                              "num_generated_tokens": 33, "num_preemptions": 1,
                              "pulled_kv_blocks": 5, "pulled_kv_bytes": 1280,
                              "cache_queries": 64, "cache_hits": 48}
@@ -68,6 +72,7 @@ def test_the_fleet_is_what_moved_over_the_run():
     assert list(by_name) == ["prompt-0", "prompt-1", "completion-0"]  # the URLs' order
     p = by_name["prompt-0"]
     assert (p["role"], p["busy_s"], p["busy_fraction"], p["num_steps"]) == ("prompt", 4.0, 0.5, 30)
+    assert (p["prefill_busy_s"], p["num_prompt_steps"]) == (1.0, 8)  # 32.5 - 25 steps, rounded
     assert (p["num_prompt_tokens"], p["num_generated_tokens"], p["num_preemptions"]) == (300, 6, 0)
     assert p["cache_hit_rate"] == 100 / 400 and p["pulled_kv_bytes"] == 0
     assert (by_name["prompt-1"]["num_steps"], by_name["prompt-1"]["cache_hit_rate"]) == (8, 1 / 3)
@@ -83,6 +88,11 @@ def test_the_fleet_is_what_moved_over_the_run():
     assert line.startswith("busy: prompt-0 50%, prompt-1 12%, completion-0 50%; pulled KV "
                            "5.0 KiB; prefix cache hits 27%\n")
     assert f"not read: {gone} (before: URLError" in line
+    # An engine of an earlier version, without the prompt-step split: left out, not 0.
+    old = {p0: parse_engine_metrics(re.sub(r"(?m)^baton_engine_prompt_.*$", "",
+                                           _text("prompt-0", "prompt", 1.0, 8, 64, 2, 9, 3)))}
+    (e,) = fleet_delta({p0: {}}, old, 1.0)["engines"]
+    assert "prefill_busy_s" not in e and "num_prompt_steps" not in e and e["num_steps"] == 8
     # Reachable before the run only: noted with when it failed.
     assert fleet_delta({p0: before[p0]}, {p0: "TimeoutError: timed out"}, 1.0)["unreachable"] == [
         {"url": p0, "when": "after", "error": "TimeoutError: timed out"}]
@@ -128,10 +138,14 @@ def test_baton_bench_fills_the_fleet_from_mock_engines(tmp_path, capsys):
     assert all(e["busy_s"] > 0 and e["num_steps"] > 0 for e in fleet["engines"])
     # The loop's iterations that stepped hold the steps and the service's work around them.
     assert all(e["loop_s"] >= e["busy_s"] for e in fleet["engines"])
+    # The prompt-step split: a prompt engine runs only prompt steps, a completion engine none.
+    prompt, completion = fleet["engines"]
+    assert prompt["num_prompt_steps"] == prompt["num_steps"]
+    assert 0.9 * prompt["busy_s"] <= prompt["prefill_busy_s"] <= prompt["busy_s"]
+    assert (completion["num_prompt_steps"], completion["prefill_busy_s"]) == (0, 0.0)
     assert fleet["unreachable"][0]["url"] == "http://127.0.0.1:9/metrics"
     sent = sum(r["prompt_tokens"] - r["cached_tokens"] for r in record["requests"])
     assert sum(e["num_prompt_tokens"] for e in fleet["engines"]) == sent
-    prompt, completion = fleet["engines"]
     assert prompt["cache_hit_rate"] > 0
     assert completion["pulled_kv_blocks"] > 0 and fleet["pulled_kv_bytes"] > 0
     assert completion["num_generated_tokens"] > 0

@@ -40,6 +40,14 @@ def test_the_runs_own_speed_is_their_busy_time_over_the_simulators(monkeypatch):
     assert sv.at_run_speed(None, pd, None) == pytest.approx((0.9, 1.2))  # medians, per role
     colo = {"predicted_fleet": _fleet(normal=10.0), "runs_fleet": [_fleet(normal=11.0)]}
     assert sv.at_run_speed(None, colo, None) == pytest.approx((1.1, 1.1))
+    # Engines that split their busy time by kind of step: a factor per kind, any setup.
+    def split(prompt: float, decode: float, role: str = "normal") -> dict:
+        return {"engines": [{"role": role, "busy_s": prompt + decode, "prefill_busy_s": prompt,
+                             "num_steps": 1}]}
+
+    colo = {"predicted_fleet": split(4.0, 10.0),
+            "runs_fleet": [split(5.0, 9.0), split(4.4, 8.0), split(6.0, 11.0)]}
+    assert sv.at_run_speed(None, colo, None) == pytest.approx((1.25, 0.9))
     # Runs whose /metrics were not read have no speed of their own.
     assert sv.at_run_speed(None, {"predicted_fleet": _fleet(normal=10.0),
                                   "runs_fleet": [None, {"engines": []}]}, None) is None
@@ -135,3 +143,22 @@ def test_a_points_rate_is_a_fraction_of_the_capacity_at_the_speed_probed_now(mon
     monkeypatch.setattr(sv, "probe", lambda *a: {"error": "no engine"})
     assert sv.rate_basis(None, Profile(), "trace", "pd", args) == (4.0, {"error": "no engine"})
     assert "rate from the raw profile's capacity" in capsys.readouterr().err
+
+
+def test_the_probes_factors_are_each_kind_of_steps_real_seconds_over_the_simulators():
+    """speed_factors: from engines that split their busy time by kind of step, no fit: prompt
+    steps' real seconds over the simulator's, decode steps' likewise, all phases together;
+    misfit, how far a phase's whole busy time is from the two factors' prediction."""
+    from simulator.calibrate import speed_factors
+
+    pre, dec = [1.0, 0.1, 0.2], [0.1, 1.0, 2.0]
+    real_pre = [1.2, 0.12, 0.24]  # prompt steps x1.2
+    real = [p + 0.9 * d for p, d in zip(real_pre, dec, strict=True)]  # decode steps x0.9
+    fp, fd, misfit = speed_factors(pre, dec, real, real_pre)
+    assert (fp, fd) == pytest.approx((1.2, 0.9)) and misfit == pytest.approx(0.0, abs=1e-12)
+    real[1] *= 1.1  # the solo stream ran its decode steps slower than the batch
+    fp, fd, misfit = speed_factors(pre, dec, real, real_pre)
+    assert fp == pytest.approx(1.2) and 0.9 < fd < 0.9 * 1.1 and misfit > 0.02
+    # A probe record carries its split: sim_validate reads the factors it found.
+    assert sv.probe_factors({"factor": 1.0, "prefill_factor": fp, "decode_factor": fd,
+                             "real_prefill_s": real_pre}) == (fp, fd)

@@ -248,10 +248,15 @@ def test_the_speed_probe_reads_the_engines_busy_time_against_the_simulators(flee
                         FleetConfig(num_normal=1, num_blocks=96, max_num_seqs=8),
                         ProbeConfig(lone_lens=(128, 256), solo_max_tokens=12, burst=8,
                                     burst_max_tokens=12))
-    # Phase 1 is mostly prompt steps, phases 2 and 3 mostly decode steps: a solvable fit.
+    # Phase 1 is mostly prompt steps, phases 2 and 3 mostly decode steps.
     pre, dec = found.predicted_prefill_s, found.predicted_decode_s
     assert pre[0] > dec[0] and min(dec[1] - pre[1], dec[2] - pre[2]) > 0, found
     assert 0.7 < found.prefill_factor < 1.4 and 0.7 < found.decode_factor < 1.4, found
+    # The engine says which of its busy seconds were prompt steps: the factors are those
+    # seconds over the simulator's, not a fit (the phases with decode steps hold some too).
+    real_pre = found.real_prefill_s
+    assert real_pre is not None and all(0 < p < b for p, b in zip(real_pre, found.real_busy_s, strict=True))
+    assert found.prefill_factor == pytest.approx(sum(real_pre) / sum(pre))
     assert found.factor == pytest.approx(sum(found.real_busy_s) / (sum(pre) + sum(dec)))
     assert 0 <= found.misfit < 0.3, found
     deadline = time.monotonic() + 20  # the probe's requests leave the pool whole
