@@ -1,8 +1,10 @@
-"""`baton profile --out P.json [--quick] [--no-path | --router-only]`: measure this machine's
-engine (baton/perf/measure.py), then the serving path's own latency on mock engines of the new
-profile (simulator/calibrate.py). `--router-only` measures the router's side alone (its prepare
-with the model's tokenizer, and the path) into an existing profile: what a profile measured on
-another machine (tests/data's, a GPU host's) needs to predict mock engines here."""
+"""`baton profile --out P.json [--quick] [--no-path | --router-only | --refit OLD.json]`:
+measure this machine's engine (baton/perf/measure.py), then the serving path's own latency on
+mock engines of the new profile (simulator/calibrate.py). `--router-only` measures the router's
+side alone (its prepare with the model's tokenizer, and the path) into an existing profile:
+what a profile measured on another machine (tests/data's, a GPU host's) needs to predict mock
+engines here. `--refit OLD.json` measures nothing: OLD's step costs fitted again, with this
+version's features, to the grid points OLD keeps (`machine.grid`), written to --out."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     path.add_argument("--router-only", action="store_true",
                       help="measure only the router's side (its prepare with --model's "
                            "tokenizer, and the serving path) into the existing --out profile")
+    path.add_argument("--refit", default="", metavar="OLD.json",
+                      help="measure nothing: OLD's prompt-step and decode-step costs fitted "
+                           "again to the grid points it keeps, with this version's features "
+                           "(its other costs and its path as measured), written to --out")
     p.set_defaults(func=run)
 
 
@@ -33,11 +39,29 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from baton.perf.measure import QUICK, Grid, measure, prepare_cost
-    from baton.perf.profile import ProfileError, load, save
+    from baton.perf.profile import ProfileError, load, refit, save
 
     if args.threads < 1:
         print(f"baton profile: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
+    if args.refit:
+        ignored = [flag for flag, given in (("--quick", args.quick), ("--model", args.model),
+                                            ("--threads", args.threads != 1),
+                                            ("--quantization", args.quantization != "auto"))
+                   if given]
+        if ignored:
+            print(f"baton profile: --refit measures nothing; {' and '.join(ignored)} would do "
+                  f"nothing", file=sys.stderr)
+            return 2
+        try:
+            prof = refit(load(args.refit))
+        except ProfileError as exc:
+            print(f"baton profile: {args.refit}: {exc}", file=sys.stderr)
+            return 2
+        save(prof, args.out)
+        _print_fits(prof)
+        print(f"wrote {args.out}")
+        return 0
     if args.router_only:
         from router.text import load_model_info
 
@@ -75,16 +99,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"prepare: {prof.prepare.coef[0]:.3f} ms + {prof.prepare.coef[1]:.5f} ms a token")
         print(f"wrote {args.out}")
         return 0
-    for name, cost in (("prefill", prof.prefill), ("decode", prof.decode)):
-        print(f"{name}: {dict(zip(cost.features, (round(c, 4) for c in cost.coef), strict=True))}"
-              f" held-out error mean {100 * cost.fit.mean_rel_err:.1f}% "
-              f"max {100 * cost.fit.max_rel_err:.1f}% ({cost.fit.num_held_out} points)")
+    _print_fits(prof)
     print(f"sampling: {prof.sample_row_ms:.3f} ms/row + {prof.step_overhead_ms:.3f} ms/step, "
           f"a grammar row {prof.grammar_row_ms:.3f} ms more; "
           f"transfer {prof.transfer_latency_ms:.3f} ms + {prof.transfer_bytes_per_ms / 1e6:.2f} "
           f"GB/s; engine start {prof.engine_start_s:.1f} s")
     print(f"wrote {args.out}")
     return 0
+
+
+def _print_fits(prof) -> None:
+    for name, cost in (("prefill", prof.prefill), ("decode", prof.decode)):
+        print(f"{name}: {dict(zip(cost.features, (round(c, 4) for c in cost.coef), strict=True))}"
+              f" held-out error mean {100 * cost.fit.mean_rel_err:.1f}% "
+              f"max {100 * cost.fit.max_rel_err:.1f}% ({cost.fit.num_held_out} points)")
 
 
 def _with_path(prof, out: str):

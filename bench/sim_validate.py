@@ -78,7 +78,12 @@ from baton.workload.args import build_specs  # noqa: E402
 from baton.workload.results import RequestResult, parse_slos  # noqa: E402
 from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402
 from baton.workload.trace import TraceConfig, build_trace_workload  # noqa: E402
-from simulator.calibrate import fit_speed, speed_probe  # noqa: E402
+from simulator.calibrate import (  # noqa: E402
+    fit_speed,
+    probe_prediction,
+    speed_factors,
+    speed_probe,
+)
 from simulator.fleet import FleetConfig  # noqa: E402
 from simulator.run import SimConfig, simulate  # noqa: E402
 
@@ -338,6 +343,20 @@ def probe_factors(probe: dict) -> tuple[float, float]:
     return probe.get("prefill_factor", probe["factor"]), probe.get("decode_factor", probe["factor"])
 
 
+def reprobe(probe: dict | None, profile, setup: str, args: argparse.Namespace) -> dict | None:
+    """A recorded probe against another profile of the same host (--repredict): the
+    simulator's seconds for its phases again, the factors again from the engines' split. A
+    probe from engines without the split (runs 7-10), or a failed one, is kept as recorded:
+    its phases were not today's."""
+    if not probe or "error" in probe or probe.get("real_prefill_s") is None:
+        return probe
+    pre, dec = probe_prediction(profile, sim_config(setup, args, 1.0).fleet)
+    fp, fd, misfit = speed_factors(pre, dec, probe["real_busy_s"], probe["real_prefill_s"])
+    return {**probe, "prefill_factor": fp, "decode_factor": fd, "misfit": misfit,
+            "factor": sum(probe["real_busy_s"]) / (sum(pre) + sum(dec)),
+            "predicted_prefill_s": pre, "predicted_decode_s": dec}
+
+
 def at_speed(profile, point: dict, args: argparse.Namespace, fp: float, fd: float) -> dict:
     """The point predicted with the profile at (prompt steps x fp, decode steps x fd),
     compared with the same real runs."""
@@ -485,6 +504,9 @@ def repredict(args: argparse.Namespace) -> int:
     record.update(profile=rel(args.profile), repredicted_from=rel(args.repredict),
                   repredicted=time.strftime("%Y-%m-%dT%H:%M:%S"))
     for point in record["points"]:
+        point["probes"] = [reprobe(p, profile, point["setup"], run_args)
+                           for p in point.get("probes") or []]
+        point["rate_probe"] = reprobe(point.get("rate_probe"), profile, point["setup"], run_args)
         sim = predict(profile, point["workload"], point["setup"], run_args, point["rate"])
         point.update(predicted_side(point["level"], sim, point["runs"]))
         point["at_probe"] = at_probe(profile, point, run_args)

@@ -14,7 +14,8 @@
 3. The importer's result: DONE (the pulled blocks verified against the prompt engine's
    checksums) -> `commit_prompted` (the sequence joins `prompted`, then `running` on the next
    decode step), on a mock engine not before the profile's transfer time since the pull
-   started (`min_pull_s`: its tiny pool moves in far less than the modelled KV); FAILED ->
+   started, nor before the pull admitted before it (`min_pull_s`: its tiny pool moves in far
+   less than the modelled KV, and one pull follows another, as a real engine's do); FAILED ->
    `free_prompted` (blocks back, none of them keyed), finish with `kv_transfer_failed` and the
    importer's reason (peer gone, lease expired, timeout, checksum or fingerprint mismatch...):
    the router migrates the request (a new prefill and pull), so KV that is not what the prompt
@@ -139,6 +140,7 @@ class Admission:
         self.engine = engine
         self.on_pull_result = on_pull_result
         self.min_pull_s = min_pull_s
+        self._link_free_at = 0.0  # a mock's: when its last pull's modelled bytes are in
         self._ready_at: dict[str, float] = {}  # req_id -> monotonic time its pull may land
         self._held: list[TransferResult] = []  # pulls done before their ready time
         self.importer = KVImporter(kv_cache, transfer, fingerprint, engine_id=engine_id,
@@ -216,7 +218,11 @@ class Admission:
             self.num_blocks_pulled += len(alloc.block_ids) - hit
             block_ids = [int(b) for b in alloc.block_ids[hit:]]
             if self.min_pull_s is not None:
-                self._ready_at[req.req_id] = time.monotonic() + self.min_pull_s(len(block_ids))
+                # One pull after another, as a real engine's land (simulator/fleet.py
+                # `retry_admissions`): the link is free when the pull before is done.
+                start = max(time.monotonic(), self._link_free_at)
+                self._link_free_at = start + self.min_pull_s(len(block_ids))
+                self._ready_at[req.req_id] = self._link_free_at
             self.importer.start_pull(adm.handle, block_ids, first_block=hit)
         return alloc.status
 

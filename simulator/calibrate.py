@@ -290,6 +290,21 @@ def fit_speed(prefill_s: Sequence[float], decode_s: Sequence[float],
     return float(fp), float(fd), float(np.abs(a @ np.array([fp, fd]) - 1.0).max())
 
 
+def probe_prediction(profile: Profile, fleet: FleetConfig, cfg: ProbeConfig | None = None
+                     ) -> tuple[list[float], list[float]]:
+    """Per phase of the probe, the simulator's seconds in prompt steps and in decode steps on
+    `fleet` (what `speed_probe` divides the real engines' by; again for another profile of
+    the same host: bench/sim_validate.py --repredict)."""
+    pre, dec = [], []
+    for specs in _probe_phases(cfg or ProbeConfig()):
+        record = simulate(profile, SimConfig(fleet=fleet, num_requests=len(specs),
+                                             label="speed_probe"), None, specs=specs)
+        engines = record["fleet"]["engines"]
+        pre.append(sum(e["prefill_busy_s"] for e in engines))
+        dec.append(sum(e["busy_s"] - e["prefill_busy_s"] for e in engines))
+    return pre, dec
+
+
 def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: FleetConfig,
                 cfg: ProbeConfig | None = None) -> SpeedProbe:
     """The probe's requests through the live fleet at `url` (its engines' /metrics at
@@ -305,16 +320,12 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
     cfg = cfg or ProbeConfig()
     phases = _probe_phases(cfg)
     tok = WordTokenizer(profile.model.vocab_size)
-    pre, dec, real = [], [], []
+    pre, dec = probe_prediction(profile, fleet, cfg)
+    real: list[float] = []
     real_pre: list[float] | None = []
     with httpx.Client(base_url=url, timeout=cfg.request_timeout_s) as client:
         model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
         for specs in phases:
-            record = simulate(profile, SimConfig(fleet=fleet, num_requests=len(specs),
-                                                 label="speed_probe"), None, specs=specs)
-            engines = record["fleet"]["engines"]
-            pre.append(sum(e["prefill_busy_s"] for e in engines))
-            dec.append(sum(e["busy_s"] - e["prefill_busy_s"] for e in engines))
             prompts = [tok.encode(s.prompt) for s in specs]
             before, before_pre = _busy_s(metrics_urls)
             jobs = [(ids, s.max_tokens) for ids, s in zip(prompts, specs, strict=True)]

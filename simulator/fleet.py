@@ -17,8 +17,11 @@ A request's life in the simulator:
    PROMPT: the prompt's output carries the first token and the handed-off blocks; the policy
    picks a completion engine, which allocates through `add_prompted_request` (the pinned run of
    its own cache by the prompt engine's `block_keys`), LATER retrying whenever one of its steps
-   ends. The pull takes the profile's transfer time for the blocks not cached; then
-   `commit_prompted` there and `release_handed_off` on the prompt engine (the lease ends).
+   ends. The pull takes the profile's transfer time for the blocks not cached, after the pull
+   admitted before it on the same completion engine (one link: a real engine's importer
+   verifies each landed pull in turn on one thread, and its reads share the host's or the
+   NIC's bandwidth); then `commit_prompted` there and `release_handed_off` on the prompt
+   engine (the lease ends).
 4. At the end every engine must be drained: free blocks == total blocks (checked).
 Nothing here reaches into an engine's parts: only the engine's verbs, counters and KV events.
 """
@@ -114,6 +117,7 @@ class SimEngine:
         self.work = EngineWork()  # and what they ask of it (router/load.py), for the path view
         self.admissions: deque[Handoff] = deque()  # COMPLETION: waiting for blocks (LATER)
         self.num_pulled_blocks = 0
+        self.link_free_s = 0.0  # COMPLETION: when the pulls admitted so far are all in
         self.draining_to = ""  # a role change (S41) in progress: the role it becomes
 
     def _build(self, role: str) -> None:
@@ -526,10 +530,16 @@ class Simulation:
                 continue
             num_pull = len(alloc.block_ids) - alloc.num_cached_blocks
             comp.num_pulled_blocks += num_pull
-            # The pull, and what the hand-off's path adds to it (the first token's way to the
-            # router and on to the completion engine, the lease, the commit: `path.handoff_ms`).
-            pull_ms = self.profile.transfer_ms(num_pull) + self.profile.handoff_path_ms()
-            self.at(self.now + pull_ms / 1e3, self._landed, h, comp)
+            # The pull, after the pulls before it on this engine (one link: pulls that land
+            # together are verified one after another, run 11 of bench/sim_validate.py: two
+            # short prompts handed off with a 2,724-token one got their second token 125-142
+            # ms after the first, not 11-20), and what the hand-off's path adds to it (the
+            # first token's way to the router and on to the completion engine, the lease, the
+            # commit: `path.handoff_ms`).
+            comp.link_free_s = (max(self.now, comp.link_free_s)
+                                + self.profile.transfer_ms(num_pull) / 1e3)
+            self.at(comp.link_free_s + self.profile.handoff_path_ms() / 1e3, self._landed, h,
+                    comp)
 
     def _landed(self, h: Handoff, comp: SimEngine) -> None:
         rid = f"r{h.flight.spec.idx}"

@@ -27,15 +27,12 @@ from typing import NamedTuple
 import numpy as np
 
 from baton.perf.profile import (
-    DECODE_FEATURES,
-    PREFILL_FEATURES,
     PREPARE_FEATURES,
     LinearCost,
     ModelInfo,
     Profile,
-    decode_features,
+    fit_grid,
     fit_linear,
-    prefill_features,
 )
 
 logger = logging.getLogger(__name__)
@@ -146,9 +143,9 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                + len(decode_points) + len(grid.transfer_blocks)
                + len(grid.grammar_batch) + len(grid.prepare_tokens))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
-    pre_x, pre_y, dec_x, dec_y = [], [], [], []
-    # The raw points (shape and forward ms), kept in the file so another fit can be tried
-    # without measuring again (`machine.grid`, docs/profile.md).
+    # The raw points (shape and forward ms) the fits are made on (`fit_grid`), kept in the
+    # file so another fit can be tried without measuring again (`machine.grid`,
+    # docs/profile.md; `baton profile --refit`).
     raw: dict[str, list] = {"prefill": [], "decode": []}
     greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -161,8 +158,6 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         for call in timed.calls:
             if call.prompt_run:
                 q, k = call.seqlens_q, call.seqlens_k
-                pre_x.append(prefill_features(q, k))
-                pre_y.append(call.forward_ms)
                 raw["prefill"].append([q.tolist(), k.tolist(), round(call.forward_ms, 3)])
         if len(timed.calls) == 1:
             rows.append((timed.calls[0].num_sampled, timed.calls[0].forward_ms, step_ms))
@@ -194,8 +189,6 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         for prompt in prompts:
             engine.add_request(None, prompt, params)
         for k, n, ms, step_ms in _decode_steps(engine, timed, batch):
-            dec_x.append(decode_features(k))
-            dec_y.append(ms)
             raw["decode"].append([k.tolist(), round(ms, 3)])
             rows.append((n, ms, step_ms))
         bar.step(f"decode batch {batch} x {context}")
@@ -213,9 +206,9 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                   kv_bytes_per_block=int(engine.kv_cache[0].numel()
                                          * engine.kv_cache.element_size()),
                   vocab_size=vocab, max_position=engine.model_config.max_position)
+    prefill_cost, decode_cost = fit_grid(raw)
     return Profile(
-        model=m, prefill=fit_linear(PREFILL_FEATURES, pre_x, pre_y),
-        decode=fit_linear(DECODE_FEATURES, dec_x, dec_y), sample_row_ms=float(row_ms),
+        model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),
         step_overhead_ms=float(step_ms),
         grammar_row_ms=grammar_ms, transfer_latency_ms=latency_ms,
         transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s, prepare=prepare,

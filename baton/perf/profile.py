@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-PROFILE_VERSION = 2
-READ_VERSIONS = (1, 2)  # version 1: the prefill features of PREFILL_FEATURES_V1
+PROFILE_VERSION = 3
+# Version 1: the prefill features of PREFILL_FEATURES_V1; versions 1 and 2: the decode
+# features of DECODE_FEATURES_V2.
+READ_VERSIONS = (1, 2, 3)
 
 # The features of each fitted cost, in the order of its coefficients (docs/profile.md). Prefill,
 # with q_i the tokens a step computes for sequence i and k_i its context after the step:
@@ -26,7 +29,12 @@ READ_VERSIONS = (1, 2)  # version 1: the prefill features of PREFILL_FEATURES_V1
 # cached_kpairs = sum q_i (k_i - q_i) / 1000 (attending to the context cached before the step).
 PREFILL_FEATURES = ("const", "tokens", "tokens_sq", "self_kpairs", "cached_kpairs")
 PREFILL_FEATURES_V1 = ("const", "tokens", "attention_kpairs")  # kpairs: sum q_i * k_i / 1000
-DECODE_FEATURES = ("const", "batch", "context_ktokens")  # ktokens: sum k_i / 1000
+# Decode, with k_i each row's context: batch = the rows, context_ktokens = sum k_i / 1000,
+# single_row = 1 for a step of one row, else 0 (the CPU backend's int4 kernel unpacks a weight
+# block once for a tile of up to 8 rows: one row pays what two do; on the AMD host of 7
+# December 2026 a linear fit priced one row at 64 tokens 12-13% under its time, docs/profile.md).
+DECODE_FEATURES = ("const", "batch", "context_ktokens", "single_row")
+DECODE_FEATURES_V2 = ("const", "batch", "context_ktokens")
 PREPARE_FEATURES = ("const", "tokens")  # the router's prepare: tokens = the prompt's length
 
 
@@ -117,7 +125,7 @@ class Profile:
             fwd = self.prefill.predict(prefill_features(seqlens_q, seqlens_k,
                                                         self.prefill.features))
         else:
-            fwd = self.decode.predict(decode_features(seqlens_k))
+            fwd = self.decode.predict(decode_features(seqlens_k, self.decode.features))
         return fwd + self.own_work_ms(num_sampled, num_grammar)
 
     def own_work_ms(self, num_sampled: int, num_grammar: int = 0) -> float:
@@ -187,9 +195,43 @@ def prefill_features(seqlens_q: np.ndarray, seqlens_k: np.ndarray,
             float((q * (k - q)).sum()) / 1e3)
 
 
-def decode_features(seqlens_k: np.ndarray) -> tuple[float, float, float]:
+def decode_features(seqlens_k: np.ndarray, features: tuple[str, ...] = DECODE_FEATURES
+                    ) -> tuple[float, ...]:
+    """A decode step's features: DECODE_FEATURES, or a version-1/2 file's DECODE_FEATURES_V2."""
     k = np.asarray(seqlens_k, dtype=np.float64)
-    return 1.0, float(k.size), float(k.sum()) / 1e3
+    linear = (1.0, float(k.size), float(k.sum()) / 1e3)
+    return linear if tuple(features) == DECODE_FEATURES_V2 else (*linear, float(k.size == 1))
+
+
+def fit_grid(grid: dict) -> tuple[LinearCost, LinearCost]:
+    """(prefill, decode) fitted with this version's features to a grid's raw points (`baton
+    profile`'s `machine.grid`: `[q, k, forward ms]` per prompt step, `[k, forward ms]` per
+    decode step). ProfileError when a point is malformed."""
+    try:
+        pre = [(prefill_features(np.asarray(q), np.asarray(k)), float(ms))
+               for q, k, ms in grid["prefill"]]
+        dec = [(decode_features(np.asarray(k)), float(ms)) for k, ms in grid["decode"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"machine.grid: not a grid of [q, k, ms] prefill points and [k, ms] "
+                           f"decode points ({type(exc).__name__}: {exc})") from None
+    if not pre or not dec:
+        raise ProfileError("machine.grid: no prefill or no decode points to fit")
+    return (fit_linear(PREFILL_FEATURES, [x for x, _ in pre], [y for _, y in pre]),
+            fit_linear(DECODE_FEATURES, [x for x, _ in dec], [y for _, y in dec]))
+
+
+def refit(p: Profile) -> Profile:
+    """The profile with its prompt-step and decode-step costs fitted again, with this
+    version's features, to the raw points it keeps (`machine.grid`); everything else as
+    measured. ProfileError for a file without its grid (written before 6 December 2026)."""
+    grid = p.machine.get("grid")
+    if not isinstance(grid, dict):
+        raise ProfileError("machine.grid: this profile keeps no grid to fit again (measure "
+                           "again with `baton profile`)")
+    prefill, decode = fit_grid(grid)
+    return replace(p, prefill=prefill, decode=decode, version=PROFILE_VERSION,
+                   machine={**p.machine, "refitted": {"from_version": p.version,
+                                                      "at": time.strftime("%Y-%m-%dT%H:%M:%S")}})
 
 
 # ------------------------------------------------------------------ fitting
@@ -290,7 +332,7 @@ def from_dict(data: object) -> Profile:
     return Profile(
         model=model,
         prefill=_cost(d, "prefill", PREFILL_FEATURES_V1 if version == 1 else PREFILL_FEATURES),
-        decode=_cost(d, "decode", DECODE_FEATURES),
+        decode=_cost(d, "decode", DECODE_FEATURES_V2 if version < 3 else DECODE_FEATURES),
         sample_row_ms=_get(sampling, "row_ms", float, "sampling", minimum=0),
         step_overhead_ms=_get(sampling, "step_ms", float, "sampling", minimum=0),
         # Optional: version-1 files written before grammar rows were measured lack it.

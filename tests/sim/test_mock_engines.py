@@ -296,7 +296,8 @@ def test_a_mock_step_sleeps_the_forward_and_the_simulator_charges_the_whole_step
 def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
     """A mock completion engine's pull lands no sooner than the profile's transfer time (its
     tiny pool moves in far less): a profile of 0.8 s a pull puts that gap between the prompt
-    engine's first token and the completion engine's second, as the simulator predicts."""
+    engine's first token and the completion engine's second, as the simulator predicts, and
+    pulls that start together land one after another."""
     import asyncio
     import json
 
@@ -315,15 +316,22 @@ def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
     try:
         cfg = sb.BenchConfig(base_url=up.base_url, endpoint="completions", progress=False)
 
-        async def ask():
-            spec = RequestSpec(0, "short", " ".join(WORDS[:40]), 40, 3)
+        async def ask(n: int):
+            specs = [RequestSpec(i, "short", " ".join(WORDS[i:40 + i]), 40, 3) for i in range(n)]
             async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as client:
                 model = (await client.get("/v1/models")).json()["data"][0]["id"]
-                return await sb.send_request(client, cfg, spec, model, True, time.perf_counter())
+                return await asyncio.gather(*(sb.send_request(client, cfg, spec, model, True,
+                                                              time.perf_counter())
+                                              for spec in specs))
 
-        res = asyncio.run(ask())
+        (res,) = asyncio.run(ask(1))
         assert res.ok and res.output_tokens == 3, (res.error, up.tail(20))
         assert res.itl_s[0] > 0.8, res.itl_s  # the pull (0.8 s) between tokens 1 and 2
         assert res.itl_s[1] < 0.4, res.itl_s  # then decode steps of the profile's ~16 ms
+        # Two at once: their pulls land one after another (the link is the first's until its
+        # 0.8 s are done), as the simulator's do; the second's first gap holds both.
+        both = asyncio.run(ask(2))
+        assert all(r.ok for r in both), [r.error for r in both]
+        assert max(r.itl_s[0] for r in both) > 1.3, [r.itl_s for r in both]
     finally:
         up.stop()

@@ -69,9 +69,9 @@ def test_a_bad_field_is_named(edit, field):
 
 def test_an_unknown_version_is_refused(tmp_path):
     d = _good()
-    d["version"] = 3
+    d["version"] = P.PROFILE_VERSION + 1
     (tmp_path / "p.json").write_text(json.dumps(d))
-    with pytest.raises(P.ProfileError, match="version 3 is not supported"):
+    with pytest.raises(P.ProfileError, match=f"version {P.PROFILE_VERSION + 1} is not supported"):
         P.load(tmp_path / "p.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(P.ProfileError, match="bad.json"):
@@ -97,6 +97,80 @@ def test_version_2_prefill_features_and_version_1_files_predict_as_written():
         P.from_dict(d)  # a version-2 file with version 1's features is refused
     old = P.from_dict(_good())
     assert old.version == 1 and old.prefill.features == P.PREFILL_FEATURES_V1
+
+
+def test_version_3_prices_a_lone_decode_row_apart_and_older_files_predict_as_written():
+    """Version 3's decode features add `single_row` (1 for a step of one row: the CPU
+    backend's kernel unpacks a weight block once for up to 8 rows, so one row pays what two
+    do); versions 1 and 2 keep their three features and predict what they always did."""
+    k1, k3 = np.array([64]), np.array([10, 20, 30])
+    assert P.decode_features(k1) == (1.0, 1.0, 0.064, 1.0)
+    assert P.decode_features(k3) == (1.0, 3.0, 0.06, 0.0)
+    assert P.decode_features(k1, P.DECODE_FEATURES_V2) == (1.0, 1.0, 0.064)
+    d = _good()
+    d["version"] = 3
+    d["prefill"].update(features=list(P.PREFILL_FEATURES), coef=[8.0, 0.5, 0.1, 0.2, 0.3])
+    d["decode"].update(features=list(P.DECODE_FEATURES), coef=[15.0, 1.2, 0.3, 2.5])
+    prof = P.from_dict(d)
+    own = 0.2 + 0.05  # the engine's work: a step, one sampled row
+    assert prof.step_ms(False, np.ones(1), k1, 1) == pytest.approx(15 + 1.2 + 0.3 * 0.064 + 2.5
+                                                                   + own)
+    assert prof.step_ms(False, np.ones(3), k3, 3) == pytest.approx(15 + 3.6 + 0.018 + 0.35)
+    assert P.from_dict(P.to_dict(prof)) == prof
+    d["decode"].update(features=list(P.DECODE_FEATURES_V2), coef=[15.0, 1.2, 0.3])
+    with pytest.raises(P.ProfileError, match="decode.features"):
+        P.from_dict(d)  # a version-3 file with version 2's features is refused
+    d["version"] = 2
+    assert P.from_dict(d).step_ms(False, np.ones(1), k1, 1) == pytest.approx(
+        15 + 1.2 + 0.3 * 0.064 + own)
+
+
+def _grid_profile(single_row_ms: float) -> dict:
+    """A version-2 file whose grid's decode steps cost 4 + 2 a row + 8 a thousand tokens of
+    context, and `single_row_ms` more for one row; prompt steps 50 + 2 a token."""
+    d = _good()
+    d["version"] = 2
+    d["prefill"].update(features=list(P.PREFILL_FEATURES), coef=[1.0, 1.0, 0.0, 0.0, 0.0])
+    decode = [[[c] * b, 4 + 2 * b + 8 * b * c / 1e3 + single_row_ms * (b == 1)]
+              for b in (1, 2, 4, 8) for c in (64, 512, 1536)]
+    prefill = [[[t], [t + c], 50 + 2 * t] for t in (16, 64, 256) for c in (0, 512)]
+    d["machine"] = {"grid": {"prefill": prefill, "decode": decode}}
+    return d
+
+
+def test_refit_fits_this_versions_features_to_the_grid_a_file_keeps(tmp_path, capsys):
+    """`baton profile --refit OLD --out NEW`: no measurement, the grid OLD keeps fitted
+    again (here a one-row step 3 ms dearer than the line through the others: version 3's
+    fit finds it, version 2's could not); the rest of OLD as measured. A file without its
+    grid, and flags that would measure, are refused by name."""
+    from baton_cli.main import main as baton_main
+
+    old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
+    old_path.write_text(json.dumps(_grid_profile(3.0)))
+    assert baton_main(["profile", "--refit", str(old_path), "--out", str(new_path)]) == 0
+    assert "decode: {'const': 4.0, 'batch': 2.0" in capsys.readouterr().out
+    new, old = P.load(new_path), P.load(old_path)
+    assert new.version == P.PROFILE_VERSION and new.machine["refitted"]["from_version"] == 2
+    assert new.decode.features == P.DECODE_FEATURES
+    assert new.decode.coef == pytest.approx((4.0, 2.0, 8.0, 3.0), abs=1e-6)
+    assert new.prefill.coef == pytest.approx((50.0, 2.0, 0.0, 0.0, 0.0), abs=1e-6)
+    assert new.decode.fit.max_rel_err == pytest.approx(0.0, abs=1e-9)
+    assert (new.transfer_ms(4), new.sample_row_ms, new.path) == \
+        (old.transfer_ms(4), old.sample_row_ms, old.path)
+    # A grid without that step: single_row's coefficient is 0 (non-negative fit).
+    assert P.refit(P.from_dict(_grid_profile(0.0))).decode.coef[3] == pytest.approx(0, abs=1e-9)
+    with pytest.raises(P.ProfileError, match="keeps no grid"):
+        P.refit(P.from_dict(_good()))
+    bad = _grid_profile(0.0)
+    bad["machine"]["grid"]["decode"][0] = [64]
+    with pytest.raises(P.ProfileError, match="machine.grid"):
+        P.refit(P.from_dict(bad))
+    assert baton_main(["profile", "--refit", str(old_path), "--out", str(new_path),
+                       "--quick"]) == 2
+    assert "--refit measures nothing; --quick would do nothing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one of --no-path, --router-only, --refit
+        baton_main(["profile", "--refit", str(old_path), "--out", str(new_path),
+                    "--router-only"])
 
 
 def test_a_file_from_before_grammar_rows_reads_them_as_plain_rows():
@@ -175,8 +249,10 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
                 prepare_tokens=(16, 64, 256, 1024))
     prof = measure(str(write_tiny_gguf(tmp_path / "tiny.gguf")), "none", TEST_THREADS, grid,
                    load_cache_dir=str(tmp_path / "load-cache"))
-    assert prof.decode.predict((1.0, 1.0, 0.1)) > 0 and prof.step_ms(True, [64], [64], 1) > 0
+    assert prof.decode.predict(P.decode_features([100])) > 0
+    assert prof.step_ms(True, [64], [64], 1) > 0
     assert prof.version == P.PROFILE_VERSION and prof.prefill.features == P.PREFILL_FEATURES
+    assert prof.decode.features == P.DECODE_FEATURES
     # Every grid point is kept: the lone prompts and the step of two prompts of 16 tokens.
     assert [16, 16] in [q for q, _k, _ms in prof.machine["grid"]["prefill"]]
     assert prof.grammar_row_ms >= 0.0 and prof.sample_row_ms >= 0.0

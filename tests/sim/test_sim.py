@@ -211,3 +211,22 @@ def test_a_hand_off_waits_for_the_completion_engines_step_to_end(monkeypatch):
     assert rec["summary"]["num_completed"] == 6
     assert pulls and not any(pulls)
 
+
+
+def test_pulls_into_one_completion_engine_land_one_after_another():
+    """Prompts handed off by one prompt step are pulled one after another (one link: a real
+    engine's importer verifies each landed pull in turn and its reads share the bandwidth):
+    the second request's first gap holds both pulls, not its own alone."""
+    pd = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
+    specs = _lone_requests(2, gap_s=0.0)  # one prompt step for both, handed off together
+    slow = dataclasses.replace(PROFILE, transfer_latency_ms=PROFILE.transfer_latency_ms + 50)
+    gaps = {}
+    for name, prof in (("fast", PROFILE), ("slow", slow)):
+        rec = simulate(prof, SimConfig(fleet=pd), None, specs=specs)
+        assert [r["ttft_s"] for r in rec["requests"]][0] == rec["requests"][1]["ttft_s"]
+        gaps[name] = [r["itl_s"][0] for r in rec["requests"]]
+    one_pull = PROFILE.transfer_ms(7) / 1e3  # 100 words, 7 blocks of 16 tokens each
+    assert gaps["slow"][0] - gaps["fast"][0] == pytest.approx(0.050)
+    # Behind the first pull (within a decode step: it joins at a step's end).
+    assert gaps["slow"][1] - gaps["fast"][1] == pytest.approx(0.100, abs=0.02)
+    assert gaps["slow"][1] - gaps["slow"][0] >= 0.050 + one_pull - 0.02
