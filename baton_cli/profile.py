@@ -45,13 +45,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"baton profile: --threads must be >= 1, got {args.threads}", file=sys.stderr)
         return 2
     if args.refit:
-        ignored = [flag for flag, given in (("--quick", args.quick), ("--model", args.model),
-                                            ("--threads", args.threads != 1),
-                                            ("--quantization", args.quantization != "auto"))
-                   if given]
-        if ignored:
-            print(f"baton profile: --refit measures nothing; {' and '.join(ignored)} would do "
-                  f"nothing", file=sys.stderr)
+        if _refused(args, "--refit measures nothing",
+                    ("--quick", "--model", "--threads", "--quantization")):
             return 2
         try:
             prof = refit(load(args.refit))
@@ -66,12 +61,7 @@ def run(args: argparse.Namespace) -> int:
         from router.text import load_model_info
 
         # The engine's flags: no engine runs here (the tokenizer of --model only).
-        ignored = [flag for flag, given in (("--threads", args.threads != 1),
-                                            ("--quantization", args.quantization != "auto"))
-                   if given]
-        if ignored:
-            print(f"baton profile: --router-only runs no engine; {' and '.join(ignored)} "
-                  f"would do nothing", file=sys.stderr)
+        if _refused(args, "--router-only runs no engine", ("--threads", "--quantization")):
             return 2
 
         try:
@@ -106,6 +96,18 @@ def run(args: argparse.Namespace) -> int:
           f"GB/s; engine start {prof.engine_start_s:.1f} s")
     print(f"wrote {args.out}")
     return 0
+
+
+def _refused(args: argparse.Namespace, mode: str, flags: tuple[str, ...]) -> bool:
+    """Whether any of `flags` (the measuring ones, which `mode` does not use) was given; if
+    so, says so by name."""
+    given = {"--quick": args.quick, "--model": bool(args.model),
+             "--threads": args.threads != 1, "--quantization": args.quantization != "auto"}
+    ignored = [flag for flag in flags if given[flag]]
+    if ignored:
+        print(f"baton profile: {mode}; {' and '.join(ignored)} would do nothing",
+              file=sys.stderr)
+    return bool(ignored)
 
 
 def _print_fits(prof) -> None:
