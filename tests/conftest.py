@@ -72,24 +72,25 @@ def lora_folders(tmp_path_factory):
     return write_lora_folders(tmp_path_factory.mktemp("lora"))
 
 
-# The files that take longest (seconds of one clean-clone run here, 6 December 2026, two xdist
-# workers, idle host; the planner's three after their cuts that day), sent to the workers
-# first: `make test` distributes whole files (`--dist loadfile`, in collection order with
+# The files that take longest (seconds, setup + call + teardown of their tests, in one run of
+# `make test PYTEST_ARGS=--durations=0` here, 7 December 2026, two xdist workers, idle host:
+# 1,075 s of tests in 555 s), sent to the workers first: `make test` distributes whole files (`--dist loadfile`, in collection order with
 # `--no-loadscope-reorder`), and a long file drawn last leaves the other worker idle at the
 # end. A stale figure costs balance, never a test.
 _LONGEST_FIRST = {
-    "tests/router/test_e2e.py": 182, "tests/services/test_disaggregated.py": 101,
-    "tests/stress/test_soak_short.py": 100, "tests/router/test_migration_e2e.py": 51,
-    "tests/router/test_path_choice_e2e.py": 50, "tests/services/test_launcher.py": 44,
-    "tests/model/test_quantization.py": 43, "tests/sim/test_mock_engines.py": 42,
-    "tests/engine/test_speculation.py": 41, "tests/engine/test_engine.py": 41,
-    "tests/deploy/test_multihost.py": 35, "tests/services/test_families_disaggregated.py": 26,
-    "tests/router/test_quantized_deployments.py": 24, "tests/services/test_metrics.py": 23,
-    "tests/engine/test_prefix_cache.py": 17, "tests/sim/test_live_planner.py": 16,
-    "tests/sim/test_planner.py": 15,
-    "tests/model/test_kv_dtype.py": 14, "tests/model/test_load_cache.py": 14,
-    "tests/services/test_auth.py": 14, "tests/model/test_llama_reference.py": 14,
-    "tests/services/test_fuzz.py": 14, "tests/router/test_hostile.py": 13,
+    "tests/router/test_e2e.py": 152, "tests/stress/test_soak_short.py": 111,
+    "tests/services/test_disaggregated.py": 87, "tests/engine/test_speculation.py": 53,
+    "tests/router/test_migration_e2e.py": 53, "tests/engine/test_engine.py": 42,
+    "tests/model/test_quantization.py": 38, "tests/router/test_path_choice_e2e.py": 35,
+    "tests/services/test_launcher.py": 33, "tests/sim/test_mock_engines.py": 31,
+    "tests/services/test_families_disaggregated.py": 29, "tests/deploy/test_multihost.py": 28,
+    "tests/router/test_quantized_deployments.py": 17, "tests/services/test_families_up.py": 16,
+    "tests/engine/test_prefix_cache.py": 16, "tests/services/test_auth.py": 15,
+    "tests/services/test_fuzz.py": 14, "tests/engine/test_pipeline.py": 14,
+    "tests/model/test_pool_decode.py": 13, "tests/model/test_load_cache.py": 13,
+    "tests/model/test_kv_dtype.py": 12, "tests/services/test_metrics.py": 12,
+    "tests/router/test_hostile.py": 11, "tests/model/test_llama_reference.py": 11,
+    "tests/services/test_kv_dtype_pd.py": 11, "tests/kv_transfer/test_kv_failures.py": 11,
 }
 
 
