@@ -33,7 +33,8 @@
    than its profile puts a 0.75 point at 0.88, where queueing multiplies every error).
    Runs 1-10 took the raw profile's capacity (--rate-from profile; --no-probe's).
 7. And at the runs' own speed (`at_run_speed`): the profile scaled by the real engines' busy
-   seconds over the simulator's (per role disaggregated, one factor co-located). It reads the
+   seconds in prompt steps, and in decode steps, over the simulator's (runs 1-10's engines,
+   which did not split them: per role disaggregated, one factor co-located). It reads the
    runs it is compared with, so it is no prediction: it is what the simulator gets wrong once
    it knows how fast the host ran, the host's speed set apart.
 8. With --mock the fleet is mock engines of --profile (`baton up --mock`): the same points,
@@ -80,8 +81,8 @@ from baton.workload.synthetic import DATASETS, WorkloadConfig  # noqa: E402
 from baton.workload.trace import TraceConfig, build_trace_workload  # noqa: E402
 from simulator.calibrate import (  # noqa: E402
     fit_speed,
+    probe_of,
     probe_prediction,
-    speed_factors,
     speed_probe,
 )
 from simulator.fleet import FleetConfig  # noqa: E402
@@ -186,6 +187,16 @@ def split_of(fleet: dict | None) -> tuple[float, float] | None:
         return None
     prompt = sum(e["prefill_busy_s"] for e in engines)
     return prompt, sum(e["busy_s"] for e in engines) - prompt
+
+
+def splits_of(point: dict) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """A point's (prompt steps', decode steps') busy seconds: the simulator's, and the median
+    of its real runs'; None where either does not split them."""
+    sim = split_of(point.get("predicted_fleet"))
+    real = [s for s in map(split_of, point.get("runs_fleet") or []) if s]
+    if sim is None or not real:
+        return None
+    return sim, (_median([s[0] for s in real]), _median([s[1] for s in real]))
 
 
 def step_check(profile, kind: str, args: argparse.Namespace) -> dict:
@@ -351,10 +362,8 @@ def reprobe(probe: dict | None, profile, setup: str, args: argparse.Namespace) -
     if not probe or "error" in probe or probe.get("real_prefill_s") is None:
         return probe
     pre, dec = probe_prediction(profile, sim_config(setup, args, 1.0).fleet)
-    fp, fd, misfit = speed_factors(pre, dec, probe["real_busy_s"], probe["real_prefill_s"])
-    return {**probe, "prefill_factor": fp, "decode_factor": fd, "misfit": misfit,
-            "factor": sum(probe["real_busy_s"]) / (sum(pre) + sum(dec)),
-            "predicted_prefill_s": pre, "predicted_decode_s": dec}
+    return {**probe, **asdict(probe_of(pre, dec, probe["real_busy_s"],
+                                       probe["real_prefill_s"]))}
 
 
 def at_speed(profile, point: dict, args: argparse.Namespace, fp: float, fd: float) -> dict:
@@ -386,12 +395,10 @@ def at_run_speed(profile, point: dict, args: argparse.Namespace) -> dict | None:
     simulator gets wrong when it knows the host's speed, apart from the speed itself. A
     planner correcting its profile from a live fleet's /metrics has the same figure
     (Dynamo's planner scales its profile by observed over predicted latency)."""
-    sim_split = split_of(point.get("predicted_fleet"))
-    real_split = [s for s in map(split_of, point.get("runs_fleet") or []) if s]
-    if sim_split and real_split and min(sim_split) > 0:
-        return at_speed(profile, point, args,
-                        _median([s[0] for s in real_split]) / sim_split[0],
-                        _median([s[1] for s in real_split]) / sim_split[1])
+    split = splits_of(point)
+    if split and min(split[0]) > 0:
+        (sim_pre, sim_dec), (real_pre, real_dec) = split
+        return at_speed(profile, point, args, real_pre / sim_pre, real_dec / sim_dec)
     real = [b for b in map(busy_of, point.get("runs_fleet") or []) if b]
     sim = busy_of(point.get("predicted_fleet"))
     if not real or not sim or min(v[0] for v in sim.values()) <= 0:
@@ -435,11 +442,9 @@ def print_point(p: dict) -> None:
         real = [busy_of(f).get(role, [math.nan])[0] for f in p.get("runs_fleet") or []]
         if real:
             busy.append(f"{role} busy {sim_s:.1f} s vs {_median(real):.1f} s")
-    real_split = [sp for sp in map(split_of, p.get("runs_fleet") or []) if sp]
-    sim_split = split_of(p.get("predicted_fleet"))
-    if real_split and sim_split:
-        busy.append(f"prompt steps {sim_split[0]:.1f} s vs "
-                    f"{_median([sp[0] for sp in real_split]):.1f} s")
+    split = splits_of(p)
+    if split:
+        busy.append(f"prompt steps {split[0][0]:.1f} s vs {split[1][0]:.1f} s")
     print(head + "  " + "; ".join(_cells(p["compare"]) + busy), flush=True)
     for side, name in SIDES:
         if p.get(side):

@@ -346,12 +346,23 @@ def speed_probe(url: str, metrics_urls: list[str], profile: Profile, fleet: Flee
         raise RuntimeError(f"the probe measured no busy time (real {real} s, predicted "
                            f"prompt steps {pre} s, decode steps {dec} s): are the /metrics "
                            f"URLs the fleet's engines?")
-    fp, fd, misfit = (fit_speed(pre, dec, real) if real_pre is None
-                      else speed_factors(pre, dec, real, real_pre))
-    if not (fp > 0 and fd > 0):  # noise past what the phases can tell apart
+    found = probe_of(pre, dec, real, real_pre)
+    if not (found.prefill_factor > 0 and found.decode_factor > 0):  # noise past the phases
         raise RuntimeError(f"the probe's factors are not > 0 (real {real} s, {real_pre} s of "
                            f"them prompt steps, against prompt steps {pre} s and decode steps "
-                           f"{dec} s: factors {fp:.3f}, {fd:.3f})")
+                           f"{dec} s: factors {found.prefill_factor:.3f}, "
+                           f"{found.decode_factor:.3f})")
+    return found
+
+
+def probe_of(pre: list[float], dec: list[float], real: list[float],
+             real_pre: list[float] | None) -> SpeedProbe:
+    """The probe's record from each phase's simulated seconds in prompt steps (`pre`) and
+    decode steps (`dec`) and the real engines' busy seconds (`real`, `real_pre` of them in
+    prompt steps; None where the engines do not split them): the factors by `speed_factors`,
+    or fitted by `fit_speed` without the split."""
+    fp, fd, misfit = (fit_speed(pre, dec, real) if real_pre is None
+                      else speed_factors(pre, dec, real, real_pre))
     return SpeedProbe(prefill_factor=fp, decode_factor=fd,
                       factor=sum(real) / (sum(pre) + sum(dec)), misfit=misfit,
                       real_busy_s=real, predicted_prefill_s=pre, predicted_decode_s=dec,

@@ -74,9 +74,10 @@ def lora_folders(tmp_path_factory):
 
 # The files that take longest (seconds, setup + call + teardown of their tests, in one run of
 # `make test PYTEST_ARGS=--durations=0` here, 7 December 2026, two xdist workers, idle host:
-# 1,075 s of tests in 555 s), sent to the workers first: `make test` distributes whole files (`--dist loadfile`, in collection order with
-# `--no-loadscope-reorder`), and a long file drawn last leaves the other worker idle at the
-# end. A stale figure costs balance, never a test.
+# 1,075 s of tests in 555 s), sent to the workers first: `make test` distributes whole files
+# (`--dist loadfile`, in collection order with `--no-loadscope-reorder`), and a long file
+# drawn last leaves the other worker idle at the end. A stale figure costs balance, never a
+# test.
 _LONGEST_FIRST = {
     "tests/router/test_e2e.py": 152, "tests/stress/test_soak_short.py": 111,
     "tests/services/test_disaggregated.py": 87, "tests/engine/test_speculation.py": 53,
