@@ -1,6 +1,7 @@
-"""`baton profile --out P.json [--quick] [--no-path | --router-only | --refit OLD.json]`:
-measure this machine's engine (baton/perf/measure.py), then the serving path's own latency on
-mock engines of the new profile (simulator/calibrate.py). `--router-only` measures the router's
+"""`baton profile --out P.json [--quick] [--no-path | --router-only | --refit OLD.json]
+[--no-contention]`: measure this machine's engine (baton/perf/measure.py; last, how a second
+engine of the model on this host slows its steps: baton/perf/contention.py), then the serving
+path's own latency on mock engines of the new profile (simulator/calibrate.py). `--router-only` measures the router's
 side alone (its prepare with the model's tokenizer, and the path) into an existing profile:
 what a profile measured on another machine (tests/data's, a GPU host's) needs to predict mock
 engines here. `--refit OLD.json` measures nothing: OLD's step costs fitted again, with this
@@ -32,12 +33,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="measure nothing: OLD's prompt-step and decode-step costs fitted "
                            "again to the grid points it keeps, with this version's features "
                            "(its other costs and its path as measured), written to --out")
+    p.add_argument("--no-contention", action="store_true",
+                   help="skip how a second engine of the model on this host slows this one's "
+                        "steps (~40 s): `baton sim --engines-per-host` then refuses the "
+                        "profile")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from baton.perf.contention import QUICK_CONTENTION, ContentionGrid
     from baton.perf.measure import QUICK, Grid, measure, prepare_cost
     from baton.perf.profile import ProfileError, load, refit, save
 
@@ -46,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.refit:
         if _refused(args, "--refit measures nothing",
-                    ("--quick", "--model", "--threads", "--quantization")):
+                    ("--quick", "--model", "--threads", "--quantization", "--no-contention")):
             return 2
         try:
             prof = refit(load(args.refit))
@@ -61,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         from router.text import load_model_info
 
         # The engine's flags: no engine runs here (the tokenizer of --model only).
-        if _refused(args, "--router-only runs no engine", ("--threads", "--quantization")):
+        if _refused(args, "--router-only runs no engine",
+                    ("--threads", "--quantization", "--no-contention")):
             return 2
 
         try:
@@ -73,8 +80,10 @@ def run(args: argparse.Namespace) -> int:
                                                   QUICK if args.quick else Grid()))
         save(prof, args.out)
     else:
+        contention = None if args.no_contention else (
+            QUICK_CONTENTION if args.quick else ContentionGrid())
         prof = measure(args.model, args.quantization, args.threads,
-                       QUICK if args.quick else Grid())
+                       QUICK if args.quick else Grid(), contention=contention)
         save(prof, args.out)
     if not args.no_path:
         try:
@@ -90,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
         return 0
     _print_fits(prof)
+    if prof.contention is not None:
+        c = prof.contention
+        print(f"contention (a second engine on this host): beside its prompt steps, a decode "
+              f"step of one row x{c.decode_beside_prefill:.3f}, of several "
+              f"x{c.batch_decode_beside_prefill:.3f}; a prompt step beside its decode steps "
+              f"x{c.prefill_beside_decode:.3f}")
     print(f"sampling: {prof.sample_row_ms:.3f} ms/row + {prof.step_overhead_ms:.3f} ms/step, "
           f"a grammar row {prof.grammar_row_ms:.3f} ms more; "
           f"transfer {prof.transfer_latency_ms:.3f} ms + {prof.transfer_bytes_per_ms / 1e6:.2f} "
@@ -102,7 +117,8 @@ def _refused(args: argparse.Namespace, mode: str, flags: tuple[str, ...]) -> boo
     """Whether any of `flags` (the measuring ones, which `mode` does not use) was given; if
     so, says so by name."""
     given = {"--quick": args.quick, "--model": bool(args.model),
-             "--threads": args.threads != 1, "--quantization": args.quantization != "auto"}
+             "--threads": args.threads != 1, "--quantization": args.quantization != "auto",
+             "--no-contention": args.no_contention}
     ignored = [flag for flag in flags if given[flag]]
     if ignored:
         print(f"baton profile: {mode}; {' and '.join(ignored)} would do nothing",
@@ -129,3 +145,4 @@ def _with_path(prof, out: str):
           f"{cost.handoff_ms:.2f} ms beyond the pull ({cost.num_requests} lone requests on "
           f"mock engines)")
     return replace(prof, path=cost)
+

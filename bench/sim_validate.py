@@ -130,9 +130,16 @@ def workload_at(kind: str, args: argparse.Namespace, rate: float):
         math.inf
 
 
-def sim_config(setup: str, args: argparse.Namespace, rate: float) -> SimConfig:
+def sim_config(setup: str, args: argparse.Namespace, rate: float, profile) -> SimConfig:
+    """The simulator's fleet and load for a point. The real fleet's engines share this host:
+    disaggregated, the simulated ones do too (`engines_per_host` 2: each slows the other's
+    steps by the profile's `contention`) when the profile has it measured and the engines are
+    real (mock engines sleep: they do not slow each other)."""
+    shared = bool(SETUPS[setup].num_prompt and profile.contention is not None
+                  and not getattr(args, "mock", False))
     fleet = replace(SETUPS[setup], num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    engines_per_host=2 if shared else 1)
     return SimConfig(fleet=fleet, request_rate=rate, num_requests=args.num_requests,
                      slos_ms=parse_slos(args.goodput), label=f"sim_{setup}")
 
@@ -140,7 +147,7 @@ def sim_config(setup: str, args: argparse.Namespace, rate: float) -> SimConfig:
 def predict(profile, kind: str, setup: str, args: argparse.Namespace, rate: float) -> dict:
     """The simulator's record of this point (summary, requests, fleet)."""
     workload, trace, request_rate = workload_at(kind, args, rate)
-    return simulate(profile, sim_config(setup, args, request_rate), workload, trace)
+    return simulate(profile, sim_config(setup, args, request_rate, profile), workload, trace)
 
 
 def capacity(profile, kind: str, setup: str, args: argparse.Namespace) -> float:
@@ -275,7 +282,7 @@ def probe(fleet: RealFleet, profile, setup: str, args: argparse.Namespace) -> di
     fleet.reset_cache()
     try:
         found = asdict(speed_probe(fleet.url, fleet.metrics_urls, profile,
-                                   sim_config(setup, args, 1.0).fleet))
+                                   sim_config(setup, args, 1.0, profile).fleet))
     except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:  # not a failed run
         print(f"speed probe failed: {exc}", file=sys.stderr, flush=True)
         found = {"error": str(exc)[:500]}
@@ -361,7 +368,7 @@ def reprobe(probe: dict | None, profile, setup: str, args: argparse.Namespace) -
     its phases were not today's."""
     if not probe or "error" in probe or probe.get("real_prefill_s") is None:
         return probe
-    pre, dec = probe_prediction(profile, sim_config(setup, args, 1.0).fleet)
+    pre, dec = probe_prediction(profile, sim_config(setup, args, 1.0, profile).fleet)
     return {**probe, **asdict(probe_of(pre, dec, probe["real_busy_s"],
                                        probe["real_prefill_s"]))}
 

@@ -52,6 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prepare-workers", type=int, default=2,
                    help="the router's --prepare-workers: where bodies over 8 KiB are prepared "
                         "(the profile's prepare cost; default 2, the router's)")
+    g.add_argument("--engines-per-host", type=int, default=1, metavar="N",
+                   help="engines a host holds, filled in order (normal, prompt, completion): "
+                        "engines of one host slow each other's steps by the profile's "
+                        "contention (`baton profile` measures it); default 1, each engine on "
+                        "its own host")
     g.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's selection policy (router/selection.py), as `baton up`")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0,
@@ -117,7 +122,8 @@ def configs_from_args(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        num_prepare_workers=args.prepare_workers)
+                        num_prepare_workers=args.prepare_workers,
+                        engines_per_host=args.engines_per_host)
     if args.link_latency_ms and not args.link_gbit:
         raise ValueError("--link-latency-ms needs --link-gbit")
     cfg = SimConfig(fleet=fleet, request_rate=args.request_rate,

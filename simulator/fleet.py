@@ -22,6 +22,10 @@ A request's life in the simulator:
    verifies each landed pull in turn on one thread, and its reads share the host's or the
    NIC's bandwidth); then `commit_prompted` there and `release_handed_off` on the prompt
    engine (the lease ends).
+Engines that share a host (`FleetConfig.engines_per_host`) slow each other's steps by the
+profile's `contention`: a step runs at 1/slowdown of its speed while other engines of its host
+run steps (baton/perf/profile.py `Contention.slowdown`), and its end moves whenever one of them
+starts or ends a step (processor sharing in virtual time).
 4. At the end every engine must be drained: free blocks == total blocks (checked).
 Nothing here reaches into an engine's parts: only the engine's verbs, counters and KV events.
 """
@@ -75,12 +79,20 @@ class FleetConfig:
     # The router's prepare workers (`baton router --prepare-workers`, its default): a body over
     # router/prepare_pool.py's INLINE_BYTES is prepared there, a smaller one on its event loop.
     num_prepare_workers: int = 2
+    # Engines a host holds: the fleet's engines fill hosts in order (normal, then prompt, then
+    # completion ones), and engines of one host slow each other's steps by the profile's
+    # `contention` (a profile without it is refused for more than 1). 1: each engine on its own
+    # host (its own GPU, its own cores), as a fleet is deployed; `baton up` on one machine puts
+    # all its engines on one host.
+    engines_per_host: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_normal", "num_prompt", "num_completion", "num_blocks",
                      "num_prepare_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.engines_per_host < 1:
+            raise ValueError(f"engines_per_host must be >= 1, got {self.engines_per_host}")
         if (self.num_prompt > 0) != (self.num_completion > 0):
             raise ValueError(f"a disaggregated fleet needs prompt and completion engines, got "
                              f"{self.num_prompt} prompt and {self.num_completion} completion")
@@ -119,6 +131,20 @@ class SimEngine:
         self.num_pulled_blocks = 0
         self.link_free_s = 0.0  # COMPLETION: when the pulls admitted so far are all in
         self.draining_to = ""  # a role change (S41) in progress: the role it becomes
+        # Its host's other engines (FleetConfig.engines_per_host; none: nothing slows it), and
+        # its step in flight: whether a prompt step (None: not stepping), its outputs, the time
+        # it still needs at full speed as of `_since`, its slowdown since then, the number of
+        # the end now due (a moved end voids the one before), when it began, its full time.
+        self.host_peers: list[SimEngine] = []
+        self.stepping: bool | None = None
+        self._outputs: list = []
+        self._left_s = self._since = self._began = self._full_s = 0.0
+        self._slow = 1.0
+        self._slowed = False  # whether its step in flight ran slowed at any time
+        self._rows = 0
+        self._end_no = 0
+        self.contended_s = 0.0  # what its peers' steps added to its own (busy time)
+        self.contended_prefill_s = 0.0  # of which to its prompt steps
 
     def _build(self, role: str) -> None:
         """The engine core in `role`'s mode over this engine's runner (S41)."""
@@ -147,7 +173,16 @@ class SimEngine:
                            num_running=int(counts["num_running"]),
                            num_waiting=int(counts["num_waiting"]) + len(self.admissions),
                            num_steps=self.runner.num_steps, draining=bool(self.draining_to),
-                           extra={"busy_s": self.runner.busy_s, "uptime_s": self.sim.now})
+                           extra={"busy_s": self.busy_s, "uptime_s": self.sim.now})
+
+    @property
+    def busy_s(self) -> float:
+        """Its steps' time: the profile's, and what its host's other engines added."""
+        return self.runner.busy_s + self.contended_s
+
+    @property
+    def prefill_busy_s(self) -> float:
+        return self.runner.prefill_busy_s + self.contended_prefill_s
 
     def start_change(self, role: str) -> None:
         """S41: no new work from now on; the switch happens once it is empty."""
@@ -190,9 +225,45 @@ class SimEngine:
                     self.sim.switched(self)  # before: S41's switch waits for no event
             return
         self.num_empty_in_row = 0
-        self.sim.at(self.sim.now + self._step_s, self._deliver, outputs)
+        self.stepping, self._outputs = self.runner.last_prompt_run, outputs
+        self._rows = self.runner.last_num_rows
+        self._left_s = self._full_s = self._step_s
+        self._began = self._since = self.sim.now
+        self._slow, self._slowed = 0.0, False  # unset: `_set_speed` schedules the end
+        self._set_speed()
+        for peer in self.host_peers:
+            peer._set_speed()
 
-    def _deliver(self, outputs) -> None:
+    def _set_speed(self) -> None:
+        """Its step's end at the speed its host's other steps leave it now (none stepping or no
+        peers: full speed); moved only when that speed changed."""
+        if self.stepping is None:
+            return
+        others = [p.stepping for p in self.host_peers if p.stepping is not None]
+        slow = (self.sim.profile.contention.slowdown(self.stepping, self._rows, others)
+                if others else 1.0)
+        if slow == self._slow:
+            return
+        now = self.sim.now
+        if self._slow:
+            self._left_s = max(0.0, self._left_s - (now - self._since) / self._slow)
+        self._slow, self._since = slow, now
+        self._slowed = self._slowed or slow != 1.0
+        self._end_no += 1
+        self.sim.at(now + self._left_s * slow, self._deliver, self._end_no)
+
+    def _deliver(self, end_no: int) -> None:
+        if end_no != self._end_no:
+            return  # its end moved since this one was due
+        outputs, self._outputs = self._outputs, []
+        if self._slowed:  # (else exactly the profile's: no rounding of the clock in it)
+            extra = self.sim.now - self._began - self._full_s
+            self.contended_s += extra
+            if self.stepping:
+                self.contended_prefill_s += extra
+        self.stepping = None
+        for peer in self.host_peers:
+            peer._set_speed()
         self.busy = False
         for out in outputs:
             self.sim.on_output(self, out)
@@ -278,6 +349,15 @@ class Simulation:
         self.path_counts: dict[tuple[str, str], int] = {}  # (path, reason) -> requests
         self.kind_paths: dict[str, dict[str, int]] = {}  # request kind -> path -> requests
         self._by_name = {e.name: e for es in self.engines.values() for e in es}
+        if config.engines_per_host > 1:
+            if profile.contention is None:
+                raise ValueError("engines sharing a host (engines_per_host > 1) need a profile "
+                                 "with `contention` (measured by `baton profile`)")
+            fleet = list(self._by_name.values())
+            for i in range(0, len(fleet), config.engines_per_host):
+                host = fleet[i:i + config.engines_per_host]
+                for e in host:
+                    e.host_peers = [p for p in host if p is not e]
         first = self.engines.get(NORMAL) or self.engines[PROMPT]
         self.block_size = profile.model.block_size
         self.key_seed = first[0].engine.prefix_cache_seed
@@ -598,9 +678,9 @@ class Simulation:
                 stats = e.engine.stats()
                 query = stats["prefix_cache_query_tokens"]
                 engines.append({
-                    "name": e.name, "role": e.role, "busy_s": e.runner.busy_s,
-                    "prefill_busy_s": e.runner.prefill_busy_s,
-                    "busy_fraction": e.runner.busy_s / self.now if self.now else 0.0,
+                    "name": e.name, "role": e.role, "busy_s": e.busy_s,
+                    "prefill_busy_s": e.prefill_busy_s,
+                    "busy_fraction": e.busy_s / self.now if self.now else 0.0,
                     "num_steps": e.runner.num_steps,
                     "num_prompt_steps": e.engine.num_prompt_steps,
                     "num_prompt_tokens": e.engine.num_prompt_tokens,

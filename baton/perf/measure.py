@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from baton.perf.contention import ContentionGrid, measure_contention, num_turns
 from baton.perf.profile import (
     PREPARE_FEATURES,
     LinearCost,
@@ -119,8 +120,11 @@ def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 
 def measure(model: str | None = None, quantization: str = "auto", num_threads: int = 1,
-            grid: Grid | None = None, load_cache_dir: str | None = None) -> Profile:
-    """`load_cache_dir`: the engines' load cache (None: the one `baton engine` uses)."""
+            grid: Grid | None = None, load_cache_dir: str | None = None,
+            contention: ContentionGrid | None = None) -> Profile:
+    """`load_cache_dir`: the engines' load cache (None: the one `baton engine` uses).
+    `contention`: last, how a second engine of the model on this host slows this one's steps
+    (baton/perf/contention.py); None: not measured (the profile has no `contention`)."""
     from baton.engine import EngineConfig, LLMEngine
     from baton.load_cache import default_cache_dir
     from baton.sampling.params import SamplingParams
@@ -141,7 +145,8 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
                + len(grid.prefill_batches) * grid.repeats
                + len(decode_points) + len(grid.transfer_blocks)
-               + len(grid.grammar_batch) + len(grid.prepare_tokens))
+               + len(grid.grammar_batch) + len(grid.prepare_tokens)
+               + (num_turns(contention) if contention else 0))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
     # The raw points (shape and forward ms) the fits are made on (`fit_grid`), kept in the
     # file so another fit can be tried without measuring again (`machine.grid`,
@@ -207,14 +212,19 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                                          * engine.kv_cache.element_size()),
                   vocab_size=vocab, max_position=engine.model_config.max_position)
     prefill_cost, decode_cost = fit_grid(raw)
+    found, machine = None, {}
+    if contention is not None:
+        found, machine["contention"] = measure_contention(
+            engine, model, quantization, num_threads, load_cache_dir, contention, bar.step)
     return Profile(
         model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),
         step_overhead_ms=float(step_ms),
         grammar_row_ms=grammar_ms, transfer_latency_ms=latency_ms,
         transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s, prepare=prepare,
+        contention=found,
         machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                  "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "transfer_method": method, "grid": raw})
+                 "transfer_method": method, "grid": raw, **machine})
 
 
 def _decode_steps(engine, timed: TimedRunner, batch: int):

@@ -96,6 +96,8 @@ class MockRunner:
         self.num_steps = 0
         self.busy_s = 0.0  # predicted time of every step run
         self.prefill_busy_s = 0.0  # of which prompt steps (the rest: decode steps)
+        self.last_prompt_run = False  # whether the last step was a prompt step
+        self.last_num_rows = 0  # and its sequences
 
     @property
     def num_blocks(self) -> int:
@@ -149,6 +151,8 @@ class MockRunner:
                                sched_out.seqlens_k, num_sampled, num_grammar) / 1e3
         self.num_steps += 1
         self.busy_s += seconds
+        self.last_prompt_run = bool(sched_out.prompt_run)
+        self.last_num_rows = n
         if sched_out.prompt_run:
             self.prefill_busy_s += seconds
         if self.on_step is None:

@@ -78,6 +78,38 @@ class PathCost:
 
 
 @dataclass
+class Contention:
+    """How much longer a step takes while another engine of the same host runs a step of the
+    other kind: a decode step beside a prompt step, a prompt step beside a decode step (each
+    factor >= 1, the step's time then over its time alone). Engines on one host share its
+    cores, memory bandwidth and caches, and with them the router, the client and every
+    engine's own service threads: on the 2-core AMD host of 7 December 2026 a completion
+    engine decoded at 1.22-1.41x its profile while the prompt engine beside it prefilled the
+    trace's long prompts (bench/sim_validate.py run 12), where two bare engines in one script
+    slowed each other's decode steps by 0-7% only. So it is measured live: `baton profile` starts
+    one prompt and one completion engine of the model behind the router and decodes a burst on
+    the completion engine while the prompt engine prefills a long prompt
+    (simulator/calibrate.py `contention_probe`). Steps of the same kind side by side (two
+    completion engines on one host) are not measured: the simulator does not slow them. With
+    several others stepping at once, their excesses add (`slowdown`)."""
+
+    decode_beside_prefill: float = 1.0  # a decode step of one row
+    batch_decode_beside_prefill: float = 1.0  # a decode step of several rows
+    prefill_beside_decode: float = 1.0
+
+    def slowdown(self, prompt_run: bool, num_rows: int, others_prompt: Sequence[bool]) -> float:
+        """The factor on a step of this kind (of `num_rows` rows) while engines running steps
+        of `others_prompt`'s kinds share its host (1 alone, or beside steps of its own kind)."""
+        factor = (self.prefill_beside_decode if prompt_run else self.decode_beside_prefill
+                  if num_rows == 1 else self.batch_decode_beside_prefill)
+        return 1.0 + (factor - 1.0) * sum(other != prompt_run for other in others_prompt)
+
+
+CONTENTION_FACTORS = ("decode_beside_prefill", "batch_decode_beside_prefill",
+                      "prefill_beside_decode")
+
+
+@dataclass
 class ModelInfo:
     """What was measured: the simulated engines take their pool and block size from here."""
 
@@ -113,6 +145,10 @@ class Profile:
     # The serving path's own latency (PathCost). None in files measured before it was, or with
     # `baton profile --no-path`: the simulator adds nothing (docs/profile.md).
     path: PathCost | None = None
+    # How steps slow each other on one host (Contention). None in files measured before it
+    # was, or with `baton profile --no-contention`: engines sharing a host do not slow each
+    # other in the simulator (docs/profile.md).
+    contention: Contention | None = None
     machine: dict = field(default_factory=dict)  # host, cpu, threads, when
     version: int = PROFILE_VERSION
 
@@ -287,6 +323,7 @@ def to_dict(p: Profile) -> dict:
         "engine_start_s": p.engine_start_s,
         **({"prepare": _cost_dict(p.prepare)} if p.prepare is not None else {}),
         **({"path": asdict(p.path)} if p.path is not None else {}),
+        **({"contention": asdict(p.contention)} if p.contention is not None else {}),
     }
 
 
@@ -345,6 +382,8 @@ def from_dict(data: object) -> Profile:
         prepare=_cost(d, "prepare", PREPARE_FEATURES) if "prepare" in d else None,
         # Optional: files written before the serving path was measured lack it.
         path=_path(d["path"]) if "path" in d else None,
+        # Optional: files written before contention was measured lack it.
+        contention=_contention(d["contention"]) if "contention" in d else None,
         machine=machine, version=version)
 
 
@@ -353,6 +392,12 @@ def _path(value: object) -> PathCost:
     return PathCost(request_ms=_get(d, "request_ms", float, "path", minimum=0),
                     handoff_ms=_get(d, "handoff_ms", float, "path", minimum=0),
                     num_requests=_get(d, "num_requests", int, "path", minimum=0))
+
+
+def _contention(value: object) -> Contention:
+    d = _obj(value, "contention")
+    return Contention(**{k: _get(d, k, float, "contention", minimum=1.0)
+                         for k in CONTENTION_FACTORS})
 
 
 def _cost(d: dict, name: str, features: tuple[str, ...]) -> LinearCost:

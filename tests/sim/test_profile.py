@@ -168,6 +168,9 @@ def test_refit_fits_this_versions_features_to_the_grid_a_file_keeps(tmp_path, ca
     assert baton_main(["profile", "--refit", str(old_path), "--out", str(new_path),
                        "--quick"]) == 2
     assert "--refit measures nothing; --quick would do nothing" in capsys.readouterr().err
+    assert baton_main(["profile", "--refit", str(old_path), "--out", str(new_path),
+                       "--no-contention"]) == 2
+    assert "--no-contention would do nothing" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one of --no-path, --router-only, --refit
         baton_main(["profile", "--refit", str(old_path), "--out", str(new_path),
                     "--router-only"])
@@ -195,6 +198,29 @@ def test_the_serving_path_is_optional_and_round_trips():
                                            "num_requests": 18}})
     assert (prof.request_path_ms(), prof.handoff_path_ms()) == (6.5, 1.5)
     assert P.from_dict(P.to_dict(prof)) == prof
+
+
+def test_contention_is_optional_checked_and_round_trips():
+    prof = P.from_dict(_good())  # written before contention was measured: none
+    assert prof.contention is None
+    c = {"decode_beside_prefill": 1.12, "batch_decode_beside_prefill": 1.02,
+         "prefill_beside_decode": 1.05}
+    prof = P.from_dict(_good() | {"contention": c})
+    assert prof.contention == P.Contention(**c)
+    assert P.from_dict(P.to_dict(prof)) == prof
+    assert prof.scaled(1.2).contention == prof.contention  # the host's speed apart
+    for field, bad in (("decode_beside_prefill", 0.9), ("prefill_beside_decode", "x")):
+        with pytest.raises(P.ProfileError, match=f"contention.{field}"):
+            P.from_dict(_good() | {"contention": c | {field: bad}})
+    with pytest.raises(P.ProfileError, match="contention.batch_decode_beside_prefill"):
+        P.from_dict(_good() | {"contention": {"decode_beside_prefill": 1.1,
+                                              "prefill_beside_decode": 1.0}})
+    # A step beside steps of the other kind: each one's excess adds; of its own kind: none.
+    slow = prof.contention
+    assert slow.slowdown(False, 1, [True]) == pytest.approx(1.12)
+    assert slow.slowdown(False, 4, [True, True]) == pytest.approx(1.04)
+    assert slow.slowdown(True, 512, [False]) == pytest.approx(1.05)
+    assert slow.slowdown(False, 1, [False]) == slow.slowdown(True, 8, [True]) == 1.0
 
 
 def test_a_scaled_profile_slows_the_engines_work_only():
@@ -239,6 +265,7 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     """`baton profile`'s measurement end to end through the real loader and engine (a tiny
     random GGUF, a grid of a few points): every cost is fitted from real steps, and the grammar
     rows (JSON schema decode batches against plain ones) give a number >= 0 the file keeps."""
+    from baton.perf.contention import ContentionGrid
     from baton.perf.measure import Grid, measure
     from tests.model.tiny_gguf import write_tiny_gguf
     from tests.threads import TEST_THREADS
@@ -248,7 +275,8 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
                 grammar_batch=(1, 2), prefill_batches=((2, 16),),
                 prepare_tokens=(16, 64, 256, 1024))
     prof = measure(str(write_tiny_gguf(tmp_path / "tiny.gguf")), "none", TEST_THREADS, grid,
-                   load_cache_dir=str(tmp_path / "load-cache"))
+                   load_cache_dir=str(tmp_path / "load-cache"),
+                   contention=ContentionGrid(rounds=1, decode_steps=2, prefill_repeats=1))
     assert prof.decode.predict(P.decode_features([100])) > 0
     assert prof.step_ms(True, [64], [64], 1) > 0
     assert prof.version == P.PROFILE_VERSION and prof.prefill.features == P.PREFILL_FEATURES
@@ -258,6 +286,14 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     assert prof.grammar_row_ms >= 0.0 and prof.sample_row_ms >= 0.0
     assert prof.prepare.features == P.PREPARE_FEATURES and prof.prepare_ms(1000) > 0
     assert prof.model.name == "tiny.gguf" and prof.engine_start_s > 0
+    # A second engine process of the model beside it (started, told, gone): every factor
+    # >= 1, from the medians the file keeps, alone and beside each kind of load.
+    c = prof.contention
+    assert min(c.decode_beside_prefill, c.batch_decode_beside_prefill,
+               c.prefill_beside_decode) >= 1.0
+    medians = prof.machine["contention"]["median_ms"]
+    assert set(medians) == {"alone", "beside_prefill", "beside_decode"}
+    assert all(v > 0 for m in medians.values() for v in m.values())
     assert P.from_dict(P.to_dict(prof)) == prof
 
 

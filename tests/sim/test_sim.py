@@ -94,6 +94,11 @@ def test_bad_flags_are_refused(tmp_path, capsys):
     prof = str(DATA / "profile_test.json")
     assert baton_main(["sim", "--profile", prof, "--prompt-engines", "1"]) == 2
     assert "completion" in capsys.readouterr().err
+    # Engines sharing a host slow each other by the profile's contention: this one has none.
+    assert baton_main(["sim", "--profile", prof, "--engines-per-host", "2"]) == 2
+    assert "contention" in capsys.readouterr().err
+    assert baton_main(["sim", "--profile", prof, "--engines-per-host", "0"]) == 2
+    assert "engines_per_host" in capsys.readouterr().err
     assert baton_main(["sim", "--profile", prof, "--trace", str(WINDOW),
                        "--request-rate", "3"]) == 2
     assert "exclude" in capsys.readouterr().err
@@ -230,3 +235,50 @@ def test_pulls_into_one_completion_engine_land_one_after_another():
     # Behind the first pull (within a decode step: it joins at a step's end).
     assert gaps["slow"][1] - gaps["fast"][1] == pytest.approx(0.100, abs=0.02)
     assert gaps["slow"][1] - gaps["slow"][0] >= 0.050 + one_pull - 0.02
+
+
+def test_engines_sharing_a_host_slow_each_others_steps_by_the_profiles_contention():
+    """Processor sharing in virtual time (simulator/fleet.py): a decode step runs at 1/factor
+    of its speed while the prompt engine of its host runs a prompt step, and a prompt step at
+    1/factor while the completion engine decodes; the busy time each engine reports holds what
+    was added. Engines on hosts of their own, or factors of 1: the record as without."""
+    from baton.perf.profile import Contention
+    from baton.workload.synthetic import RequestSpec
+    from baton.workload.words import WORDS
+
+    def words(i: int, n: int) -> str:
+        return " ".join(WORDS[(13 * i + j) % len(WORDS)] for j in range(n))
+
+    # One request decoding 200 tokens, then a long prompt prefilled beside its decode.
+    specs = [RequestSpec(0, "chat", words(0, 16), 16, 200, arrival_s=0.0),
+             RequestSpec(1, "chat", words(1, 1000), 1000, 2, arrival_s=0.2)]
+    pd = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
+    shared = dataclasses.replace(pd, engines_per_host=2)
+
+    def run(profile, fleet):
+        rec = simulate(profile, SimConfig(fleet=fleet), None, specs=specs)
+        _drained(rec)
+        return rec
+
+    base = run(PROFILE, pd)
+    slow = Contention(decode_beside_prefill=1.5, batch_decode_beside_prefill=1.5,
+                      prefill_beside_decode=1.25)
+    none = Contention()
+    assert _stable(run(dataclasses.replace(PROFILE, contention=slow), pd)) == _stable(base)
+    assert _stable(run(dataclasses.replace(PROFILE, contention=none), shared)) == _stable(base)
+    rec = run(dataclasses.replace(PROFILE, contention=slow), shared)
+    assert _stable(run(dataclasses.replace(PROFILE, contention=slow), shared)) == _stable(rec)
+    busy = {e["role"]: e for e in rec["fleet"]["engines"]}
+    was = {e["role"]: e for e in base["fleet"]["engines"]}
+    # The decode stream slowed while the long prompt prefilled: its gaps then were 1.5x.
+    gaps, gaps0 = rec["requests"][0]["itl_s"], base["requests"][0]["itl_s"]
+    assert max(g / g0 for g, g0 in zip(gaps, gaps0, strict=True)) == pytest.approx(1.5, rel=0.02)
+    assert gaps[:4] == pytest.approx(gaps0[:4])  # before the long prompt arrived: alone
+    extra = busy["completion"]["busy_s"] - was["completion"]["busy_s"]
+    assert 0 < extra <= 0.5 * was["completion"]["busy_s"] + 1e-9
+    # The prompt step beside the decode: slowed for the part of it the decode overlapped.
+    assert was["prompt"]["prefill_busy_s"] < busy["prompt"]["prefill_busy_s"] \
+        < 1.25 * was["prompt"]["prefill_busy_s"]
+    assert busy["prompt"]["busy_s"] == pytest.approx(busy["prompt"]["prefill_busy_s"], abs=1e-3)
+    with pytest.raises(ValueError, match="contention"):
+        simulate(PROFILE, SimConfig(fleet=shared), None, specs=specs)
