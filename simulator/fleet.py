@@ -22,11 +22,11 @@ A request's life in the simulator:
    verifies each landed pull in turn on one thread, and its reads share the host's or the
    NIC's bandwidth); then `commit_prompted` there and `release_handed_off` on the prompt
    engine (the lease ends).
+4. At the end every engine must be drained: free blocks == total blocks (checked).
 Engines that share a host (`FleetConfig.engines_per_host`) slow each other's steps by the
 profile's `contention`: a step runs at 1/slowdown of its speed while other engines of its host
-run steps (baton/perf/profile.py `Contention.slowdown`), and its end moves whenever one of them
-starts or ends a step (processor sharing in virtual time).
-4. At the end every engine must be drained: free blocks == total blocks (checked).
+run steps of the other kind (baton/perf/profile.py `Contention.slowdown`), and its end moves
+whenever one of them starts or ends a step (processor sharing in virtual time).
 Nothing here reaches into an engine's parts: only the engine's verbs, counters and KV events.
 """
 
