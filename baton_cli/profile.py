@@ -1,11 +1,12 @@
 """`baton profile --out P.json [--quick] [--no-path | --router-only | --refit OLD.json]
 [--no-contention]`: measure this machine's engine (baton/perf/measure.py; last, how a second
 engine of the model on this host slows its steps: baton/perf/contention.py), then the serving
-path's own latency on mock engines of the new profile (simulator/calibrate.py). `--router-only` measures the router's
-side alone (its prepare with the model's tokenizer, and the path) into an existing profile:
-what a profile measured on another machine (tests/data's, a GPU host's) needs to predict mock
-engines here. `--refit OLD.json` measures nothing: OLD's step costs fitted again, with this
-version's features, to the grid points OLD keeps (`machine.grid`), written to --out."""
+path's own latency on mock engines of the new profile (simulator/calibrate.py).
+`--router-only` measures the router's side alone (its prepare with the model's tokenizer, and
+the path) into an existing profile: what a profile measured on another machine (tests/data's,
+a GPU host's) needs to predict mock engines here. `--refit OLD.json` measures nothing: OLD's
+step costs fitted again, with this version's features, to the grid points OLD keeps
+(`machine.grid`), written to --out."""
 
 from __future__ import annotations
 
@@ -145,4 +146,3 @@ def _with_path(prof, out: str):
           f"{cost.handoff_ms:.2f} ms beyond the pull ({cost.num_requests} lone requests on "
           f"mock engines)")
     return replace(prof, path=cost)
-

@@ -80,18 +80,15 @@ class PathCost:
 @dataclass
 class Contention:
     """How much longer a step takes while another engine of the same host runs a step of the
-    other kind: a decode step beside a prompt step, a prompt step beside a decode step (each
-    factor >= 1, the step's time then over its time alone). Engines on one host share its
-    cores, memory bandwidth and caches, and with them the router, the client and every
-    engine's own service threads: on the 2-core AMD host of 7 December 2026 a completion
-    engine decoded at 1.22-1.41x its profile while the prompt engine beside it prefilled the
-    trace's long prompts (bench/sim_validate.py run 12), where two bare engines in one script
-    slowed each other's decode steps by 0-7% only. So it is measured live: `baton profile` starts
-    one prompt and one completion engine of the model behind the router and decodes a burst on
-    the completion engine while the prompt engine prefills a long prompt
-    (simulator/calibrate.py `contention_probe`). Steps of the same kind side by side (two
-    completion engines on one host) are not measured: the simulator does not slow them. With
-    several others stepping at once, their excesses add (`slowdown`)."""
+    other kind: a decode step (of one row, of several) beside a prompt step, a prompt step
+    beside a decode step (each factor >= 1, the step's time then over its time alone). Engines
+    on one host share its cores, memory bandwidth and caches. `baton profile` measures the
+    factors last between its engine and a second engine process of the model
+    (baton/perf/contention.py): on the 2-core AMD host of 7 December 2026, 1.00-1.14 (a decode
+    step of one row suffers most). What the bare engines leave out (the router, the client, the
+    importer's thread on the same cores) is not in them. Steps of the same kind side by side
+    (two completion engines on one host) are not measured, and the simulator does not slow
+    them. With several others stepping at once, their excesses add (`slowdown`)."""
 
     decode_beside_prefill: float = 1.0  # a decode step of one row
     batch_decode_beside_prefill: float = 1.0  # a decode step of several rows
