@@ -143,6 +143,7 @@ def _with_path(prof, out: str):
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     cost, _ = calibrate_path(out)
     print(f"serving path: {cost.request_ms:.2f} ms a request, a hand-off "
-          f"{cost.handoff_ms:.2f} ms beyond the pull ({cost.num_requests} lone requests on "
-          f"mock engines)")
+          f"{cost.handoff_ms:.2f} ms beyond the pull, the engine loop's own work "
+          f"{cost.step_gap_ms:.3f} ms a step ({cost.num_requests} lone requests on mock "
+          f"engines)")
     return replace(prof, path=cost)

@@ -53,6 +53,7 @@ from baton.engine.config import SERVE_MAX_NUM_BATCHED_TOKENS
 from baton.ops.up_process import UpProcess
 from baton.perf.profile import PathCost, Profile
 from baton.perf.profile import load as load_profile
+from baton.protocol import PROMPT
 from baton.workload.fleet_metrics import SETTLE_S, scrape
 from baton.workload.synthetic import RequestSpec
 from baton.workload.words import WordTokenizer, words
@@ -109,27 +110,52 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
     cfg = cfg or CalibrateConfig()
     profile = load_profile(profile_file)
     tok = WordTokenizer(profile.model.vocab_size)  # the simulator's ids, sent as the prompts
-    samples: list[Sample] = []
+    runs = []
+    loop = np.zeros(2)  # the engines' loop seconds beyond their steps, and their steps
     for shape in cfg.shapes:
         specs = _specs(cfg, shape)
-        predicted = _predict(profile, cfg, shape, specs)
-        with mock_fleet(profile_file, shape, cfg) as fleet, \
+        with mock_fleet(profile_file, shape, cfg, metrics=True) as fleet, \
                 httpx.Client(base_url=fleet.base_url, timeout=cfg.request_timeout_s) as client:
             model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
             # A first connection, not measured, with a prompt of its own: one of the specs'
             # would make that spec a prefix-cache hit the simulator does not predict.
             warm_up = words(random.Random(f"{cfg.seed}/{shape}/warm-up"), min(cfg.prompt_lens))
             _send(client, model, tok.encode(warm_up), cfg.max_tokens)
+            urls = list(fleet.metrics_urls.values())
+            time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
+            before = _loop_s(urls)
             live = [_send(client, model, tok.encode(spec.prompt), spec.max_tokens)
                     for spec in specs]
+            time.sleep(SETTLE_S)
+            loop += _loop_s(urls) - before
+        runs.append((shape, specs, live))
+    # The loop's own work a step first: the first token's and the hand-off's path are what the
+    # live requests take beyond the simulator's prediction with it.
+    step_gap_ms = round(max(0.0, 1e3 * loop[0] / loop[1]), 4) if loop[1] > 0 else 0.0
+    samples: list[Sample] = []
+    for shape, specs, live in runs:
+        predicted = _predict(profile, cfg, shape, specs, step_gap_ms)
         for spec, (ttft, gap), (p_ttft, p_gap) in zip(specs, live, predicted, strict=True):
             samples.append(Sample(shape, spec.num_prompt_words, ttft, p_ttft, gap, p_gap))
     request = [s.ttft_ms - s.predicted_ttft_ms for s in samples]
     handoff = [s.gap_ms - s.predicted_gap_ms for s in samples if s.shape == "pd"]
     cost = PathCost(request_ms=round(max(0.0, statistics.median(request)), 3),
                     handoff_ms=round(max(0.0, statistics.median(handoff)), 3) if handoff else 0.0,
-                    num_requests=len(samples))
+                    num_requests=len(samples), step_gap_ms=step_gap_ms)
     return cost, samples
+
+
+def _loop_s(metrics_urls: list[str]) -> np.ndarray:
+    """The engines' loop seconds beyond their steps (`baton_engine_loop_seconds_total` less
+    the busy seconds), and their steps, summed over the engines that decode. A prompt engine's
+    loop work after a step is its hand-off's (the blocks held, the handle sent: `handoff_ms`
+    holds it), not the gap between steps of one stream."""
+    out = np.zeros(2)
+    for engine in (e for url in metrics_urls for e in scrape(url).values()):
+        if engine.role != PROMPT:
+            out += (engine.values["loop_s"] - engine.values["busy_s"],
+                    engine.values["num_steps"])
+    return out
 
 
 def _specs(cfg: CalibrateConfig, shape: str) -> list[RequestSpec]:
@@ -142,10 +168,11 @@ def _specs(cfg: CalibrateConfig, shape: str) -> list[RequestSpec]:
             for i, n in enumerate(lens)]
 
 
-def _predict(profile: Profile, cfg: CalibrateConfig, shape: str,
-             specs: list[RequestSpec]) -> list[tuple[float, float]]:
-    """(TTFT, first gap) in ms per spec, as the simulator predicts them without a path."""
-    bare = replace(profile, path=None, prepare=None)
+def _predict(profile: Profile, cfg: CalibrateConfig, shape: str, specs: list[RequestSpec],
+             step_gap_ms: float = 0.0) -> list[tuple[float, float]]:
+    """(TTFT, first gap) in ms per spec, as the simulator predicts them with no path but the
+    engine loop's `step_gap_ms`."""
+    bare = replace(profile, path=PathCost(step_gap_ms=step_gap_ms), prepare=None)
     fleet = replace(SHAPES[shape], max_num_batched_tokens=cfg.max_num_batched_tokens)
     record = simulate(bare, SimConfig(fleet=fleet, num_requests=len(specs),
                                       label=f"calibrate_{shape}"), None, specs=specs)

@@ -143,6 +143,7 @@ class SimEngine:
         self._slowed = False  # whether its step in flight ran slowed at any time
         self._rows = 0
         self._end_no = 0
+        self._free_at = 0.0  # when the loop's own work after its last step is done
         self.contended_s = 0.0  # what its peers' steps added to its own (busy time)
         self.contended_prefill_s = 0.0  # of which to its prompt steps
 
@@ -199,11 +200,13 @@ class SimEngine:
         self._step_s += seconds
 
     def kick(self) -> None:
-        """Something may have given it work: step now unless a step is running. A draining
-        engine that has become empty switches its role."""
+        """Something may have given it work: step unless a step is running, and not before the
+        engine loop's own work after its last step is done (the profile's `path.step_gap_ms`:
+        that step's outputs sent, what came meanwhile taken in; an idle engine given work steps
+        at once). A draining engine that has become empty switches its role."""
         if not self.busy and self.engine.has_unfinished():
             self.busy, self.num_empty_in_row = True, 0
-            self.sim.at(self.sim.now, self._step)
+            self.sim.at(max(self.sim.now, self._free_at), self._step)
         elif self.draining_to and self.is_empty():
             self.sim.switched(self)
 
@@ -264,6 +267,7 @@ class SimEngine:
         self.stepping = None
         for peer in self.host_peers:
             peer._set_speed()
+        self._free_at = self.sim.now + self.sim.step_gap_s
         self.busy = False
         for out in outputs:
             self.sim.on_output(self, out)
@@ -360,6 +364,7 @@ class Simulation:
                     e.host_peers = [p for p in host if p is not e]
         first = self.engines.get(NORMAL) or self.engines[PROMPT]
         self.block_size = profile.model.block_size
+        self.step_gap_s = profile.step_gap_ms() / 1e3
         self.key_seed = first[0].engine.prefix_cache_seed
         # What the router's KV index would hold: each engine's keys as its events reported.
         self.cache = KeySets({e.name: e.keys for es in self.engines.values() for e in es},

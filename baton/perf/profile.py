@@ -70,11 +70,15 @@ class PathCost:
     profile (simulator/calibrate.py): the router and the wires (HTTP, routing, ZMQ both ways)
     before the first token, and a disaggregated request's hand-off (the first token back to the
     router, the completion engine's admission, lease and pull, its commit) beyond the
-    profile's transfer time."""
+    profile's transfer time; and the engine loop's own work between two steps (sending a
+    step's outputs, taking in what came meanwhile: an engine's `baton_engine_loop_seconds_total`
+    less its busy seconds, a step)."""
 
     request_ms: float = 0.0
     handoff_ms: float = 0.0
     num_requests: int = 0  # the lone requests each median was taken over
+    # Optional in a file: those written before it was measured lack it (0: steps back to back).
+    step_gap_ms: float = 0.0
 
 
 @dataclass
@@ -178,6 +182,10 @@ class Profile:
     def handoff_path_ms(self) -> float:
         """What a disaggregated hand-off takes beyond `transfer_ms` (0 without a `path`)."""
         return 0.0 if self.path is None else self.path.handoff_ms
+
+    def step_gap_ms(self) -> float:
+        """The engine loop's own work before each step (0 without a measured `path`)."""
+        return 0.0 if self.path is None else self.path.step_gap_ms
 
     def transfer_ms(self, num_blocks: int) -> float:
         """Predicted time of pulling `num_blocks` KV blocks (0 blocks: nothing to pull)."""
@@ -388,7 +396,10 @@ def _path(value: object) -> PathCost:
     d = _obj(value, "path")
     return PathCost(request_ms=_get(d, "request_ms", float, "path", minimum=0),
                     handoff_ms=_get(d, "handoff_ms", float, "path", minimum=0),
-                    num_requests=_get(d, "num_requests", int, "path", minimum=0))
+                    num_requests=_get(d, "num_requests", int, "path", minimum=0),
+                    # Optional: files written before it was measured lack it.
+                    step_gap_ms=_get(d, "step_gap_ms", float, "path", minimum=0)
+                    if "step_gap_ms" in d else 0.0)
 
 
 def _contention(value: object) -> Contention:

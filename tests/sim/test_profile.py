@@ -197,7 +197,15 @@ def test_the_serving_path_is_optional_and_round_trips():
     prof = P.from_dict(_good() | {"path": {"request_ms": 6.5, "handoff_ms": 1.5,
                                            "num_requests": 18}})
     assert (prof.request_path_ms(), prof.handoff_path_ms()) == (6.5, 1.5)
+    assert prof.step_gap_ms() == 0.0  # written before the loop's work was measured
     assert P.from_dict(P.to_dict(prof)) == prof
+    d = _good() | {"path": {"request_ms": 6.5, "handoff_ms": 1.5, "num_requests": 18,
+                            "step_gap_ms": 0.25}}
+    assert P.from_dict(d).step_gap_ms() == 0.25
+    assert P.from_dict(P.to_dict(P.from_dict(d))) == P.from_dict(d)
+    d["path"]["step_gap_ms"] = -0.1
+    with pytest.raises(P.ProfileError, match="path.step_gap_ms"):
+        P.from_dict(d)
 
 
 def test_contention_is_optional_checked_and_round_trips():

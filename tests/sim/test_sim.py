@@ -195,6 +195,29 @@ def test_the_serving_path_delays_first_tokens_and_hand_offs():
             assert a["itl_s"][1:] == pytest.approx(b["itl_s"][1:])
 
 
+def test_the_engine_loops_own_work_comes_between_steps():
+    """The profile's `path.step_gap_ms`: an engine steps that long after its last step ended
+    (the loop's own work between steps; an idle engine given work steps at once), so each token
+    after the first of a lone stream comes that much later, and its busy time is the steps'
+    alone."""
+    from baton.perf.profile import PathCost
+
+    specs = _lone_requests(2)
+    gap = dataclasses.replace(PROFILE, path=PathCost(step_gap_ms=0.5))
+    # Disaggregated, the first gap is the hand-off's: the completion engine, idle, steps as
+    # soon as the pull lands.
+    for fleet, first in ((FleetConfig(num_normal=1), 0.0005),
+                         (FleetConfig(num_normal=0, num_prompt=1, num_completion=1), 0.0)):
+        before, after = (simulate(p, SimConfig(fleet=fleet), None, specs=specs)
+                         for p in (PROFILE, gap))
+        for b, a in zip(before["requests"], after["requests"], strict=True):
+            assert a["ttft_s"] == pytest.approx(b["ttft_s"])
+            assert [x - y for x, y in zip(a["itl_s"], b["itl_s"], strict=True)] == \
+                pytest.approx([first] + [0.0005] * (len(b["itl_s"]) - 1))
+        assert [e["busy_s"] for e in after["fleet"]["engines"]] == \
+            pytest.approx([e["busy_s"] for e in before["fleet"]["engines"]])
+
+
 def test_a_hand_off_waits_for_the_completion_engines_step_to_end(monkeypatch):
     """A live completion engine reads its socket between steps: a hand-off that reaches it
     mid-step is admitted (its pull begins) when the step ends, never during it."""
