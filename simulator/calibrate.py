@@ -12,8 +12,10 @@ under-predicts.
 `calibrate_path` measures it where nothing else varies: `baton up --mock PROFILE` (the real
 router, engine loop, scheduler, ZMQ, registry and NIXL; each forward a sleep of the profile's
 predicted time), one request at a time, each against the simulator's prediction of the same
-request alone on the same fleet shape (without a `path`, and without the prepare: the prompts
-go as token ids, so the router tokenizes nothing):
+request alone on the same fleet shape (without the prepare: the prompts go as token ids, so
+the router tokenizes nothing; and with no path but the step gap below):
+- step_gap_ms: the engine loop's own work between two steps, off the mock engines' /metrics
+  during the requests (loop seconds less busy seconds over steps, the engines that decode);
 - request_ms: the median of live TTFT - predicted TTFT, over every shape's requests;
 - handoff_ms: the median of live first gap - predicted first gap (the second token after the
   first) on the disaggregated fleet.
