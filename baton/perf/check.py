@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from baton.perf.measure import TimedRunner
 from baton.perf.profile import Profile
+from baton.perf.timing import TimedRunner
 
 BATCH_BUCKETS = (1, 4, 8, 16, 32, 64)  # decode groups: batch <= each bound
 

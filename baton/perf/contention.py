@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton.perf.profile import Contention
+from baton.perf.timing import TimedRunner, decode_steps, random_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,6 @@ class ContentionGrid:
 QUICK_CONTENTION = ContentionGrid(rounds=1, decode_steps=8, prefill_repeats=1)
 
 
-def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    return rng.integers(100, vocab - 1, size=n).tolist()
-
-
 # ---------------------------------------------------------------------------- the other engine
 class _Load:
     """The second engine's work in the mode it was told: prompt steps back to back (each an
@@ -83,7 +80,7 @@ class _Load:
         # Within the model's positions (a test's tiny model has 256).
         room = engine.model_config.max_position - 72
         self.prompt_tokens = max(1, min(grid.load_prompt_tokens, room))
-        self.rows = [_prompt(self.rng, max(1, min(grid.load_context, room)), self.vocab)
+        self.rows = [random_prompt(self.rng, max(1, min(grid.load_context, room)), self.vocab)
                      for _ in range(grid.load_rows)]
         self.running: set[str] = set()
         self.cached = False
@@ -98,7 +95,7 @@ class _Load:
     def step(self, mode: str) -> None:
         e = self.engine
         if mode == "prefill":
-            e.generate([_prompt(self.rng, self.prompt_tokens, self.vocab)], self.one)
+            e.generate([random_prompt(self.rng, self.prompt_tokens, self.vocab)], self.one)
             return
         self.running = {rid for rid in self.running if rid in e.requests}
         for i in range(self.grid.load_rows - len(self.running)):
@@ -209,12 +206,12 @@ class _Other:
 
 
 # ---------------------------------------------------------------------------- the profile side
-def _timed(engine, grid: ContentionGrid, rows: dict[str, list[list[int]]],
+def _timed(engine, timed: TimedRunner, grid: ContentionGrid, rows: dict[str, list[list[int]]],
            rng: np.random.Generator, vocab: int, times: dict[str, list[float]]) -> None:
-    """One turn: each shape's steps on `engine` now, appended to `times` (ms). A decode shape's
-    rows are cached prompts, so its decode steps hold all its rows; its first decode step is
-    left out (it fills the CPU backend's decode state: baton/perf/measure.py `_decode_steps`).
-    A prompt step: an uncached prompt, one token out."""
+    """One turn: each shape's steps on `engine` (its runner wrapped by `timed`) now, appended
+    to `times` (ms). A decode shape's rows are cached prompts, so its decode steps hold all its
+    rows, timed as `baton profile`'s grid times them (baton/perf/measure.py `decode_steps`,
+    the first one left out). A prompt step: an uncached prompt, one token out."""
     from baton.sampling.params import SamplingParams
 
     for shape, prompts in rows.items():
@@ -222,23 +219,14 @@ def _timed(engine, grid: ContentionGrid, rows: dict[str, list[list[int]]],
                                 ignore_eos=True)
         for prompt in prompts:
             engine.add_request(None, prompt, params)
-        steps = []
-        while engine.has_unfinished():
-            before = engine.num_prompt_steps
-            t0 = time.perf_counter()
-            engine.step()
-            ms = (time.perf_counter() - t0) * 1e3
-            if engine.num_prompt_steps == before and \
-                    engine.scheduler.num_running() == len(prompts):
-                steps.append(ms)
-        if len(steps) < 2:
-            raise RuntimeError(f"the contention phase timed {len(steps)} decode steps of "
-                               f"{shape}")
-        times[shape].extend(steps[1:])
+        steps = [step_ms for *_, step_ms in decode_steps(engine, timed, len(prompts))]
+        if not steps:
+            raise RuntimeError(f"the contention phase timed no decode step of {shape}")
+        times[shape].extend(steps)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for _ in range(grid.prefill_repeats):
         t0 = time.perf_counter()
-        engine.generate([_prompt(rng, _fit(engine, grid, SHAPES["prefill"][1]), vocab)], one)
+        engine.generate([random_prompt(rng, _fit(engine, grid, SHAPES["prefill"][1]), vocab)], one)
         times["prefill"].append((time.perf_counter() - t0) * 1e3)
 
 
@@ -248,17 +236,18 @@ def _fit(engine, grid: ContentionGrid, tokens: int) -> int:
     return max(1, min(tokens, engine.model_config.max_position - grid.decode_steps - 8))
 
 
-def measure_contention(engine, model: str | None, quantization: str, num_threads: int,
-                       load_cache_dir: str | None, grid: ContentionGrid | None = None,
-                       on_turn=None) -> tuple[Contention, dict]:
-    """The profile engine's steps alone and beside a second engine of the same model (module
+def measure_contention(engine, timed: TimedRunner, model: str | None, quantization: str,
+                       num_threads: int, load_cache_dir: str | None,
+                       grid: ContentionGrid | None = None, on_turn=None
+                       ) -> tuple[Contention, dict]:
+    """The profile engine's steps (its runner wrapped by `timed`) alone and beside a second engine of the same model (module
     docstring): the factors, and the medians they came from (`machine.contention`).
     `on_turn(what)` after each turn (the progress bar). Raises RuntimeError when the second
     engine does not start or answer."""
     grid = grid or ContentionGrid()
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(2)
-    rows = {shape: [_prompt(rng, _fit(engine, grid, context), vocab) for _ in range(n)]
+    rows = {shape: [random_prompt(rng, _fit(engine, grid, context), vocab) for _ in range(n)]
             for shape, (n, context) in SHAPES.items() if n}
     from baton.sampling.params import SamplingParams
 
@@ -272,7 +261,7 @@ def measure_contention(engine, model: str | None, quantization: str, num_threads
             for condition, mode in (("alone", "idle"), ("beside_prefill", "prefill"),
                                     ("alone", "idle"), ("beside_decode", "decode")):
                 other.run(mode)
-                _timed(engine, grid, rows, rng, vocab, times[condition])
+                _timed(engine, timed, grid, rows, rng, vocab, times[condition])
                 if on_turn is not None:
                     on_turn(f"contention: {condition.replace('_', ' ')}")
     finally:

@@ -22,7 +22,6 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from baton.perf.profile import (
     fit_grid,
     fit_linear,
 )
+from baton.perf.timing import TimedRunner, decode_steps, random_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -81,42 +81,6 @@ class _Bar:
         sys.stderr.flush()
         if self.done == self.total:
             sys.stderr.write("\n")
-
-
-class ExecuteCall(NamedTuple):
-    """One call of a runner's `execute`: the step's shape and its forward time."""
-
-    prompt_run: bool
-    seqlens_q: np.ndarray  # per sequence: tokens computed, and context after the step
-    seqlens_k: np.ndarray
-    seq_ids: np.ndarray
-    num_sampled: int
-    forward_ms: float
-
-
-class TimedRunner:
-    """Wraps a runner's `execute`: an `ExecuteCall` per call, in `calls` (`baton profile`'s
-    grid, and baton/perf/check.py's steps of a workload)."""
-
-    def __init__(self, runner) -> None:
-        self.inner = runner.execute
-        self.calls: list[ExecuteCall] = []
-        runner.execute = self
-
-    def __call__(self, sched_out, seq_ids, params, *args, **kw):
-        q = np.array(sched_out.seqlens_q, copy=True)
-        k = np.array(sched_out.seqlens_k, copy=True)
-        ids = np.array(seq_ids, copy=True)
-        t0 = time.perf_counter()
-        out = self.inner(sched_out, seq_ids, params, *args, **kw)
-        ms = (time.perf_counter() - t0) * 1e3
-        self.calls.append(ExecuteCall(bool(sched_out.prompt_run), q, k, ids,
-                                      sum(p is not None for p in params), ms))
-        return out
-
-
-def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    return rng.integers(100, vocab - 1, size=n).tolist()
 
 
 def measure(model: str | None = None, quantization: str = "auto", num_threads: int = 1,
@@ -171,13 +135,13 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     for tokens in grid.prefill_tokens:
         for cached in grid.prefill_cached:
             for _ in range(grid.repeats):
-                prefix = _prompt(rng, cached, vocab)
+                prefix = random_prompt(rng, cached, vocab)
                 if cached:
                     engine.generate([prefix], greedy1)
-                prefill([prefix + _prompt(rng, tokens, vocab)], f"prefill {tokens} behind {cached}")
+                prefill([prefix + random_prompt(rng, tokens, vocab)], f"prefill {tokens} behind {cached}")
     for num_prompts, tokens in grid.prefill_batches:
         for _ in range(grid.repeats):
-            prefill([_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
+            prefill([random_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
                     f"prefill {num_prompts} x {tokens}")
     for batch, context in decode_points:
         params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0.0,
@@ -189,11 +153,11 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         # holds the whole batch's tails and the decode steps hold the whole batch (queued
         # uncached, the rows spread over several prompt steps and the first finished before
         # the last began).
-        prompts = [_prompt(rng, context, vocab) for _ in range(batch)]
+        prompts = [random_prompt(rng, context, vocab) for _ in range(batch)]
         engine.generate(prompts, greedy1)
         for prompt in prompts:
             engine.add_request(None, prompt, params)
-        for k, n, ms, step_ms in _decode_steps(engine, timed, batch):
+        for k, n, ms, step_ms in decode_steps(engine, timed, batch):
             raw["decode"].append([k.tolist(), round(ms, 3)])
             rows.append((n, ms, step_ms))
         bar.step(f"decode batch {batch} x {context}")
@@ -215,7 +179,8 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     found, machine = None, {}
     if contention is not None:
         found, machine["contention"] = measure_contention(
-            engine, model, quantization, num_threads, load_cache_dir, contention, bar.step)
+            engine, timed, model, quantization, num_threads, load_cache_dir, contention,
+            bar.step)
     return Profile(
         model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),
         step_overhead_ms=float(step_ms),
@@ -225,25 +190,6 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                  "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "transfer_method": method, "grid": raw, **machine})
-
-
-def _decode_steps(engine, timed: TimedRunner, batch: int):
-    """Step the engine until its requests finish; (context per row, sampled rows, forward ms,
-    whole step ms) of each decode-only step of all `batch` rows but the first. The first one is
-    left out: it fills the CPU backend's decode rows from the pool (sized up when the batch or
-    context outgrows them: 5-10x a step here), a once-per-request cost, not a step's."""
-    out, first = [], True
-    while engine.has_unfinished():
-        timed.calls.clear()
-        ts = time.perf_counter()
-        engine.step()
-        step_ms = (time.perf_counter() - ts) * 1e3
-        call = timed.calls[0] if len(timed.calls) == 1 else None
-        if call is not None and not call.prompt_run and len(call.seqlens_k) == batch:
-            if not first:
-                out.append((call.seqlens_k, call.num_sampled, call.forward_ms, step_ms))
-            first = False
-    return out
 
 
 def prepare_cost(tokenizer, grid: Grid | None = None, rng: np.random.Generator | None = None,
@@ -259,7 +205,7 @@ def prepare_cost(tokenizer, grid: Grid | None = None, rng: np.random.Generator |
     vocab = tokenizer.vocab_size
     rows, times = [], []
     for n in grid.prepare_tokens:
-        text = tokenizer.decode(_prompt(rng, n, vocab))
+        text = tokenizer.decode(random_prompt(rng, n, vocab))
         num_tokens = len(tokenizer.encode(text))
         runs = []
         for _ in range(5):
@@ -294,8 +240,8 @@ def _grammar_row_ms(engine, timed: TimedRunner, grid: Grid, rng: np.random.Gener
         medians = []
         for params in (plain, constrained):
             for _ in range(batch):
-                engine.add_request(None, _prompt(rng, 64, vocab), params)
-            steps = [step_ms for _, n, _, step_ms in _decode_steps(engine, timed, batch)
+                engine.add_request(None, random_prompt(rng, 64, vocab), params)
+            steps = [step_ms for _, n, _, step_ms in decode_steps(engine, timed, batch)
                      if n == batch]
             medians.append(float(np.median(steps)) if steps else None)
         if None not in medians:
