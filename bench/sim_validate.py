@@ -504,6 +504,51 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + f"\n\n{_within_line(record)}"
 
 
+def step_factors(probe: dict | None) -> tuple[float, float, float] | None:
+    """A probe's speed by kind of step: its prompt steps (all phases'), the solo stream's
+    decode steps (one row) and the burst's (eight rows, fewer at its tail), each real over the
+    simulator's; None for a failed probe or one from engines that do not split their busy
+    time (runs 1-10)."""
+    if not probe or "error" in probe or probe.get("real_prefill_s") is None:
+        return None
+    pre = sum(probe["real_prefill_s"]) / sum(probe["predicted_prefill_s"])
+    solo, burst = ((probe["real_busy_s"][i] - probe["real_prefill_s"][i])
+                   / probe["predicted_decode_s"][i] for i in (1, 2))
+    return pre, solo, burst
+
+
+def host_noise(record: dict) -> str:
+    """The host's speed while each point ran, by kind of step: its probes' (the rate probe's
+    and one before each run, minutes apart) median [min-max], beside the speed its runs'
+    engines ran at. What the simulator cannot know before a run: how far the host moves
+    within a point."""
+    head = ["workload", "setup", "load", "probes", "prompt steps", "one-row decode steps",
+            "eight-row decode steps", "the runs' own: prompt / decode"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    widths = []
+    for pt in record["points"]:
+        found = [f for f in map(step_factors, [pt.get("rate_probe"), *pt.get("probes", [])])
+                 if f]
+        if not found:
+            continue
+        cells = []
+        for kind in zip(*found, strict=True):
+            cells.append(f"x{_median(list(kind)):.2f} [{min(kind):.2f}-{max(kind):.2f}]")
+        widths.append([max(kind) / min(kind) for kind in zip(*found, strict=True)])
+        own = pt.get("at_run_speed")
+        lines.append("| " + " | ".join([pt["workload"], pt["setup"], pt["level"],
+                                         str(len(found)), *cells,
+                                         _factors(own) if own else "-"]) + " |")
+    if not widths:
+        return ""
+    spread = [f"{name} x{_median([w[i] for w in widths]):.2f} (at most "
+              f"x{max(w[i] for w in widths):.2f})"
+              for i, name in enumerate(("prompt steps", "one-row decode steps",
+                                        "eight-row decode steps"))]
+    return ("\n".join(lines) + "\n\nwithin a point, its slowest probe over its fastest: "
+            + ", ".join(spread) + " (median over the points)")
+
+
 def repredict(args: argparse.Namespace) -> int:
     """The simulator again over an earlier record's points (their rates, workloads, real runs):
     a change to the simulator or the profile judged without running the engines again."""
@@ -581,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="no real runs: the simulator again (this code, --profile) at each point "
                         "of an earlier run's record, compared with that run's real runs")
     p.add_argument("--markdown", default="", metavar="RUN.json",
-                   help="print an earlier record as the README's table, and nothing else")
+                   help="print an earlier record as the README's tables (the points; the "
+                        "host's speed while each ran, from its probes), and nothing else")
     p.add_argument("--out", default=str(ROOT / "bench/results/sim_validate.json"))
     args = p.parse_args(argv)
     if args.mock and not args.profile:
@@ -601,7 +647,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate_from == "probe" and args.no_probe:
         p.error("--rate-from probe needs the speed probe that --no-probe turns off")
     if args.markdown:
-        print(markdown(json.loads(Path(args.markdown).read_text())))
+        record = json.loads(Path(args.markdown).read_text())
+        print(markdown(record))
+        noise = host_noise(record)
+        if noise:
+            print(f"\n{noise}")
         return 0
     if args.repredict:
         return repredict(args)

@@ -162,3 +162,32 @@ def test_the_probes_factors_are_each_kind_of_steps_real_seconds_over_the_simulat
     # A probe record carries its split: sim_validate reads the factors it found.
     assert sv.probe_factors({"factor": 1.0, "prefill_factor": fp, "decode_factor": fd,
                              "real_prefill_s": real_pre}) == (fp, fd)
+
+
+def test_the_host_noise_table_gives_each_points_probes_by_kind_of_step():
+    """host_noise: per point, its probes' prompt-step, one-row and eight-row decode factors
+    (real over the simulator's, each phase's decode steps apart), median [min-max]; a failed
+    probe and one without the split are left out, a point with none is no row."""
+    def probe(pre: float, solo: float, burst: float) -> dict:
+        predicted_pre, predicted_dec = [1.0, 0.1, 0.2], [0.1, 1.0, 2.0]
+        real_pre = [pre * p for p in predicted_pre]
+        return {"real_prefill_s": real_pre, "predicted_prefill_s": predicted_pre,
+                "predicted_decode_s": predicted_dec,
+                "real_busy_s": [real_pre[0] + 0.1, real_pre[1] + solo * 1.0,
+                                real_pre[2] + burst * 2.0]}
+
+    assert sv.step_factors(probe(1.1, 0.8, 1.0)) == pytest.approx((1.1, 0.8, 1.0))
+    assert sv.step_factors({"error": "x"}) is None and sv.step_factors(None) is None
+    point = {"workload": "trace", "setup": "pd", "level": "knee",
+             "rate_probe": probe(1.0, 0.8, 1.0),
+             "probes": [probe(1.1, 1.2, 1.0), {"error": "timeout"}, probe(1.2, 1.0, 1.0),
+                        {"factor": 1.0}],
+             "at_run_speed": {"prefill_factor": 1.05, "decode_factor": 1.1}}
+    table = sv.host_noise({"points": [point, {**point, "rate_probe": None, "probes": []}]})
+    assert "| trace | pd | knee | 3 | x1.10 [1.00-1.20] | x1.00 [0.80-1.20] | " \
+           "x1.00 [1.00-1.00] | x1.05/x1.10 |" in table
+    assert len(table.splitlines()) == 5  # the head, its rule, one point, a blank, the line
+    assert table.endswith("prompt steps x1.20 (at most x1.20), one-row decode steps x1.50 "
+                          "(at most x1.50), eight-row decode steps x1.00 (at most x1.00) "
+                          "(median over the points)")
+    assert sv.host_noise({"points": [{**point, "rate_probe": None, "probes": []}]}) == ""

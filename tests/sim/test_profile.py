@@ -305,6 +305,31 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     assert P.from_dict(P.to_dict(prof)) == prof
 
 
+def test_no_contention_reaches_the_measurement(tmp_path, monkeypatch, capsys):
+    """`baton profile --no-contention` measures without the second engine (the measurement
+    itself is the tiny-grid test's; this one stands in for it): the flag reaches `measure` as no
+    contention grid, --quick as the quick one, the default as the full one; the profile
+    written has no `contention` (test_sim: `baton sim --engines-per-host 2` refuses it)."""
+    from baton.perf import measure as M
+    from baton.perf.contention import QUICK_CONTENTION, ContentionGrid
+    from baton_cli.main import main as baton_main
+
+    given = []
+
+    def measured(model, quantization, threads, grid, contention=None):
+        given.append((grid, contention))
+        return P.from_dict(_good())  # tests/data's profile: it has no `contention`
+
+    monkeypatch.setattr(M, "measure", measured)
+    out = tmp_path / "p.json"
+    for flags in (["--no-contention"], ["--quick"], []):
+        assert baton_main(["profile", "--out", str(out), "--no-path", *flags]) == 0
+    assert given == [(M.Grid(), None), (M.QUICK, QUICK_CONTENTION),
+                     (M.Grid(), ContentionGrid())]
+    assert "contention (a second engine" not in capsys.readouterr().out
+    assert P.load(out).contention is None  # which `baton sim --engines-per-host 2` refuses
+
+
 def test_fit_drops_a_feature_that_would_run_backwards_and_weighs_relative_error():
     """A cost that falls with a feature gets that feature's coefficient 0 and the others refitted
     (not clipped after the fact), and every point counts by its relative error: a 10% miss on
