@@ -106,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
               f"step of one row x{c.decode_beside_prefill:.3f}, of several "
               f"x{c.batch_decode_beside_prefill:.3f}; a prompt step beside its decode steps "
               f"x{c.prefill_beside_decode:.3f}")
+    if prof.admit is not None:
+        print(f"a decode row new to its engine (a pulled request's first step): "
+              f"{prof.admit_ms(0):.3f} ms + {prof.admit.coef[1] * 1e3:.3f} ms per 1000 tokens "
+              f"of its context")
     print(f"sampling: {prof.sample_row_ms:.3f} ms/row + {prof.step_overhead_ms:.3f} ms/step, "
           f"a grammar row {prof.grammar_row_ms:.3f} ms more; "
           f"transfer {prof.transfer_latency_ms:.3f} ms + {prof.transfer_bytes_per_ms / 1e6:.2f} "

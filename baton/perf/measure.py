@@ -12,7 +12,9 @@ of several uncached prompts at once (`prefill_batches`). Decode: `batch` request
 tokens each (each row its own context, prefilled alone first), several decode steps. Every point's
 shape and time is kept in the file (`machine.grid`). KV transfer: a copy of `n`
 scattered blocks between two pools in this process (NIXL between processes is not measured
-here yet; the profile's `machine.transfer_method` says so).
+here yet; the profile's `machine.transfer_method` says so). Last (after the contention phase),
+what a decode row new to an engine costs in its first step (`admit`: a completion engine's
+pulled request, its row gathered from the pool), on a completion-mode core over the same runner.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import logging
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from baton.perf.contention import ContentionGrid, measure_contention, num_turns
 from baton.perf.profile import (
+    ADMIT_FEATURES,
     PREPARE_FEATURES,
+    FitError,
     LinearCost,
     ModelInfo,
     Profile,
@@ -59,12 +63,17 @@ class Grid:
     prefill_batches: tuple[tuple[int, int], ...] = ((4, 64), (16, 64), (8, 128), (4, 256))
     # Prompt lengths the router's prepare (the prompt tokenized) is timed at.
     prepare_tokens: tuple[int, ...] = (32, 128, 512, 1024, 2048, 4096, 8192)
+    # Contexts (tokens) of the requests whose first decode step on a completion-mode core is
+    # timed against their later ones (`admit`), each `admit_repeats` times.
+    admit_context: tuple[int, ...] = (64, 256, 1024)
+    admit_repeats: int = 3
 
 
 QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
              decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,
              transfer_blocks=(1, 16, 64), repeats=1, grammar_batch=(1, 8),
-             prefill_batches=((4, 64), (4, 256)), prepare_tokens=(32, 512, 2048, 8192))
+             prefill_batches=((4, 64), (4, 256)), prepare_tokens=(32, 512, 2048, 8192),
+             admit_context=(64, 512), admit_repeats=2)
 
 
 
@@ -110,7 +119,7 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                + len(grid.prefill_batches) * grid.repeats
                + len(decode_points) + len(grid.transfer_blocks)
                + len(grid.grammar_batch) + len(grid.prepare_tokens)
-               + (num_turns(contention) if contention else 0))
+               + (num_turns(contention) if contention else 0) + len(grid.admit_context))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
     # The raw points (shape and forward ms) the fits are made on (`fit_grid`), kept in the
     # file so another fit can be tried without measuring again (`machine.grid`,
@@ -181,15 +190,70 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         found, machine["contention"] = measure_contention(
             engine, timed, model, quantization, num_threads, load_cache_dir, contention,
             bar.step)
+    # Last: its completion-mode core writes the pool the normal core's prefix cache indexes.
+    admit, machine["admit"] = _admit_cost(engine, grid, rng, vocab, bar)
     return Profile(
         model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),
         step_overhead_ms=float(step_ms),
         grammar_row_ms=grammar_ms, transfer_latency_ms=latency_ms,
         transfer_bytes_per_ms=bytes_per_ms, engine_start_s=start_s, prepare=prepare,
-        contention=found,
+        contention=found, admit=admit,
         machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                  "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "transfer_method": method, "grid": raw, **machine})
+
+
+def _admit_cost(engine, grid: Grid, rng: np.random.Generator, vocab: int,
+                bar: _Bar) -> tuple[LinearCost, dict]:
+    """What a decode step costs more for a row new to its engine (`admit`): a completion
+    engine's first step of a pulled request gathers the request's K/V of every layer from the
+    pool into the CPU backend's dense decode rows (baton/model/backends/cpu_decode_rows.py), a
+    cost that grows with its context, once; a normal engine's request comes out of its own
+    prompt step with its row built. A completion-mode core over `engine`'s runner (nothing
+    runs on the normal core any more: last in `measure`), each request added as prompted and
+    committed without a pull (its K/V is not read for timing), stepped to its end: its first
+    step's time less the median of its later ones (the last, which only drops it, left out),
+    the median of `grid.admit_repeats` requests per context; then `const + tokens`, least
+    squares with both coefficients >= 0 (the premium is a few ms against a noise of ~0.5)."""
+    from baton.engine import LLMEngine
+    from baton.protocol import COMPLETION
+    from baton.sampling.params import SamplingParams
+
+    core = LLMEngine(replace(engine.config, engine_type=COMPLETION), runner=engine.runner)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    points = []
+    for context in grid.admit_context:
+        n = max(1, min(context, engine.model_config.max_position - 16))
+        premia = []
+        for r in range(grid.admit_repeats):
+            rid = f"admit-{n}-{r}"
+            core.add_prompted_request(rid, random_prompt(rng, n, vocab), [], params, 1, 0.0)
+            core.commit_prompted(rid)
+            times = []
+            while core.has_unfinished():
+                t0 = time.perf_counter()
+                core.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            premia.append(times[0] - float(np.median(times[1:-1])))
+        points.append((n, float(np.median(premia))))
+        bar.step(f"a new decode row of {n} tokens")
+    return _fit_nonnegative_line(ADMIT_FEATURES, points), {
+        "first_step_extra_ms": [[n, round(ms, 3)] for n, ms in points]}
+
+
+def _fit_nonnegative_line(features: tuple[str, ...],
+                          points: list[tuple[int, float]]) -> LinearCost:
+    """`const + slope * x` by least squares with both >= 0 (a line through the points'
+    mean where the slope would fall, through 0 where the constant would)."""
+    x = np.array([float(n) for n, _ in points])
+    y = np.array([ms for _, ms in points])
+    slope, const = (np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(y.mean())))
+    if slope < 0:
+        slope, const = 0.0, float(y.mean())
+    if const < 0:
+        const, slope = 0.0, float(max(0.0, x @ y / max(x @ x, 1e-12)))
+    return LinearCost(features, (max(0.0, float(const)), float(slope)),
+                      FitError(num_fit=len(points), num_held_out=0))
 
 
 def prepare_cost(tokenizer, grid: Grid | None = None, rng: np.random.Generator | None = None,

@@ -98,6 +98,11 @@ class MockRunner:
         self.prefill_busy_s = 0.0  # of which prompt steps (the rest: decode steps)
         self.last_prompt_run = False  # whether the last step was a prompt step
         self.last_num_rows = 0  # and its sequences
+        # The last step's sequences: a decode row not among them is new to this engine (a
+        # pulled request's first step, or one a step left out), and costs the profile's
+        # `admit` more, as the CPU backend gathers its decode row from the pool then
+        # (baton/model/backends/cpu_decode_rows.py).
+        self._last_seq_ids: set[int] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -149,6 +154,13 @@ class MockRunner:
         prof = self.profile
         seconds = prof.step_ms(bool(sched_out.prompt_run), sched_out.seqlens_q,
                                sched_out.seqlens_k, num_sampled, num_grammar) / 1e3
+        new_rows_ms = 0.0
+        last, self._last_seq_ids = self._last_seq_ids, {int(s) for s in seq_ids}
+        if not sched_out.prompt_run and prof.admit is not None:
+            ks = sched_out.seqlens_k
+            new_rows_ms = sum(prof.admit_ms(int(ks[i])) for i, s in enumerate(seq_ids)
+                              if int(s) not in last)
+        seconds += new_rows_ms / 1e3
         self.num_steps += 1
         self.busy_s += seconds
         self.last_prompt_run = bool(sched_out.prompt_run)

@@ -36,6 +36,8 @@ PREFILL_FEATURES_V1 = ("const", "tokens", "attention_kpairs")  # kpairs: sum q_i
 DECODE_FEATURES = ("const", "batch", "context_ktokens", "single_row")
 DECODE_FEATURES_V2 = ("const", "batch", "context_ktokens")
 PREPARE_FEATURES = ("const", "tokens")  # the router's prepare: tokens = the prompt's length
+# A decode row new to an engine (a completion engine's pulled request): tokens = its context.
+ADMIT_FEATURES = ("const", "tokens")
 
 
 class ProfileError(ValueError):
@@ -150,6 +152,10 @@ class Profile:
     # was, or with `baton profile --no-contention`: engines sharing a host do not slow each
     # other in the simulator (docs/profile.md).
     contention: Contention | None = None
+    # What a decode step costs more for each row new to its engine (ADMIT_FEATURES): a
+    # completion engine's first step of a pulled request gathers its K/V from the pool into
+    # the backend's decode rows. None in files measured before it was: nothing (docs/profile.md).
+    admit: LinearCost | None = None
     machine: dict = field(default_factory=dict)  # host, cpu, threads, when
     version: int = PROFILE_VERSION
 
@@ -169,6 +175,11 @@ class Profile:
         """The engine's own share of a step (everything but the forward)."""
         return (self.step_overhead_ms + self.sample_row_ms * num_sampled
                 + self.grammar_row_ms * num_grammar)
+
+    def admit_ms(self, context_tokens: int) -> float:
+        """What a decode step costs more for a row new to its engine, of `context_tokens`
+        (0 without a measured `admit`)."""
+        return 0.0 if self.admit is None else self.admit.predict((1.0, float(context_tokens)))
 
     def prepare_ms(self, num_tokens: int) -> float:
         """Predicted time of the router's prepare of a prompt of `num_tokens` tokens."""
@@ -197,7 +208,8 @@ class Profile:
     def scaled(self, prefill: float, decode: float | None = None) -> Profile:
         """The same profile on an engine whose prompt steps take `prefill` times as long and
         whose decode steps `decode` times (default: `prefill`'s); the engine's own work per
-        step and row goes with `decode` (most steps are decode steps). The router's prepare,
+        step and row, and a new decode row's, go with `decode` (most steps are decode steps).
+        The router's prepare,
         the path and KV pulls are unchanged. What a speed probe (simulator/calibrate.py
         `speed_probe`) says this host runs at now."""
         decode = prefill if decode is None else decode
@@ -208,7 +220,8 @@ class Profile:
                        decode=_scaled_cost(self.decode, decode),
                        sample_row_ms=self.sample_row_ms * decode,
                        step_overhead_ms=self.step_overhead_ms * decode,
-                       grammar_row_ms=self.grammar_row_ms * decode)
+                       grammar_row_ms=self.grammar_row_ms * decode,
+                       admit=None if self.admit is None else _scaled_cost(self.admit, decode))
 
     def with_link(self, bandwidth_gbit_s: float, latency_ms: float) -> Profile:
         """The same profile over another link: `bandwidth_gbit_s` Gbit/s, `latency_ms` per pull."""
@@ -329,6 +342,7 @@ def to_dict(p: Profile) -> dict:
         **({"prepare": _cost_dict(p.prepare)} if p.prepare is not None else {}),
         **({"path": asdict(p.path)} if p.path is not None else {}),
         **({"contention": asdict(p.contention)} if p.contention is not None else {}),
+        **({"admit": _cost_dict(p.admit)} if p.admit is not None else {}),
     }
 
 
@@ -389,6 +403,8 @@ def from_dict(data: object) -> Profile:
         path=_path(d["path"]) if "path" in d else None,
         # Optional: files written before contention was measured lack it.
         contention=_contention(d["contention"]) if "contention" in d else None,
+        # Optional: files written before a new decode row's cost was measured lack it.
+        admit=_cost(d, "admit", ADMIT_FEATURES) if "admit" in d else None,
         machine=machine, version=version)
 
 

@@ -231,6 +231,20 @@ def test_contention_is_optional_checked_and_round_trips():
     assert slow.slowdown(False, 1, [False]) == slow.slowdown(True, 8, [True]) == 1.0
 
 
+def test_a_new_decode_rows_cost_is_optional_checked_scaled_and_round_trips():
+    prof = P.from_dict(_good())  # written before it was measured: nothing
+    assert prof.admit is None and prof.admit_ms(1000) == 0.0
+    admit = {"features": ["const", "tokens"], "coef": [0.5, 0.007], "fit": {"num_fit": 3}}
+    prof = P.from_dict(_good() | {"admit": admit})
+    assert prof.admit_ms(0) == pytest.approx(0.5) and prof.admit_ms(1000) == pytest.approx(7.5)
+    assert P.from_dict(P.to_dict(prof)) == prof
+    assert prof.scaled(2.0, 1.5).admit_ms(1000) == pytest.approx(1.5 * 7.5)  # a decode step's
+    for bad, field in (({**admit, "coef": [0.5, -1.0]}, "admit.coef"),
+                       ({**admit, "features": ["const"]}, "admit.features")):
+        with pytest.raises(P.ProfileError, match=field.replace(".", r"\.")):
+            P.from_dict(_good() | {"admit": bad})
+
+
 def test_a_scaled_profile_slows_the_engines_work_only():
     prof = P.from_dict(_good() | {"path": {"request_ms": 6.5, "handoff_ms": 1.5,
                                            "num_requests": 18}})
@@ -299,6 +313,10 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     c = prof.contention
     assert min(c.decode_beside_prefill, c.batch_decode_beside_prefill,
                c.prefill_beside_decode) >= 1.0
+    # Last, a completion-mode core over the same runner: the first decode step of a pulled
+    # request against its later ones, per context (the tiny model's positions clip them).
+    assert prof.admit is not None and min(prof.admit.coef) >= 0.0
+    assert [n for n, _ in prof.machine["admit"]["first_step_extra_ms"]] == [64, 240, 240]
     medians = prof.machine["contention"]["median_ms"]
     assert set(medians) == {"alone", "beside_prefill", "beside_decode"}
     assert all(v > 0 for m in medians.values() for v in m.values())

@@ -218,6 +218,33 @@ def test_the_engine_loops_own_work_comes_between_steps():
             pytest.approx([e["busy_s"] for e in before["fleet"]["engines"]])
 
 
+def test_a_pulled_requests_first_decode_step_costs_the_profiles_new_row():
+    """The profile's `admit`: a completion engine's first step of a pulled request (its decode
+    row gathered from the pool) costs admit_ms(its context) more: its first gap that much
+    longer, the later ones as before, the completion engine that much busier a request. A
+    co-located request's row comes out of its own prompt step: nothing changes there."""
+    specs = _lone_requests(3)
+    admit = dataclasses.replace(PROFILE, admit=LinearCost(("const", "tokens"), (2.0, 0.01)))
+    pd = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
+    for fleet in (FleetConfig(num_normal=1), pd):
+        before, after = (simulate(p, SimConfig(fleet=fleet), None, specs=specs)
+                         for p in (PROFILE, admit))
+        extra = []
+        for b, a in zip(before["requests"], after["requests"], strict=True):
+            assert a["ttft_s"] == pytest.approx(b["ttft_s"])
+            assert a["itl_s"][1:] == pytest.approx(b["itl_s"][1:])
+            extra.append(a["itl_s"][0] - b["itl_s"][0])
+            if fleet is pd:  # the context of its first decode step: the prompt and a token
+                assert extra[-1] == pytest.approx(
+                    admit.admit_ms(b["prompt_tokens"] + 1) / 1e3, abs=0.02e-3)
+        busy = [a["busy_s"] - b["busy_s"] for a, b in zip(
+            after["fleet"]["engines"], before["fleet"]["engines"], strict=True)]
+        if fleet is pd:
+            assert busy == pytest.approx([0.0, sum(extra)])
+        else:
+            assert extra == pytest.approx([0.0] * 3) and busy == pytest.approx([0.0])
+
+
 def test_a_hand_off_waits_for_the_completion_engines_step_to_end(monkeypatch):
     """A live completion engine reads its socket between steps: a hand-off that reaches it
     mid-step is admitted (its pull begins) when the step ends, never during it."""
