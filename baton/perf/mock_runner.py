@@ -30,6 +30,7 @@ from baton.workload.words import WordTokenizer
 
 EOS_TOKEN_ID = 0
 MOCK_HEAD_DIM = 8  # bytes per token per K or V in the mock pool (one layer, one head)
+_FORGET_AFTER = 4096  # steps: a sequence not stepped for this long has no row to keep
 
 
 @dataclass
@@ -98,11 +99,14 @@ class MockRunner:
         self.prefill_busy_s = 0.0  # of which prompt steps (the rest: decode steps)
         self.last_prompt_run = False  # whether the last step was a prompt step
         self.last_num_rows = 0  # and its sequences
-        # The last step's sequences: a decode row not among them is new to this engine (a
-        # pulled request's first step, or one a step left out), and costs the profile's
-        # `admit` more, as the CPU backend gathers its decode row from the pool then
-        # (baton/model/backends/cpu_decode_rows.py).
-        self._last_seq_ids: set[int] = set()
+        # The sequences this runner has stepped (id -> the step it last ran in): a decode row
+        # of none (a completion engine's pulled request) costs the profile's `admit` more in
+        # its first step, as the CPU backend gathers its decode row from the pool then
+        # (baton/model/backends/cpu_decode_rows.py); a row that came out of a prompt step here
+        # keeps it, whatever steps run between. Sequence ids only grow (the scheduler's);
+        # ones not stepped for `_FORGET_AFTER` steps are forgotten (finished or preempted: a
+        # preempted one comes back through a prompt step).
+        self._seen: dict[int, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -154,13 +158,7 @@ class MockRunner:
         prof = self.profile
         seconds = prof.step_ms(bool(sched_out.prompt_run), sched_out.seqlens_q,
                                sched_out.seqlens_k, num_sampled, num_grammar) / 1e3
-        new_rows_ms = 0.0
-        last, self._last_seq_ids = self._last_seq_ids, {int(s) for s in seq_ids}
-        if not sched_out.prompt_run and prof.admit is not None:
-            ks = sched_out.seqlens_k
-            new_rows_ms = sum(prof.admit_ms(int(ks[i])) for i, s in enumerate(seq_ids)
-                              if int(s) not in last)
-        seconds += new_rows_ms / 1e3
+        seconds += self._new_rows_ms(sched_out, seq_ids) / 1e3
         self.num_steps += 1
         self.busy_s += seconds
         self.last_prompt_run = bool(sched_out.prompt_run)
@@ -176,6 +174,19 @@ class MockRunner:
             self.on_step(seconds)
         return StepSamples(token_ids=tokens, logprobs=np.zeros(n, dtype=np.float32),
                            top=[None] * n, prompt=[None] * n)
+
+    def _new_rows_ms(self, sched_out, seq_ids: np.ndarray) -> float:
+        """The profile's `admit` of this step's decode rows new to this runner (0 without it)."""
+        step, seen, ms = self.num_steps, self._seen, 0.0
+        admit = not sched_out.prompt_run and self.profile.admit is not None
+        for i, s in enumerate(np.asarray(seq_ids).tolist()):
+            if admit and s not in seen:
+                ms += self.profile.admit_ms(int(sched_out.seqlens_k[i]))
+            seen[s] = step
+        if step % _FORGET_AFTER == 0:
+            for s in [s for s, last in seen.items() if step - last > _FORGET_AFTER]:
+                del seen[s]
+        return ms
 
     def _write_kv(self, sched_out) -> None:
         """Each token's K/V bytes: its id and position, as a model's would depend on them.

@@ -222,11 +222,12 @@ def test_a_pulled_requests_first_decode_step_costs_the_profiles_new_row():
     """The profile's `admit`: a completion engine's first step of a pulled request (its decode
     row gathered from the pool) costs admit_ms(its context) more: its first gap that much
     longer, the later ones as before, the completion engine that much busier a request. A
-    co-located request's row comes out of its own prompt step: nothing changes there."""
-    specs = _lone_requests(3)
+    co-located request's row comes out of its own prompt step and stays while other prompts'
+    steps run between its decode steps (requests 50 ms apart): nothing changes there."""
     admit = dataclasses.replace(PROFILE, admit=LinearCost(("const", "tokens"), (2.0, 0.01)))
     pd = FleetConfig(num_normal=0, num_prompt=1, num_completion=1)
-    for fleet in (FleetConfig(num_normal=1), pd):
+    for fleet, specs in ((FleetConfig(num_normal=1), _lone_requests(4, gap_s=0.05)),
+                         (pd, _lone_requests(3))):
         before, after = (simulate(p, SimConfig(fleet=fleet), None, specs=specs)
                          for p in (PROFILE, admit))
         extra = []
@@ -242,7 +243,7 @@ def test_a_pulled_requests_first_decode_step_costs_the_profiles_new_row():
         if fleet is pd:
             assert busy == pytest.approx([0.0, sum(extra)])
         else:
-            assert extra == pytest.approx([0.0] * 3) and busy == pytest.approx([0.0])
+            assert extra == pytest.approx([0.0] * 4) and busy == pytest.approx([0.0])
 
 
 def test_a_hand_off_waits_for_the_completion_engines_step_to_end(monkeypatch):
