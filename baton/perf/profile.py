@@ -209,9 +209,8 @@ class Profile:
         """The same profile on an engine whose prompt steps take `prefill` times as long and
         whose decode steps `decode` times (default: `prefill`'s); the engine's own work per
         step and row, and a new decode row's, go with `decode` (most steps are decode steps).
-        The router's prepare,
-        the path and KV pulls are unchanged. What a speed probe (simulator/calibrate.py
-        `speed_probe`) says this host runs at now."""
+        The router's prepare, the path and KV pulls are unchanged. What a speed probe
+        (simulator/calibrate.py `speed_probe`) says this host runs at now."""
         decode = prefill if decode is None else decode
         for factor in (prefill, decode):
             if not (math.isfinite(factor) and factor > 0):
