@@ -40,6 +40,7 @@ class ModelRunner:
         `kv_cache_dtype`: the pool's element type (None or "auto": the model's dtype).
         `decode_kv`: the device's backend's decode K/V source (EngineConfig.decode_kv), when
         no `backend` is given."""
+        self.loaded = loaded  # another runner of the same weights (`baton profile`'s admit)
         self.model, self.config = loaded.model, loaded.config
         self.tokenizer, self.model_path = loaded.tokenizer, loaded.path
         self.quantization = loaded.quantization  # the mode it runs (auto resolved)

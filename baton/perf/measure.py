@@ -14,7 +14,7 @@ shape and time is kept in the file (`machine.grid`). KV transfer: a copy of `n`
 scattered blocks between two pools in this process (NIXL between processes is not measured
 here yet; the profile's `machine.transfer_method` says so). Last (after the contention phase),
 what a decode row new to an engine costs in its first step (`admit`: a completion engine's
-pulled request, its row gathered from the pool), on a completion-mode core over the same runner.
+pulled request, its row gathered from the pool), on a completion-mode engine of the same weights.
 """
 
 from __future__ import annotations
@@ -190,7 +190,6 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         found, machine["contention"] = measure_contention(
             engine, timed, model, quantization, num_threads, load_cache_dir, contention,
             bar.step)
-    # Last: its completion-mode core writes the pool the normal core's prefix cache indexes.
     admit, machine["admit"] = _admit_cost(engine, grid, rng, vocab, bar)
     return Profile(
         model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),
@@ -209,8 +208,10 @@ def _admit_cost(engine, grid: Grid, rng: np.random.Generator, vocab: int,
     engine's first step of a pulled request gathers the request's K/V of every layer from the
     pool into the CPU backend's dense decode rows (baton/model/backends/cpu_decode_rows.py), a
     cost that grows with its context, once; a normal engine's request comes out of its own
-    prompt step with its row built. A completion-mode core over `engine`'s runner (nothing
-    runs on the normal core any more: last in `measure`), each request added as prompted and
+    prompt step with its row built. A completion-mode engine of the same weights with a pool
+    and decode rows of its own (over `engine`'s runner, the decode rows the normal core left
+    behind, under sequence ids the new core hands out again, made the gather an append of a
+    stale row's tail: ~0 ms measured), each request added as prompted and
     committed without a pull (its K/V is not read for timing), stepped to its end: its first
     step's time less the median of its later ones (the last, which only drops it, left out),
     the median of `grid.admit_repeats` requests per context; then `const + tokens`, least
@@ -219,11 +220,17 @@ def _admit_cost(engine, grid: Grid, rng: np.random.Generator, vocab: int,
     from baton.protocol import COMPLETION
     from baton.sampling.params import SamplingParams
 
-    core = LLMEngine(replace(engine.config, engine_type=COMPLETION), runner=engine.runner)
+    # A block for every request's every token, none used twice: a pulled request's K/V is new
+    # to the pool's memory (run again over the same blocks, a 1,024-token gather took a fifth
+    # of its time: the pool warm in the CPU's caches).
+    contexts = [max(1, min(c, engine.model_config.max_position - 16)) for c in grid.admit_context]
+    bs = engine.config.block_size
+    blocks = grid.admit_repeats * sum(-(-(n + 8) // bs) for n in contexts) + 2  # null included
+    core = LLMEngine(replace(engine.config, engine_type=COMPLETION, num_blocks=blocks),
+                     loaded=engine.runner.loaded)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     points = []
-    for context in grid.admit_context:
-        n = max(1, min(context, engine.model_config.max_position - 16))
+    for n in contexts:
         premia = []
         for r in range(grid.admit_repeats):
             rid = f"admit-{n}-{r}"
