@@ -531,10 +531,9 @@ def host_noise(record: dict) -> str:
                  if f]
         if not found:
             continue
-        cells = []
-        for kind in zip(*found, strict=True):
-            cells.append(f"x{_median(list(kind)):.2f} [{min(kind):.2f}-{max(kind):.2f}]")
-        widths.append([max(kind) / min(kind) for kind in zip(*found, strict=True)])
+        kinds = list(zip(*found, strict=True))  # per kind of step, every probe's factor
+        cells = [f"x{_median(list(k)):.2f} [{min(k):.2f}-{max(k):.2f}]" for k in kinds]
+        widths.append([max(k) / min(k) for k in kinds])
         own = pt.get("at_run_speed")
         lines.append("| " + " | ".join([pt["workload"], pt["setup"], pt["level"],
                                          str(len(found)), *cells,

@@ -240,8 +240,9 @@ def measure_contention(engine, timed: TimedRunner, model: str | None, quantizati
                        num_threads: int, load_cache_dir: str | None,
                        grid: ContentionGrid | None = None, on_turn=None
                        ) -> tuple[Contention, dict]:
-    """The profile engine's steps (its runner wrapped by `timed`) alone and beside a second engine of the same model (module
-    docstring): the factors, and the medians they came from (`machine.contention`).
+    """The profile engine's steps (its runner wrapped by `timed`) alone and beside a second
+    engine of the same model (module docstring): the factors, and the medians they came from
+    (`machine.contention`).
     `on_turn(what)` after each turn (the progress bar). Raises RuntimeError when the second
     engine does not start or answer."""
     grid = grid or ContentionGrid()

@@ -31,7 +31,6 @@ from baton.perf.contention import ContentionGrid, measure_contention, num_turns
 from baton.perf.profile import (
     ADMIT_FEATURES,
     PREPARE_FEATURES,
-    FitError,
     LinearCost,
     ModelInfo,
     Profile,
@@ -147,7 +146,8 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                 prefix = random_prompt(rng, cached, vocab)
                 if cached:
                     engine.generate([prefix], greedy1)
-                prefill([prefix + random_prompt(rng, tokens, vocab)], f"prefill {tokens} behind {cached}")
+                prefill([prefix + random_prompt(rng, tokens, vocab)],
+                        f"prefill {tokens} behind {cached}")
     for num_prompts, tokens in grid.prefill_batches:
         for _ in range(grid.repeats):
             prefill([random_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
@@ -214,8 +214,9 @@ def _admit_cost(engine, grid: Grid, rng: np.random.Generator, vocab: int,
     stale row's tail: ~0 ms measured), each request added as prompted and
     committed without a pull (its K/V is not read for timing), stepped to its end: its first
     step's time less the median of its later ones (the last, which only drops it, left out),
-    the median of `grid.admit_repeats` requests per context; then `const + tokens`, least
-    squares with both coefficients >= 0 (the premium is a few ms against a noise of ~0.5)."""
+    the median of `grid.admit_repeats` requests per context; then `const + tokens`, plain
+    least squares with both coefficients >= 0 (`fit_linear`: the premium is a few ms against
+    a noise of ~0.5, so a point can be ~0 or below)."""
     from baton.engine import LLMEngine
     from baton.protocol import COMPLETION
     from baton.sampling.params import SamplingParams
@@ -244,23 +245,9 @@ def _admit_cost(engine, grid: Grid, rng: np.random.Generator, vocab: int,
             premia.append(times[0] - float(np.median(times[1:-1])))
         points.append((n, float(np.median(premia))))
         bar.step(f"a new decode row of {n} tokens")
-    return _fit_nonnegative_line(ADMIT_FEATURES, points), {
-        "first_step_extra_ms": [[n, round(ms, 3)] for n, ms in points]}
-
-
-def _fit_nonnegative_line(features: tuple[str, ...],
-                          points: list[tuple[int, float]]) -> LinearCost:
-    """`const + slope * x` by least squares with both >= 0 (a line through the points'
-    mean where the slope would fall, through 0 where the constant would)."""
-    x = np.array([float(n) for n, _ in points])
-    y = np.array([ms for _, ms in points])
-    slope, const = (np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(y.mean())))
-    if slope < 0:
-        slope, const = 0.0, float(y.mean())
-    if const < 0:
-        const, slope = 0.0, float(max(0.0, x @ y / max(x @ x, 1e-12)))
-    return LinearCost(features, (max(0.0, float(const)), float(slope)),
-                      FitError(num_fit=len(points), num_held_out=0))
+    fit = fit_linear(ADMIT_FEATURES, [(1.0, float(n)) for n, _ in points],
+                     [ms for _, ms in points], relative=False)
+    return fit, {"first_step_extra_ms": [[n, round(ms, 3)] for n, ms in points]}
 
 
 def prepare_cost(tokenizer, grid: Grid | None = None, rng: np.random.Generator | None = None,

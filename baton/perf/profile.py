@@ -289,14 +289,17 @@ def refit(p: Profile) -> Profile:
 
 # ------------------------------------------------------------------ fitting
 def fit_linear(features: tuple[str, ...], rows: Sequence[Sequence[float]],
-               measured_ms: Sequence[float], hold_every: int = 4) -> LinearCost:
+               measured_ms: Sequence[float], hold_every: int = 4,
+               relative: bool = True) -> LinearCost:
     """Least squares on the relative error over the grid, every `hold_every`-th point held back
     to measure the error (then refitted on all points). Relative, not absolute: a grid spans
     ~30x in step time (a 16-token prompt to 1024 tokens behind 1536), the noise of a shared
     host grows with the step, and predictions are judged by relative error; absolute least
     squares lets the longest points set every coefficient, short steps left to chance.
     Coefficients are >= 0 (no cost runs backwards): a feature whose coefficient comes out
-    negative is dropped and the rest refitted (non-negative least squares)."""
+    negative is dropped and the rest refitted (non-negative least squares). `relative=False`:
+    plain least squares, for a cost measured as a difference of two steps (`admit`), whose
+    points may be ~0 or below it by noise."""
     x = np.asarray(rows, dtype=np.float64)
     y = np.asarray(measured_ms, dtype=np.float64)
     if x.ndim != 2 or x.shape[1] != len(features) or len(y) != len(x):
@@ -305,18 +308,19 @@ def fit_linear(features: tuple[str, ...], rows: Sequence[Sequence[float]],
     held = np.zeros(len(y), dtype=bool)
     if len(y) >= 2 * len(features) and hold_every > 1:
         held[hold_every - 1::hold_every] = True
-    coef = _lstsq(x[~held], y[~held])
+    coef = _lstsq(x[~held], y[~held], relative)
     err = FitError(num_fit=int((~held).sum()), num_held_out=int(held.sum()))
     if held.any():
         rel = np.abs(x[held] @ coef - y[held]) / np.maximum(y[held], 1e-9)
         err.mean_rel_err, err.max_rel_err = float(rel.mean()), float(rel.max())
-    return LinearCost(tuple(features), tuple(float(c) for c in _lstsq(x, y)), err)
+    return LinearCost(tuple(features), tuple(float(c) for c in _lstsq(x, y, relative)), err)
 
 
-def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _lstsq(x: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
     """min sum(((x @ coef - y) / y)^2) over coef >= 0: each row weighted by 1 / its time (an
-    active set: the most negative coefficient leaves, the others are refitted)."""
-    w = 1.0 / np.maximum(np.abs(y), 1e-9)
+    active set: the most negative coefficient leaves, the others are refitted); not
+    `relative`: every row weighted 1."""
+    w = 1.0 / np.maximum(np.abs(y), 1e-9) if relative else np.ones(len(y))
     xw, yw = x * w[:, None], y * w
     active = np.ones(x.shape[1], dtype=bool)
     coef = np.zeros(x.shape[1])

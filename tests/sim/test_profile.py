@@ -363,6 +363,18 @@ def test_fit_drops_a_feature_that_would_run_backwards_and_weighs_relative_error(
     x = [(1.0, 0.0, 0.0)] * 2 + [(0.0, 1.0, 0.0), (0.0, 0.0, 1.0)]
     cost = P.fit_linear(P.PREFILL_FEATURES_V1, x, [90.0, 110.0, 1.0, 1.0], hold_every=0)
     assert cost.coef[0] == pytest.approx((1 / 90 + 1 / 110) / (1 / 90**2 + 1 / 110**2))
+    # relative=False (a cost measured as a difference of steps, `admit`): plain least squares,
+    # the mean there; a point at or below 0 by noise weighs what the others do; a slope that
+    # would run backwards is dropped as above.
+    cost = P.fit_linear(P.PREFILL_FEATURES_V1, x, [90.0, 110.0, 1.0, 1.0], hold_every=0,
+                        relative=False)
+    assert cost.coef[0] == pytest.approx(100.0)
+    line = P.fit_linear(P.ADMIT_FEATURES, [(1.0, 64.0), (1.0, 256.0), (1.0, 1024.0)],
+                        [0.0, 2.0, 7.0], relative=False)
+    assert line.coef[1] > 0 and line.predict((1.0, 1024.0)) == pytest.approx(7.0, abs=0.3)
+    flat = P.fit_linear(P.ADMIT_FEATURES, [(1.0, 64.0), (1.0, 240.0)], [0.3, -0.1],
+                        relative=False)
+    assert flat.coef == pytest.approx((0.1, 0.0))
 
 
 def test_step_check_groups_a_workloads_steps_by_kind():
