@@ -238,6 +238,7 @@ def test_a_pulled_requests_first_decode_step_costs_the_profiles_new_row():
             if fleet is pd:  # the context of its first decode step: the prompt and a token
                 assert extra[-1] == pytest.approx(
                     admit.admit_ms(b["prompt_tokens"] + 1) / 1e3, abs=0.02e-3)
+        _drained(after)
         busy = [a["busy_s"] - b["busy_s"] for a, b in zip(
             after["fleet"]["engines"], before["fleet"]["engines"], strict=True)]
         if fleet is pd:
