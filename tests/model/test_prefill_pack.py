@@ -1,6 +1,7 @@
 """Prefill chunks packed into one attention call equal the one-call-per-chunk loop (float
 rounding), whatever is cached; the pack leaves out the chunk that would pad the others; through
-the engine, prompts prefilled together (behind cached prefixes) give each one's tokens alone."""
+the engine, prompts prefilled together (behind cached prefixes) give each one's tokens alone; a
+long chunk behind a short prefix, run as the square causal problem, equals the shifted mask."""
 
 from __future__ import annotations
 
@@ -63,6 +64,26 @@ def test_packed_equals_the_loop(chunks) -> None:
     torch.testing.assert_close(picked, loop, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [(512, 16), (600, 150)], ids=["behind-16", "behind-150"])
+def test_square_equals_the_shifted_mask(chunk) -> None:
+    """A long chunk behind a short cached prefix runs as the square causal problem over its
+    whole context (zero queries for the cached positions): what the shifted mask gives."""
+    step = make_step([chunk])
+    q, _, _, pool, (p,) = step
+    assert p.square
+    out = attention(step, cp.PrefillBatch([p], None))
+    ks, vs = (pool[p.block_row][:, i].reshape(-1, HKV, D)[:p.num_k].transpose(0, 1)[None]
+              for i in (0, 1))
+    masked = cp.attend(q.transpose(0, 1)[None], ks, vs, p.mask, False, cp.PLAIN_ATTENTION)
+    torch.testing.assert_close(out, masked[0].transpose(0, 1), atol=2e-6, rtol=1e-5)
+
+
+def test_which_chunks_run_square() -> None:
+    """From 512 new tokens, behind a prefix of at most a quarter of them (see _SQUARE_MIN_Q)."""
+    slices = make_step([(1024, 16), (1024, 256), (1024, 257), (256, 16), (511, 1), (512, 0)])[4]
+    assert [p.square for p in slices] == [True, True, False, False, False, False]
+
+
 def test_the_long_chunk_runs_alone() -> None:
     slices = make_step([(20, 0), (300, 0), (16, 4), (24, 0)])[4]
     lone, group = cp.split_pack(slices)
@@ -86,4 +107,22 @@ def test_prefilled_together_equals_alone() -> None:
     assert engine.reset_prefix_cache()
     alone = [engine.generate(p, params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in together] == alone
+    assert engine.num_free_blocks() == engine.num_total_blocks()
+
+
+def test_long_prompt_behind_a_cached_prefix_equals_uncached() -> None:
+    """Through the engine: 600 new tokens behind a 32-token prefix-cache hit (one chunk, run
+    square) give the greedy tokens of the same prompt uncached."""
+    engine = LLMEngine(engine_config(num_blocks=96, enable_prefix_caching=True,
+                                     max_num_batched_tokens=1024), loaded=baton_model())
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    text = prompt_of_length(400)
+    prompt = (text + text)[:632]
+    engine.generate(prompt[:32], params)
+    cached = engine.generate(prompt, params)[0]
+    assert cached.num_cached_tokens == 32
+    assert engine.reset_prefix_cache()
+    uncached = engine.generate(prompt, params)[0]
+    assert uncached.num_cached_tokens == 0
+    assert cached.token_ids == uncached.token_ids
     assert engine.num_free_blocks() == engine.num_total_blocks()
