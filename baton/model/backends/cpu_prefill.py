@@ -40,9 +40,11 @@ _PACK_MAX_WASTE = 1.5
 # prefix is at most this share of them. torch's CPU SDPA skips the key blocks past the diagonal
 # only with `is_causal`, which it aligns top-left: a shifted mask makes it compute every pair.
 # One thread, per layer (9 query / 3 KV heads of 64), masked -> square: 1,024 new behind 16
-# cached 32.9 -> 22.8 ms, behind 256 39.8 -> 31.0, behind 512 49.3 -> 43.6, 545 behind 16
-# 10.9 -> 9.4; worse for short chunks (256 behind 16: 2.15 -> 2.21, 64 behind 16: x1.4) and long
-# prefixes (512 behind 256: x1.08). The same kernel either way: outputs bitwise equal (7 Dec).
+# cached 32.9 -> 22.8 ms, behind 256 39.8 -> 31.0; 640 behind 32 13.5 -> 11.0, behind 128
+# 15.5 -> 13.6; 512 behind 16 9.6 -> 8.1, behind 64 9.2 -> 8.9 (behind 128 10.1 -> 11.2, the one
+# loss seen inside the rule). Worse below 512 new tokens (384 behind 16: x1.18, 256: x1.04) and
+# behind longer prefixes (768 behind 512: x1.05). The same kernel either way: outputs bitwise
+# equal (7 December 2026).
 _SQUARE_MIN_Q = 512
 _SQUARE_MAX_PREFIX = 0.25
 
