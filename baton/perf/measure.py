@@ -9,12 +9,15 @@ grammar step takes beyond the plain one, per row, is `sampling.grammar_row_ms` (
 in the engine core and applied in the sampler). Prefill: a prompt of `tokens` new tokens
 behind `cached` tokens already in the prefix cache (put there by an earlier request), and steps
 of several uncached prompts at once (`prefill_batches`). Decode: `batch` requests of `context`
-tokens each (each row its own context, prefilled alone first), several decode steps. Every point's
-shape and time is kept in the file (`machine.grid`). KV transfer: a copy of `n`
+tokens each (each row its own context, prefilled alone first), several decode steps; the one-row
+points in `Grid.one_row_rounds` rounds (first, with the grid, last), the host's noisiest step
+taken at several moments. Every point's shape and time is kept in the file (`machine.grid`).
+KV transfer: a copy of `n`
 scattered blocks between two pools in this process (NIXL between processes is not measured
 here yet; the profile's `machine.transfer_method` says so). Last (after the contention phase),
 what a decode row new to an engine costs in its first step (`admit`: a completion engine's
-pulled request, its row gathered from the pool), on a completion-mode engine of the same weights.
+pulled request, its row gathered from the pool), on a completion-mode engine of the same weights;
+then the last round of one-row decode points, and the fits.
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ class Grid:
     # out (their prefill would take minutes); the fit's context term extends to them.
     decode_max_tokens: int = 8192
     decode_steps: int = 4  # decode steps timed per point (after one untimed)
+    # Rounds of the one-row decode points (batch 1), spread over the measurement: with the
+    # decode grid, first of all (a second round) and last (a third and more). A step of one
+    # row reads every weight for one token and moves with the host more than any other
+    # (x1.15-1.23 between probes minutes apart, bench/sim_validate.py runs 12-17); measured
+    # once, a profile could catch it 20% slow for the hour after (run 17). The fit takes every
+    # round's steps.
+    one_row_rounds: int = 3
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64, 128)
     repeats: int = 2  # each prefill point and transfer point, median kept
     grammar_batch: tuple[int, ...] = (1, 4, 16)  # decode batches of grammar rows
@@ -72,7 +82,7 @@ QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
              decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,
              transfer_blocks=(1, 16, 64), repeats=1, grammar_batch=(1, 8),
              prefill_batches=((4, 64), (4, 256)), prepare_tokens=(32, 512, 2048, 8192),
-             admit_context=(64, 512), admit_repeats=2)
+             admit_context=(64, 512), admit_repeats=2, one_row_rounds=1)
 
 
 
@@ -114,9 +124,11 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     rng = np.random.default_rng(0)
     decode_points = [(b, c) for b in grid.decode_batch for c in grid.decode_context
                      if b * c <= grid.decode_max_tokens]
+    one_row = [(b, c) for b, c in decode_points if b == 1]
+    extra_rounds = max(0, grid.one_row_rounds - 1)
     bar = _Bar(len(grid.prefill_tokens) * len(grid.prefill_cached) * grid.repeats
                + len(grid.prefill_batches) * grid.repeats
-               + len(decode_points) + len(grid.transfer_blocks)
+               + len(decode_points) + extra_rounds * len(one_row) + len(grid.transfer_blocks)
                + len(grid.grammar_batch) + len(grid.prepare_tokens)
                + (num_turns(contention) if contention else 0) + len(grid.admit_context))
     rows: list[tuple[int, float, float]] = []  # (sampled rows, forward ms, step ms)
@@ -140,19 +152,8 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
             rows.append((timed.calls[0].num_sampled, timed.calls[0].forward_ms, step_ms))
         bar.step(what)
 
-    for tokens in grid.prefill_tokens:
-        for cached in grid.prefill_cached:
-            for _ in range(grid.repeats):
-                prefix = random_prompt(rng, cached, vocab)
-                if cached:
-                    engine.generate([prefix], greedy1)
-                prefill([prefix + random_prompt(rng, tokens, vocab)],
-                        f"prefill {tokens} behind {cached}")
-    for num_prompts, tokens in grid.prefill_batches:
-        for _ in range(grid.repeats):
-            prefill([random_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
-                    f"prefill {num_prompts} x {tokens}")
-    for batch, context in decode_points:
+    def decode(batch: int, context: int, what: str) -> None:
+        """Decode steps of `batch` rows of `context` tokens each: grid points."""
         params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0.0,
                                 ignore_eos=True)
         # Each row its own context, as a workload's rows (until 6 December 2026 the rows shared
@@ -169,7 +170,28 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         for k, n, ms, step_ms in decode_steps(engine, timed, batch):
             raw["decode"].append([k.tolist(), round(ms, 3)])
             rows.append((n, ms, step_ms))
-        bar.step(f"decode batch {batch} x {context}")
+        bar.step(what)
+
+    def one_row_round(when: str) -> None:
+        for batch, context in one_row:
+            decode(batch, context, f"decode 1 x {context} ({when})")
+
+    if extra_rounds:
+        one_row_round("first round")
+    for tokens in grid.prefill_tokens:
+        for cached in grid.prefill_cached:
+            for _ in range(grid.repeats):
+                prefix = random_prompt(rng, cached, vocab)
+                if cached:
+                    engine.generate([prefix], greedy1)
+                prefill([prefix + random_prompt(rng, tokens, vocab)],
+                        f"prefill {tokens} behind {cached}")
+    for num_prompts, tokens in grid.prefill_batches:
+        for _ in range(grid.repeats):
+            prefill([random_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
+                    f"prefill {num_prompts} x {tokens}")
+    for batch, context in decode_points:
+        decode(batch, context, f"decode batch {batch} x {context}")
     grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
     latency_ms, bytes_per_ms, method = _transfer(engine, grid, bar)
     prepare = prepare_cost(engine.tokenizer, grid, rng, bar)
@@ -184,13 +206,15 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
                   kv_bytes_per_block=int(engine.kv_cache[0].numel()
                                          * engine.kv_cache.element_size()),
                   vocab_size=vocab, max_position=engine.model_config.max_position)
-    prefill_cost, decode_cost = fit_grid(raw)
     found, machine = None, {}
     if contention is not None:
         found, machine["contention"] = measure_contention(
             engine, timed, model, quantization, num_threads, load_cache_dir, contention,
             bar.step)
     admit, machine["admit"] = _admit_cost(engine, grid, rng, vocab, bar)
+    for _ in range(extra_rounds - 1):
+        one_row_round("last round")
+    prefill_cost, decode_cost = fit_grid(raw)
     return Profile(
         model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),
         step_overhead_ms=float(step_ms),
