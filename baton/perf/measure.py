@@ -11,13 +11,13 @@ behind `cached` tokens already in the prefix cache (put there by an earlier requ
 of several uncached prompts at once (`prefill_batches`). Decode: `batch` requests of `context`
 tokens each (each row its own context, prefilled alone first), several decode steps; the one-row
 points in `Grid.one_row_rounds` rounds (first, with the grid, last), the host's noisiest step
-taken at several moments. Every point's shape and time is kept in the file (`machine.grid`).
-KV transfer: a copy of `n`
-scattered blocks between two pools in this process (NIXL between processes is not measured
-here yet; the profile's `machine.transfer_method` says so). Last (after the contention phase),
-what a decode row new to an engine costs in its first step (`admit`: a completion engine's
-pulled request, its row gathered from the pool), on a completion-mode engine of the same weights;
-then the last round of one-row decode points, and the fits.
+taken at several moments and the median round's fitted. Every point's shape and time is kept
+in the file (`machine.grid`). KV transfer: a copy of `n` scattered blocks between two pools in
+this process (NIXL between processes is not measured here yet; the profile's
+`machine.transfer_method` says so). Last (after the contention phase), what a decode row new to
+an engine costs in its first step (`admit`: a completion engine's pulled request, its row
+gathered from the pool), on a completion-mode engine of the same weights; then the last round
+of one-row decode points, and the fits.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class Grid:
     # decode grid, first of all (a second round) and last (a third and more). A step of one
     # row reads every weight for one token and moves with the host more than any other
     # (x1.15-1.23 between probes minutes apart, bench/sim_validate.py runs 12-17); measured
-    # once, a profile could catch it 20% slow for the hour after (run 17). The fit takes every
-    # round's steps.
+    # once, a profile could catch it 20% slow for the hour after (run 17). The fit takes the
+    # median round's steps; `machine.one_row_rounds` keeps every round's mean.
     one_row_rounds: int = 3
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64, 128)
     repeats: int = 2  # each prefill point and transfer point, median kept
@@ -152,8 +152,15 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
             rows.append((timed.calls[0].num_sampled, timed.calls[0].forward_ms, step_ms))
         bar.step(what)
 
+    # The one-row points' rounds (`Grid.one_row_rounds`): each round's steps per context; the
+    # fit takes the round of the median mean (of two, the faster), so one round the host
+    # disturbed (run 18's profile: 8.9-11.4 ms a step at 64 tokens in one, 6.4-7.1 in the
+    # other two) moves nothing.
+    one_row_steps: dict[int, list[list]] = {}
+
     def decode(batch: int, context: int, what: str) -> None:
-        """Decode steps of `batch` rows of `context` tokens each: grid points."""
+        """Decode steps of `batch` rows of `context` tokens each: grid points (a one-row
+        point's into its rounds)."""
         params = SamplingParams(max_tokens=grid.decode_steps + 2, temperature=0.0,
                                 ignore_eos=True)
         # Each row its own context, as a workload's rows (until 6 December 2026 the rows shared
@@ -167,9 +174,14 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         engine.generate(prompts, greedy1)
         for prompt in prompts:
             engine.add_request(None, prompt, params)
+        points = []
         for k, n, ms, step_ms in decode_steps(engine, timed, batch):
-            raw["decode"].append([k.tolist(), round(ms, 3)])
+            points.append([k.tolist(), round(ms, 3)])
             rows.append((n, ms, step_ms))
+        if batch == 1:
+            one_row_steps.setdefault(context, []).append(points)
+        else:
+            raw["decode"].extend(points)
         bar.step(what)
 
     def one_row_round(when: str) -> None:
@@ -214,6 +226,12 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
     admit, machine["admit"] = _admit_cost(engine, grid, rng, vocab, bar)
     for _ in range(extra_rounds - 1):
         one_row_round("last round")
+    machine["one_row_rounds"] = {}
+    for context, rounds in one_row_steps.items():
+        means = [float(np.mean([ms for _, ms in r])) if r else float("inf") for r in rounds]
+        raw["decode"].extend(rounds[sorted(range(len(rounds)), key=means.__getitem__)
+                                    [(len(rounds) - 1) // 2]])
+        machine["one_row_rounds"][str(context)] = [round(m, 3) for m in means]
     prefill_cost, decode_cost = fit_grid(raw)
     return Profile(
         model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),

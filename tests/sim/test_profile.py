@@ -304,10 +304,17 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     assert prof.version == P.PROFILE_VERSION and prof.prefill.features == P.PREFILL_FEATURES
     assert prof.decode.features == P.DECODE_FEATURES
     # Every grid point is kept: the lone prompts and the step of two prompts of 16 tokens; the
-    # one-row decode points in three rounds (first, with the grid, last), the two-row ones once.
+    # one-row decode points measured in three rounds (first, with the grid, last), the median
+    # round's steps fitted and kept, as many as the two-row points' one round.
     assert [16, 16] in [q for q, _k, _ms in prof.machine["grid"]["prefill"]]
     rows = [len(k) for k, _ms in prof.machine["grid"]["decode"]]
-    assert rows.count(1) == 3 * rows.count(2) > 0
+    assert rows.count(1) == rows.count(2) > 0
+    rounds = prof.machine["one_row_rounds"]
+    assert sorted(rounds) == ["128", "32"] and all(len(r) == 3 for r in rounds.values())
+    for context, means in rounds.items():
+        kept = [ms for k, ms in prof.machine["grid"]["decode"]
+                if len(k) == 1 and int(context) < k[0] <= int(context) + 8]
+        assert np.mean(kept) == pytest.approx(sorted(means)[1], abs=1e-3)
     assert prof.grammar_row_ms >= 0.0 and prof.sample_row_ms >= 0.0
     assert prof.prepare.features == P.PREPARE_FEATURES and prof.prepare_ms(1000) > 0
     assert prof.model.name == "tiny.gguf" and prof.engine_start_s > 0
