@@ -228,10 +228,12 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         one_row_round("last round")
     machine["one_row_rounds"] = {}
     for context, rounds in one_row_steps.items():
-        means = [float(np.mean([ms for _, ms in r])) if r else float("inf") for r in rounds]
-        raw["decode"].extend(rounds[sorted(range(len(rounds)), key=means.__getitem__)
-                                    [(len(rounds) - 1) // 2]])
-        machine["one_row_rounds"][str(context)] = [round(m, 3) for m in means]
+        rounds = [r for r in rounds if r]  # (a grid of too few decode steps times none)
+        if rounds:
+            means = [float(np.mean([ms for _, ms in r])) for r in rounds]
+            median = sorted(range(len(rounds)), key=means.__getitem__)[(len(rounds) - 1) // 2]
+            raw["decode"].extend(rounds[median])
+            machine["one_row_rounds"][str(context)] = [round(m, 3) for m in means]
     prefill_cost, decode_cost = fit_grid(raw)
     return Profile(
         model=m, prefill=prefill_cost, decode=decode_cost, sample_row_ms=float(row_ms),
