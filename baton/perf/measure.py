@@ -77,6 +77,10 @@ class Grid:
     admit_context: tuple[int, ...] = (64, 256, 1024)
     admit_repeats: int = 3
 
+    def __post_init__(self) -> None:
+        if self.one_row_rounds < 1:
+            raise ValueError(f"one_row_rounds must be >= 1, got {self.one_row_rounds}")
+
 
 QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
              decode_batch=(1, 4, 16, 32), decode_context=(64, 512), decode_steps=3,

@@ -333,6 +333,13 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     assert P.from_dict(P.to_dict(prof)) == prof
 
 
+def test_a_grid_without_a_round_of_one_row_points_is_refused():
+    from baton.perf.measure import Grid
+
+    with pytest.raises(ValueError, match="one_row_rounds"):
+        Grid(one_row_rounds=0)
+
+
 def test_no_contention_reaches_the_measurement(tmp_path, monkeypatch, capsys):
     """`baton profile --no-contention` measures without the second engine (the measurement
     itself is the tiny-grid test's; this one stands in for it): the flag reaches `measure` as no
