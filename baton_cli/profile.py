@@ -149,5 +149,6 @@ def _with_path(prof, out: str):
     print(f"serving path: {cost.request_ms:.2f} ms a request, a hand-off "
           f"{cost.handoff_ms:.2f} ms beyond the pull, the engine loop's own work "
           f"{cost.step_gap_ms:.3f} ms a step ({cost.num_requests} lone requests on mock "
-          f"engines)")
+          f"engines); the router's and a client's CPU {cost.service_step_ms:.3f} ms a step "
+          f"that emits and {cost.service_token_ms:.3f} ms a token")
     return replace(prof, path=cost)

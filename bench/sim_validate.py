@@ -89,6 +89,8 @@ from simulator.fleet import FleetConfig  # noqa: E402
 from simulator.run import SimConfig, simulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# The real fleet, its router and this client share this machine's cores (those it may run on).
+HOST_CORES = len(os.sched_getaffinity(0))
 SETUPS = {"colo": FleetConfig(num_normal=1),
           "pd": FleetConfig(num_normal=0, num_prompt=1, num_completion=1)}
 LEVELS = ("light", "knee", "overloaded")
@@ -134,12 +136,15 @@ def sim_config(setup: str, args: argparse.Namespace, rate: float, profile) -> Si
     """The simulator's fleet and load for a point. The real fleet's engines share this host:
     disaggregated, the simulated ones do too (`engines_per_host` 2: each slows the other's
     steps by the profile's `contention`) when the profile has it measured and the engines are
-    real (mock engines sleep: they do not slow each other)."""
-    shared = bool(SETUPS[setup].num_prompt and profile.contention is not None
-                  and not getattr(args, "mock", False))
+    real (mock engines sleep: they do not slow each other); and the router and this client
+    share its cores with them (`service_cores`: with two engines on two cores, their CPU comes
+    out of the engines' steps; one engine leaves them a core)."""
+    mock = getattr(args, "mock", False)
+    shared = bool(SETUPS[setup].num_prompt and profile.contention is not None and not mock)
     fleet = replace(SETUPS[setup], num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    engines_per_host=2 if shared else 1)
+                    engines_per_host=2 if shared else 1,
+                    service_cores=0 if mock else HOST_CORES)
     return SimConfig(fleet=fleet, request_rate=rate, num_requests=args.num_requests,
                      slos_ms=parse_slos(args.goodput), label=f"sim_{setup}")
 

@@ -18,7 +18,17 @@ the router tokenizes nothing; and with no path but the step gap below):
   during the requests (loop seconds less busy seconds over steps, the engines that decode);
 - request_ms: the median of live TTFT - predicted TTFT, over every shape's requests;
 - handoff_ms: the median of live first gap - predicted first gap (the second token after the
-  first) on the disaggregated fleet.
+  first) on the disaggregated fleet;
+- service_step_ms and service_token_ms: the CPU the router and a streaming client take for the
+  engines' outputs, per step that emits tokens and per token: on the first shape's fleet, one
+  stream decoding alone, then several at once (`stream_counts`), the router process's and
+  this process's CPU seconds against the engines' steps and tokens over each phase (their
+  /metrics), two equations solved for the two costs (non-negative). Where the router and the
+  clients share the engines' cores (`FleetConfig.service_cores`), the simulator takes that CPU
+  from the engines' steps: on this 2-core host a prompt step beside one or four streams ran
+  x1.11 (bench/service_steal.py, 7 December 2026), its threads waiting for the core 9 -> 36-39
+  ms a step, the completion engine's 2 -> 32-50, the router and this kind of client using
+  0.10-0.11 of a core.
 Measured on mock engines, not on the real ones: a real engine's forward varies by more than
 the path takes, and the path's code is the same.
 
@@ -80,6 +90,10 @@ class CalibrateConfig:
     ready_timeout_s: float = 90.0  # `baton up --mock` to its banner
     request_timeout_s: float = 30.0
     seed: int = 0
+    # The service's CPU: streams decoding `stream_tokens` each, this many at once per phase
+    # (two counts at least: one phase alone cannot tell a step's cost from a token's).
+    stream_counts: tuple[int, ...] = (1, 4)
+    stream_tokens: int = 64
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.shapes if s not in SHAPES]
@@ -92,6 +106,11 @@ class CalibrateConfig:
         if self.repeats < 1 or self.max_tokens < 2:
             raise ValueError(f"repeats must be >= 1 and max_tokens >= 2, got {self.repeats} and "
                              f"{self.max_tokens}")
+        if len(set(self.stream_counts)) < 2 or min(self.stream_counts) < 1 \
+                or self.stream_tokens < 2:
+            raise ValueError(f"stream_counts must hold two different counts >= 1 and "
+                             f"stream_tokens must be >= 2, got {list(self.stream_counts)} and "
+                             f"{self.stream_tokens}")
 
 
 @dataclass
@@ -114,6 +133,7 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
     tok = WordTokenizer(profile.model.vocab_size)  # the simulator's ids, sent as the prompts
     runs = []
     loop = np.zeros(2)  # the engines' loop seconds beyond their steps, and their steps
+    service = (0.0, 0.0)
     for shape in cfg.shapes:
         specs = _specs(cfg, shape)
         with mock_fleet(profile_file, shape, cfg, metrics=True) as fleet, \
@@ -130,6 +150,8 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
                     for spec in specs]
             time.sleep(SETTLE_S)
             loop += _loop_s(urls) - before
+            if shape == cfg.shapes[0]:
+                service = _service_cpu(fleet, client, model, tok, cfg)
         runs.append((shape, specs, live))
     # The loop's own work a step first: the first token's and the hand-off's path are what the
     # live requests take beyond the simulator's prediction with it.
@@ -143,8 +165,58 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
     handoff = [s.gap_ms - s.predicted_gap_ms for s in samples if s.shape == "pd"]
     cost = PathCost(request_ms=round(max(0.0, statistics.median(request)), 3),
                     handoff_ms=round(max(0.0, statistics.median(handoff)), 3) if handoff else 0.0,
-                    num_requests=len(samples), step_gap_ms=step_gap_ms)
+                    num_requests=len(samples), step_gap_ms=step_gap_ms,
+                    service_step_ms=round(service[0], 4), service_token_ms=round(service[1], 4))
     return cost, samples
+
+
+def _service_cpu(fleet: UpProcess, client: httpx.Client, model: str, tok: WordTokenizer,
+                 cfg: CalibrateConfig) -> tuple[float, float]:
+    """(ms a step, ms a token) of the router's and this client's CPU while streams decode: a
+    phase per `cfg.stream_counts`, CPU seconds = step_ms * steps + token_ms * tokens, the steps
+    and tokens off the engines' /metrics. (This process does nothing else meanwhile: its CPU is
+    the client's.)"""
+    import psutil  # the dev extra's, as httpx here
+
+    router = [c for c in psutil.Process(fleet.proc.pid).children(recursive=True)
+              if "router" in c.cmdline()]
+    if len(router) != 1:
+        raise RuntimeError(f"expected one router process under `baton up`, found {len(router)}")
+    me = psutil.Process()
+    urls = list(fleet.metrics_urls.values())
+
+    def cpu_s() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in (router[0], me))
+
+    def counts() -> np.ndarray:
+        return np.sum([(e.values["num_steps"], e.values["num_generated_tokens"])
+                       for url in urls for e in scrape(url).values()], axis=0)
+
+    rng = random.Random(f"{cfg.seed}/service")
+    cpu = []
+    time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
+    seen = [counts()]
+    with ThreadPoolExecutor(max(cfg.stream_counts)) as pool:
+        for n in cfg.stream_counts:
+            prompts = [tok.encode(words(rng, 8)) for _ in range(n)]
+            cpu0 = cpu_s()
+            list(pool.map(lambda p: _send(client, model, p, cfg.stream_tokens), prompts))
+            cpu.append(1e3 * (cpu_s() - cpu0))
+            time.sleep(SETTLE_S)
+            seen.append(counts())
+    return _nonnegative_fit(np.diff(np.array(seen, dtype=np.float64), axis=0), np.array(cpu))
+
+
+def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares of y = a @ (x0, x1) with both >= 0: where the free fit drives one below 0,
+    the other alone."""
+    x = np.linalg.lstsq(a, y, rcond=None)[0]
+    if min(x) >= 0:
+        return float(x[0]), float(x[1])
+    alone = [float(y @ a[:, i] / (a[:, i] @ a[:, i])) if a[:, i].any() else 0.0 for i in (0, 1)]
+    err = [np.sum((y - alone[i] * a[:, i]) ** 2) for i in (0, 1)]
+    keep = int(np.argmin(err))
+    return (max(0.0, alone[0]), 0.0) if keep == 0 else (0.0, max(0.0, alone[1]))
 
 
 def _loop_s(metrics_urls: list[str]) -> np.ndarray:

@@ -57,6 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "engines of one host slow each other's steps by the profile's "
                         "contention (`baton profile` measures it); default 1, each engine on "
                         "its own host")
+    g.add_argument("--service-cores", type=int, default=0, metavar="N",
+                   help="the router and the clients on the first host, a machine of N cores "
+                        "(one per engine of it, the rest idle): their CPU for the engines' "
+                        "outputs (the profile's path.service_*_ms) is taken from the host's "
+                        "busy engines when no core is idle; default 0, on machines of their own")
     g.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
                    help="the router's selection policy (router/selection.py), as `baton up`")
     g.add_argument("--kv-overlap-weight", type=float, default=1.0,
@@ -123,7 +128,8 @@ def configs_from_args(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
                         num_prepare_workers=args.prepare_workers,
-                        engines_per_host=args.engines_per_host)
+                        engines_per_host=args.engines_per_host,
+                        service_cores=args.service_cores)
     if args.link_latency_ms and not args.link_gbit:
         raise ValueError("--link-latency-ms needs --link-gbit")
     cfg = SimConfig(fleet=fleet, request_rate=args.request_rate,

@@ -26,7 +26,9 @@ A request's life in the simulator:
 Engines that share a host (`FleetConfig.engines_per_host`) slow each other's steps by the
 profile's `contention`: a step runs at 1/slowdown of its speed while other engines of its host
 run steps of the other kind (baton/perf/profile.py `Contention.slowdown`), and its end moves
-whenever one of them starts or ends a step (processor sharing in virtual time).
+whenever one of them starts or ends a step (processor sharing in virtual time). Where the
+router and the clients share the first host (`FleetConfig.service_cores`), their CPU for each
+step's outputs lengthens that host's busy engines' steps once it has no idle core.
 Nothing here reaches into an engine's parts: only the engine's verbs, counters and KV events.
 """
 
@@ -85,6 +87,13 @@ class FleetConfig:
     # host (its own GPU, its own cores), as a fleet is deployed; `baton up` on one machine puts
     # all its engines on one host.
     engines_per_host: int = 1
+    # Where the router and the clients run. 0: elsewhere, on machines of their own. N: on the
+    # first host (its engines as above), a machine of N cores, one per engine and the rest
+    # idle: their CPU for each step's outputs (the profile's `path.service_step_ms` and
+    # `service_token_ms`) runs on an idle core while the host has one, else it is taken from
+    # the host's busy engines in equal parts, each one's step that much longer. `baton up` and
+    # a benchmark's client on one machine (bench/sim_validate.py: this machine's cores).
+    service_cores: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_normal", "num_prompt", "num_completion", "num_blocks",
@@ -93,6 +102,12 @@ class FleetConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.engines_per_host < 1:
             raise ValueError(f"engines_per_host must be >= 1, got {self.engines_per_host}")
+        first_host = min(self.engines_per_host,
+                         self.num_normal + self.num_prompt + self.num_completion)
+        if self.service_cores and self.service_cores < first_host:
+            raise ValueError(f"service_cores must be 0 (the router and the clients elsewhere) "
+                             f"or at least the first host's {first_host} engines (a core each), "
+                             f"got {self.service_cores}")
         if (self.num_prompt > 0) != (self.num_completion > 0):
             raise ValueError(f"a disaggregated fleet needs prompt and completion engines, got "
                              f"{self.num_prompt} prompt and {self.num_completion} completion")
@@ -146,6 +161,10 @@ class SimEngine:
         self._free_at = 0.0  # when the loop's own work after its last step is done
         self.contended_s = 0.0  # what its peers' steps added to its own (busy time)
         self.contended_prefill_s = 0.0  # of which to its prompt steps
+        # The router's and the clients' CPU taken from its steps (FleetConfig.service_cores):
+        # from its step in flight so far, and owed to its next one (taken between two steps).
+        self._stolen_s = 0.0
+        self._owed_s = 0.0
 
     def _build(self, role: str) -> None:
         """The engine core in `role`'s mode over this engine's runner (S41)."""
@@ -233,6 +252,8 @@ class SimEngine:
         self._left_s = self._full_s = self._step_s
         self._began = self._since = self.sim.now
         self._slow, self._slowed = 0.0, False  # unset: `_set_speed` schedules the end
+        self._stolen_s, self._owed_s = self._owed_s, 0.0
+        self._left_s += self._stolen_s  # before its end is first scheduled
         self._set_speed()
         for peer in self.host_peers:
             peer._set_speed()
@@ -255,11 +276,27 @@ class SimEngine:
         self._end_no += 1
         self.sim.at(now + self._left_s * slow, self._deliver, self._end_no)
 
+    def steal(self, seconds: float) -> None:
+        """`seconds` of its core taken by the router and the clients now: its step in flight
+        ends that much later, or (busy between two steps) its next one does."""
+        if self.stepping is None:
+            self._owed_s += seconds
+            return
+        now = self.sim.now
+        self._left_s = max(0.0, self._left_s - (now - self._since) / self._slow) \
+            + seconds / self._slow
+        self._since = now
+        self._stolen_s += seconds
+        self._end_no += 1
+        self.sim.at(now + self._left_s * self._slow, self._deliver, self._end_no)
+
     def _deliver(self, end_no: int) -> None:
         if end_no != self._end_no:
             return  # its end moved since this one was due
         outputs, self._outputs = self._outputs, []
-        if self._slowed:  # (else exactly the profile's: no rounding of the clock in it)
+        # What its peers' steps and the service added to the step counts as busy time, as a
+        # live engine's step takes it; else exactly the profile's (no rounding of the clock).
+        if self._slowed or self._stolen_s:
             extra = self.sim.now - self._began - self._full_s
             self.contended_s += extra
             if self.stepping:
@@ -274,6 +311,7 @@ class SimEngine:
         if self.admissions:
             self.sim.retry_admissions(self)
         self.kick()
+        self.sim.serve_outputs(sum(len(out.new_token_ids) for out in outputs))
 
     def _drain_keys(self) -> None:
         ok, stored, removed = self.events.scheduler.drain_kv_events()
@@ -362,6 +400,9 @@ class Simulation:
                 host = fleet[i:i + config.engines_per_host]
                 for e in host:
                     e.host_peers = [p for p in host if p is not e]
+        # The engines that share their host's cores with the router and the clients.
+        self.service_host = list(self._by_name.values())[:config.engines_per_host] \
+            if config.service_cores else []
         first = self.engines.get(NORMAL) or self.engines[PROMPT]
         self.block_size = profile.model.block_size
         self.step_gap_s = profile.step_gap_ms() / 1e3
@@ -545,6 +586,20 @@ class Simulation:
         i = min(range(len(free)), key=free.__getitem__)
         free[i] = max(t, free[i]) + cost_s
         return free[i]
+
+    def serve_outputs(self, num_tokens: int) -> None:
+        """The router's and the clients' CPU for one step's `num_tokens` outputs, where they
+        share the first host (FleetConfig.service_cores): on an idle core of it, else taken
+        from its busy engines in equal parts (whichever engine's outputs they are: the router
+        serves them all)."""
+        if not self.service_host:
+            return
+        cost_s = self.profile.service_cpu_ms(num_tokens) / 1e3
+        busy = [e for e in self.service_host if e.busy]
+        if cost_s <= 0.0 or len(busy) < self.config.service_cores:
+            return
+        for e in busy:
+            e.steal(cost_s / len(busy))
 
     def _arrive(self, spec: RequestSpec, token_ids: list[int], arrival_s: float) -> None:
         if self.planner is not None:  # (arrival, prompt tokens, output tokens), in order

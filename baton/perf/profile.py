@@ -81,6 +81,12 @@ class PathCost:
     num_requests: int = 0  # the lone requests each median was taken over
     # Optional in a file: those written before it was measured lack it (0: steps back to back).
     step_gap_ms: float = 0.0
+    # The CPU the router and a streaming client take for the engines' outputs: per step that
+    # emits tokens and per token emitted (simulator/calibrate.py). Where they share a host's
+    # cores with its engines (`FleetConfig.service_cores`), the simulator takes it from the
+    # engines' steps once no core is idle. Optional in a file (0: not measured).
+    service_step_ms: float = 0.0
+    service_token_ms: float = 0.0
 
 
 @dataclass
@@ -197,6 +203,13 @@ class Profile:
     def step_gap_ms(self) -> float:
         """The engine loop's own work before each step (0 without a measured `path`)."""
         return 0.0 if self.path is None else self.path.step_gap_ms
+
+    def service_cpu_ms(self, num_tokens: int) -> float:
+        """The router's and a streaming client's CPU for one step's `num_tokens` outputs (0
+        without a measured `path`, or for a step that emitted none)."""
+        if self.path is None or num_tokens <= 0:
+            return 0.0
+        return self.path.service_step_ms + self.path.service_token_ms * num_tokens
 
     def transfer_ms(self, num_blocks: int) -> float:
         """Predicted time of pulling `num_blocks` KV blocks (0 blocks: nothing to pull)."""
@@ -417,8 +430,12 @@ def _path(value: object) -> PathCost:
                     handoff_ms=_get(d, "handoff_ms", float, "path", minimum=0),
                     num_requests=_get(d, "num_requests", int, "path", minimum=0),
                     # Optional: files written before it was measured lack it.
-                    step_gap_ms=_get(d, "step_gap_ms", float, "path", minimum=0)
-                    if "step_gap_ms" in d else 0.0)
+                    **{k: _get(d, k, float, "path", minimum=0) for k in _OPTIONAL_PATH
+                       if k in d})
+
+
+# PathCost's fields a file may lack (written before they were measured): 0 then.
+_OPTIONAL_PATH = ("step_gap_ms", "service_step_ms", "service_token_ms")
 
 
 def _contention(value: object) -> Contention:

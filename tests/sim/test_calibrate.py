@@ -16,7 +16,8 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_the_path_is_measured_on_a_mock_pd_fleet():
-    cfg = CalibrateConfig(shapes=("pd",), prompt_lens=(32, 256), repeats=1, max_tokens=2)
+    cfg = CalibrateConfig(shapes=("pd",), prompt_lens=(32, 256), repeats=1, max_tokens=2,
+                          stream_tokens=8)
     cost, samples = calibrate_path(DATA / "profile_test.json", cfg)
     assert cost.num_requests == len(samples) == 2
     assert [(s.shape, s.prompt_tokens) for s in samples] == [("pd", 32), ("pd", 256)]
@@ -30,11 +31,16 @@ def test_the_path_is_measured_on_a_mock_pd_fleet():
     # The engine loop's own work between steps, off the mock engines' /metrics: a fraction of
     # a millisecond here, never the steps themselves (tens of ms in this profile).
     assert 0 < cost.step_gap_ms < 20
+    # The router's and this client's CPU for the streams' outputs: a millisecond or so a step
+    # and a token here, never nothing (the router's work per output is real), never the steps.
+    assert 0 < cost.service_step_ms + cost.service_token_ms < 20
 
 
 @pytest.mark.parametrize("kw, field", [({"shapes": ("both",)}, "shapes"),
                                        ({"prompt_lens": (4096,)}, "prompt_lens"),
-                                       ({"max_tokens": 1}, "max_tokens")])
+                                       ({"max_tokens": 1}, "max_tokens"),
+                                       ({"stream_counts": (2, 2)}, "stream_counts"),
+                                       ({"stream_tokens": 1}, "stream_tokens")])
 def test_bad_settings_are_named(kw, field):
     with pytest.raises(ValueError, match=field):
         CalibrateConfig(**kw)

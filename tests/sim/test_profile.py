@@ -206,6 +206,16 @@ def test_the_serving_path_is_optional_and_round_trips():
     d["path"]["step_gap_ms"] = -0.1
     with pytest.raises(P.ProfileError, match="path.step_gap_ms"):
         P.from_dict(d)
+    # The router's and a client's CPU for the outputs: 0 where not measured (written before).
+    assert prof.service_cpu_ms(3) == 0.0
+    d["path"] |= {"step_gap_ms": 0.25, "service_step_ms": 0.9, "service_token_ms": 0.3}
+    served = P.from_dict(d)
+    assert served.service_cpu_ms(4) == pytest.approx(0.9 + 4 * 0.3)
+    assert served.service_cpu_ms(0) == 0.0  # a step that emitted nothing
+    assert P.from_dict(P.to_dict(served)) == served
+    d["path"]["service_token_ms"] = -1
+    with pytest.raises(P.ProfileError, match="path.service_token_ms"):
+        P.from_dict(d)
 
 
 def test_contention_is_optional_checked_and_round_trips():

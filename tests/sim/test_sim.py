@@ -334,3 +334,52 @@ def test_engines_sharing_a_host_slow_each_others_steps_by_the_profiles_contentio
     assert busy["prompt"]["busy_s"] == pytest.approx(busy["prompt"]["prefill_busy_s"], abs=1e-3)
     with pytest.raises(ValueError, match="contention"):
         simulate(PROFILE, SimConfig(fleet=shared), None, specs=specs)
+
+
+def test_the_router_and_clients_on_the_engines_cores_take_their_cpu_from_busy_steps():
+    """FleetConfig.service_cores: the router's and the clients' CPU for each step's outputs (the
+    profile's path.service_*_ms) runs on an idle core of the first host while it has one, else
+    it lengthens the steps of the host's busy engines in equal parts (their busy time holds
+    it). A core to spare, or no measured cost: the record as without."""
+    from baton.perf.profile import Contention, PathCost
+    from baton.workload.synthetic import RequestSpec
+    from baton.workload.words import WORDS
+
+    def words(i: int, n: int) -> str:
+        return " ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(n))
+
+    # One stream decoding, a long prompt arriving during it, then a short one.
+    specs = [RequestSpec(0, "chat", words(0, 16), 16, 120, arrival_s=0.0),
+             RequestSpec(1, "chat", words(1, 600), 600, 2, arrival_s=0.3),
+             RequestSpec(2, "chat", words(2, 40), 40, 2, arrival_s=2.0)]
+    path = PathCost(step_gap_ms=0.2, service_step_ms=1.0, service_token_ms=0.3)
+    served = dataclasses.replace(PROFILE, path=path, contention=Contention())
+    bare = dataclasses.replace(served, path=PathCost(step_gap_ms=0.2))
+    pd = FleetConfig(num_normal=0, num_prompt=1, num_completion=1, engines_per_host=2)
+
+    def run(profile, fleet):
+        rec = simulate(profile, SimConfig(fleet=fleet), None, specs=specs)
+        _drained(rec)
+        return rec
+
+    base = run(served, pd)  # service_cores 0: the router and the clients elsewhere
+    assert _stable(run(served, dataclasses.replace(pd, service_cores=3))) == _stable(base)
+    assert _stable(run(bare, dataclasses.replace(pd, service_cores=2))) == _stable(base)
+    colo = FleetConfig(num_normal=1)
+    assert _stable(run(served, dataclasses.replace(colo, service_cores=2))) \
+        == _stable(run(served, colo))
+    rec = run(served, dataclasses.replace(pd, service_cores=2))
+    assert _stable(run(served, dataclasses.replace(pd, service_cores=2))) == _stable(rec)
+    busy = {e["role"]: e for e in rec["fleet"]["engines"]}
+    was = {e["role"]: e for e in base["fleet"]["engines"]}
+    # The long prompt's step, beside the stream's decode steps: their outputs' CPU, half of it
+    # each (~1.3 ms a one-row step, ~0.65 each), lengthened it by a few percent.
+    extra = busy["prompt"]["prefill_busy_s"] - was["prompt"]["prefill_busy_s"]
+    assert 0.005 < extra < 0.1 * was["prompt"]["prefill_busy_s"]
+    assert busy["completion"]["busy_s"] > was["completion"]["busy_s"]
+    ttft = [r["ttft_s"] for r in rec["requests"]]
+    ttft0 = [r["ttft_s"] for r in base["requests"]]
+    assert ttft[0] == ttft0[0]  # alone on the host's cores: a core to spare
+    assert ttft[1] > ttft0[1]
+    with pytest.raises(ValueError, match="service_cores"):
+        dataclasses.replace(pd, service_cores=1)  # two engines on the host: a core each
