@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['prompt_wait_ms']:>8.0f}{s['completion_wait_ms']:>8.0f}"
               f"{s['service_cores']:>21.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "created":
-                                          time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                          "summary": summary, "rows": rows}, indent=1))
+    record = {"args": {**vars(args), "out": Path(args.out).name},  # no path of this machine
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary, "rows": rows}
+    Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
     return 0
 
