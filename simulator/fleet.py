@@ -242,7 +242,8 @@ class SimEngine:
             if self.num_empty_in_row < 2 and self.engine.has_unfinished():
                 self.sim.at(self.sim.now, self._step)
             else:
-                self.busy = False
+                # Idle: the router's and the clients' CPU it owed ran on its idle core.
+                self.busy, self._owed_s = False, 0.0
                 if self.draining_to and self.is_empty():  # its last request ended the step
                     self.sim.switched(self)  # before: S41's switch waits for no event
             return
