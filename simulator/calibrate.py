@@ -91,9 +91,10 @@ class CalibrateConfig:
     request_timeout_s: float = 30.0
     seed: int = 0
     # The service's CPU: streams decoding `stream_tokens` each, this many at once per phase
-    # (two counts at least: one phase alone cannot tell a step's cost from a token's).
+    # (two counts at least: one phase alone cannot tell a step's cost from a token's). ~2 s a
+    # phase here: shorter ones moved the two costs 2-3x between profiles an hour apart.
     stream_counts: tuple[int, ...] = (1, 4)
-    stream_tokens: int = 64
+    stream_tokens: int = 192
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.shapes if s not in SHAPES]
@@ -186,7 +187,7 @@ def _service_cpu(fleet: UpProcess, client: httpx.Client, model: str, tok: WordTo
     urls = list(fleet.metrics_urls.values())
 
     def cpu_s() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in (router[0], me))
+        return sum(_cpu_s(p) for p in (router[0], me))
 
     def counts() -> np.ndarray:
         return np.sum([(e.values["num_steps"], e.values["num_generated_tokens"])
@@ -205,6 +206,19 @@ def _service_cpu(fleet: UpProcess, client: httpx.Client, model: str, tok: WordTo
             time.sleep(SETTLE_S)
             seen.append(counts())
     return _nonnegative_fit(np.diff(np.array(seen, dtype=np.float64), axis=0), np.array(cpu))
+
+
+def _cpu_s(proc) -> float:
+    """A process's CPU seconds, all its threads: Linux's schedstat (nanoseconds) where there is
+    one, else psutil's user + system times (clock ticks: 10 ms here, a tenth of a phase's)."""
+    total, found = 0, False
+    for path in Path(f"/proc/{proc.pid}/task").glob("*/schedstat"):
+        try:
+            total += int(path.read_text().split()[0])
+            found = True
+        except (OSError, ValueError, IndexError):  # a thread gone meanwhile
+            continue
+    return total / 1e9 if found else sum(proc.cpu_times()[:2])
 
 
 def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
