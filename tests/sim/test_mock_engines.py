@@ -326,7 +326,10 @@ def test_a_mock_kv_pull_takes_the_profiles_transfer_time(tmp_path):
 
         (res,) = asyncio.run(ask(1))
         assert res.ok and res.output_tokens == 3, (res.error, up.tail(20))
-        assert res.itl_s[0] > 0.4, res.itl_s  # the pull (0.4 s) between tokens 1 and 2
+        # The pull (0.4 s) between tokens 1 and 2, less the few ms the first token takes to
+        # reach this client after the hand-off has left for the completion engine (0.396 s
+        # was seen once in CI).
+        assert res.itl_s[0] > 0.35, res.itl_s
         assert res.itl_s[1] < 0.2, res.itl_s  # then decode steps of the profile's ~16 ms
         # Two at once: their pulls land one after another (the link is the first's until its
         # 0.4 s are done), as the simulator's do; the second's first gap holds both.
