@@ -16,14 +16,15 @@ prompt's ratio) and its p10-p90. Prints a table, writes bench/results/service_st
 
     python bench/service_steal.py [--prompts 8] [--streams 0 1 4]
 
-Linux only (schedstat). The simulator does not model this work (the README's "Sizing" section,
-run 18 and after: a CPU-share model of it was tried and not kept).
+Linux only (schedstat). What the simulator makes of it: `baton profile` measures the router's
+and a client's CPU per step and per token (`path.service_*_ms`), and `baton sim
+--service-cores N` takes it from a host's busy engines (docs/profile.md, "Engines sharing a
+host").
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import random
 import sys
@@ -38,21 +39,10 @@ import psutil
 from baton.ops.up_process import UpProcess
 from baton.workload.fleet_metrics import SETTLE_S, scrape
 from baton.workload.words import words
+from simulator.calibrate import schedstat_ms
 
 RESULTS = Path(__file__).parent / "results" / "service_steal.json"
 WARMUP_S = 0.8  # the streams decoding before the prompt is sent
-
-
-def schedstat_ms(proc: psutil.Process) -> np.ndarray:
-    """(time on a core, time waiting for one) of all its threads, in ms."""
-    total = np.zeros(2)
-    for path in glob.glob(f"/proc/{proc.pid}/task/*/schedstat"):
-        try:
-            run_ns, wait_ns, _ = Path(path).read_text().split()
-        except (OSError, ValueError):  # a thread gone meanwhile
-            continue
-        total += (int(run_ns) / 1e6, int(wait_ns) / 1e6)
-    return total
 
 
 def cpu_s(procs: list[psutil.Process]) -> float:
@@ -101,11 +91,11 @@ def measure(fleet: Fleet, prompt: str, k: int, stream_tokens: int) -> dict:
     time.sleep(WARMUP_S if k else 0.0)
     time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
     busy0 = fleet.prompt_busy_s()
-    p0, c0 = schedstat_ms(fleet.prompt), schedstat_ms(fleet.completion)
+    p0, c0 = schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
     cpu0, t0 = cpu_s([fleet.router, psutil.Process()]), time.perf_counter()
     fleet.complete(prompt, 2)
     wall = time.perf_counter() - t0
-    p1, c1 = schedstat_ms(fleet.prompt), schedstat_ms(fleet.completion)
+    p1, c1 = schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
     cpu1 = cpu_s([fleet.router, psutil.Process()])
     time.sleep(SETTLE_S)
     busy1 = fleet.prompt_busy_s()

@@ -208,17 +208,25 @@ def _service_cpu(fleet: UpProcess, client: httpx.Client, model: str, tok: WordTo
     return _nonnegative_fit(np.diff(np.array(seen, dtype=np.float64), axis=0), np.array(cpu))
 
 
-def _cpu_s(proc) -> float:
-    """A process's CPU seconds, all its threads: Linux's schedstat (nanoseconds) where there is
-    one, else psutil's user + system times (clock ticks: 10 ms here, a tenth of a phase's)."""
-    total, found = 0, False
-    for path in Path(f"/proc/{proc.pid}/task").glob("*/schedstat"):
+def schedstat_ms(pid: int) -> np.ndarray | None:
+    """(time on a core, time waiting for one) of all a process's threads, in ms, from Linux's
+    schedstat (nanoseconds); None where there is none (another OS, the process gone)."""
+    total, found = np.zeros(2), False
+    for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
         try:
-            total += int(path.read_text().split()[0])
+            run_ns, wait_ns = path.read_text().split()[:2]
+            total += (int(run_ns) / 1e6, int(wait_ns) / 1e6)
             found = True
-        except (OSError, ValueError, IndexError):  # a thread gone meanwhile
+        except (OSError, ValueError):  # a thread gone meanwhile
             continue
-    return total / 1e9 if found else sum(proc.cpu_times()[:2])
+    return total if found else None
+
+
+def _cpu_s(proc) -> float:
+    """A process's CPU seconds, all its threads: schedstat's where there is one, else psutil's
+    user + system times (clock ticks: 10 ms here, a tenth of a phase's)."""
+    found = schedstat_ms(proc.pid)
+    return found[0] / 1e3 if found is not None else sum(proc.cpu_times()[:2])
 
 
 def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:

@@ -269,13 +269,8 @@ class SimEngine:
                 if others else 1.0)
         if slow == self._slow:
             return
-        now = self.sim.now
-        if self._slow:
-            self._left_s = max(0.0, self._left_s - (now - self._since) / self._slow)
-        self._slow, self._since = slow, now
         self._slowed = self._slowed or slow != 1.0
-        self._end_no += 1
-        self.sim.at(now + self._left_s * slow, self._deliver, self._end_no)
+        self._move_end(slow)
 
     def steal(self, seconds: float) -> None:
         """`seconds` of its core taken by the router and the clients now: its step in flight
@@ -283,13 +278,20 @@ class SimEngine:
         if self.stepping is None:
             self._owed_s += seconds
             return
-        now = self.sim.now
-        self._left_s = max(0.0, self._left_s - (now - self._since) / self._slow) \
-            + seconds / self._slow
-        self._since = now
         self._stolen_s += seconds
+        self._move_end(self._slow, seconds)
+
+    def _move_end(self, slow: float, extra_s: float = 0.0) -> None:
+        """Its step in flight from now on at 1/`slow` of its speed, `extra_s` of wall time
+        longer: the time it still needs (at full speed) brought up to now, its end scheduled
+        again (the one due before is void)."""
+        now = self.sim.now
+        if self._slow:  # (0 before the step's first speed is set)
+            self._left_s = max(0.0, self._left_s - (now - self._since) / self._slow)
+        self._left_s += extra_s / slow
+        self._slow, self._since = slow, now
         self._end_no += 1
-        self.sim.at(now + self._left_s * self._slow, self._deliver, self._end_no)
+        self.sim.at(now + self._left_s * slow, self._deliver, self._end_no)
 
     def _deliver(self, end_no: int) -> None:
         if end_no != self._end_no:
