@@ -138,13 +138,15 @@ def sim_config(setup: str, args: argparse.Namespace, rate: float, profile) -> Si
     steps by the profile's `contention`) when the profile has it measured and the engines are
     real (mock engines sleep: they do not slow each other); and the router and this client
     share its cores with them (`service_cores`: with two engines on two cores, their CPU comes
-    out of the engines' steps; one engine leaves them a core)."""
+    out of the engines' steps; one engine leaves them a core) when the profile has their CPU
+    measured (profiles before run 19 lack it)."""
     mock = getattr(args, "mock", False)
     shared = bool(SETUPS[setup].num_prompt and profile.contention is not None and not mock)
     fleet = replace(SETUPS[setup], num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     engines_per_host=2 if shared else 1,
-                    service_cores=0 if mock else HOST_CORES)
+                    service_cores=HOST_CORES if not mock and profile.service_cpu_ms(1) > 0
+                    else 0)
     return SimConfig(fleet=fleet, request_rate=rate, num_requests=args.num_requests,
                      slos_ms=parse_slos(args.goodput), label=f"sim_{setup}")
 

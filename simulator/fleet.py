@@ -404,6 +404,10 @@ class Simulation:
                 for e in host:
                     e.host_peers = [p for p in host if p is not e]
         # The engines that share their host's cores with the router and the clients.
+        if config.service_cores and profile.service_cpu_ms(1) <= 0.0:
+            raise ValueError("the router and the clients on the engines' cores (service_cores) "
+                             "need a profile with their CPU measured (path.service_step_ms, "
+                             "service_token_ms: `baton profile`)")
         self.service_host = list(self._by_name.values())[:config.engines_per_host] \
             if config.service_cores else []
         first = self.engines.get(NORMAL) or self.engines[PROMPT]
