@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
         return 0
     _print_fits(prof)
+    _print_drift(prof)
     if prof.contention is not None:
         c = prof.contention
         print(f"contention (a second engine on this host): beside its prompt steps, a decode "
@@ -136,6 +137,25 @@ def _print_fits(prof) -> None:
         print(f"{name}: {dict(zip(cost.features, (round(c, 4) for c in cost.coef), strict=True))}"
               f" held-out error mean {100 * cost.fit.mean_rel_err:.1f}% "
               f"max {100 * cost.fit.max_rel_err:.1f}% ({cost.fit.num_held_out} points)")
+
+
+# How far the prefill grid's last pass may move from its first before `baton profile` says
+# the host's speed moved under the measurement (this host: 10-30% within an hour).
+DRIFT_WARN = 0.10
+
+
+def _print_drift(prof) -> None:
+    passes = prof.machine.get("prefill_passes")
+    if not passes or len(passes["total_ms"]) < 2:
+        return
+    drift = passes["drift"]
+    print(f"prefill grid: its last pass x{drift:.3f} its first (median over the steps; the "
+          f"passes minutes apart, both fitted)")
+    if abs(drift - 1.0) > DRIFT_WARN:
+        print(f"baton profile: the host's speed moved under the measurement (x{drift:.3f} "
+              f"between passes of the same prompt steps): the fit averages the moments; "
+              f"measured again at a steadier time, the profile may predict better",
+              file=sys.stderr)
 
 
 def _with_path(prof, out: str):

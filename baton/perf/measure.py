@@ -8,7 +8,9 @@ follows a JSON schema (`STRUCTURED_SCHEMA`), each after a plain batch of the sam
 grammar step takes beyond the plain one, per row, is `sampling.grammar_row_ms` (the mask built
 in the engine core and applied in the sampler). Prefill: a prompt of `tokens` new tokens
 behind `cached` tokens already in the prefix cache (put there by an earlier request), and steps
-of several uncached prompts at once (`prefill_batches`). Decode: `batch` requests of `context`
+of several uncached prompts at once (`prefill_batches`), in `Grid.repeats` passes: the first
+before the decode grid, the others after `admit`, and how far the last pass's steps moved from
+the first's is kept (`machine.prefill_passes`). Decode: `batch` requests of `context`
 tokens each (each row its own context, prefilled alone first), several decode steps; the one-row
 points in `Grid.one_row_rounds` rounds (first, with the grid, last), the host's noisiest step
 taken at several moments and the median round's fitted. Every point's shape and time is kept
@@ -64,7 +66,9 @@ class Grid:
     # median round's steps; `machine.one_row_rounds` keeps every round's mean.
     one_row_rounds: int = 3
     transfer_blocks: tuple[int, ...] = (1, 4, 16, 64, 128)
-    repeats: int = 2  # each prefill point and transfer point, median kept
+    # Passes of the prefill grid, minutes apart (both fitted), and repeats of each transfer
+    # point (median kept).
+    repeats: int = 2
     grammar_batch: tuple[int, ...] = (1, 4, 16)  # decode batches of grammar rows
     # Prompt steps of several uncached prompts, (prompts, tokens each): with the lone prompts
     # they tell what grows with the step's tokens (tokens_sq) from what grows with each
@@ -80,6 +84,8 @@ class Grid:
     def __post_init__(self) -> None:
         if self.one_row_rounds < 1:
             raise ValueError(f"one_row_rounds must be >= 1, got {self.one_row_rounds}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
 QUICK = Grid(prefill_tokens=(16, 128, 512), prefill_cached=(0, 512),
@@ -192,20 +198,31 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         for batch, context in one_row:
             decode(batch, context, f"decode 1 x {context} ({when})")
 
-    if extra_rounds:
-        one_row_round("first round")
-    for tokens in grid.prefill_tokens:
-        for cached in grid.prefill_cached:
-            for _ in range(grid.repeats):
+    # The prefill grid's repeats are passes minutes apart (`Grid.repeats`): the first before
+    # the decode grid, the others after `admit`. Back to back, a slow minute (run 19's
+    # profile: the fit's constant 98 ms against 58 in the profile before) fell on every
+    # repeat of the same points and bent the fit's shape; apart, each point is seen at two
+    # moments, and the passes' ratio tells how far the host moved (`machine.prefill_passes`).
+    passes: list[list[float]] = []
+
+    def prefill_pass(r: int) -> None:
+        first = len(raw["prefill"])
+        when = f" (pass {r + 1})" if grid.repeats > 1 else ""
+        for tokens in grid.prefill_tokens:
+            for cached in grid.prefill_cached:
                 prefix = random_prompt(rng, cached, vocab)
                 if cached:
                     engine.generate([prefix], greedy1)
                 prefill([prefix + random_prompt(rng, tokens, vocab)],
-                        f"prefill {tokens} behind {cached}")
-    for num_prompts, tokens in grid.prefill_batches:
-        for _ in range(grid.repeats):
+                        f"prefill {tokens} behind {cached}{when}")
+        for num_prompts, tokens in grid.prefill_batches:
             prefill([random_prompt(rng, tokens, vocab) for _ in range(num_prompts)],
-                    f"prefill {num_prompts} x {tokens}")
+                    f"prefill {num_prompts} x {tokens}{when}")
+        passes.append([ms for _q, _k, ms in raw["prefill"][first:]])
+
+    if extra_rounds:
+        one_row_round("first round")
+    prefill_pass(0)
     for batch, context in decode_points:
         decode(batch, context, f"decode batch {batch} x {context}")
     grammar_ms = _grammar_row_ms(engine, timed, grid, rng, vocab, bar)
@@ -228,6 +245,9 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
             engine, timed, model, quantization, num_threads, load_cache_dir, contention,
             bar.step)
     admit, machine["admit"] = _admit_cost(engine, grid, rng, vocab, bar)
+    for r in range(1, grid.repeats):
+        prefill_pass(r)
+    machine["prefill_passes"] = pass_summary(passes)
     for _ in range(extra_rounds - 1):
         one_row_round("last round")
     machine["one_row_rounds"] = {}
@@ -248,6 +268,15 @@ def measure(model: str | None = None, quantization: str = "auto", num_threads: i
         machine={"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                  "threads": num_threads, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "transfer_method": method, "grid": raw, **machine})
+
+
+def pass_summary(passes: list[list[float]]) -> dict:
+    """The prefill grid's passes (each its steps' forward ms, in the same order): each pass's
+    total and `drift`, the median over the steps of the last pass's time over the first's (1:
+    the host kept its speed; one pass: 1)."""
+    ratios = [b / a for a, b in zip(passes[0], passes[-1], strict=False) if a > 0]
+    return {"total_ms": [round(sum(p), 1) for p in passes],
+            "drift": round(float(np.median(ratios)), 4) if ratios else 1.0}
 
 
 def _admit_cost(engine, grid: Grid, rng: np.random.Generator, vocab: int,

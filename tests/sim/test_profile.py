@@ -303,7 +303,7 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     from tests.threads import TEST_THREADS
 
     grid = Grid(prefill_tokens=(16, 64), prefill_cached=(0, 32), decode_batch=(1, 2),
-                decode_context=(32, 128), decode_steps=2, transfer_blocks=(1, 4), repeats=1,
+                decode_context=(32, 128), decode_steps=2, transfer_blocks=(1, 4), repeats=2,
                 grammar_batch=(1, 2), prefill_batches=((2, 16),),
                 prepare_tokens=(16, 64, 256, 1024))
     prof = measure(str(write_tiny_gguf(tmp_path / "tiny.gguf")), "none", TEST_THREADS, grid,
@@ -317,6 +317,11 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     # one-row decode points measured in three rounds (first, with the grid, last), the median
     # round's steps fitted and kept, as many as the two-row points' one round.
     assert [16, 16] in [q for q, _k, _ms in prof.machine["grid"]["prefill"]]
+    # The prefill grid in two passes minutes apart (before the decode grid, after `admit`),
+    # the same prompt steps each: both fitted, their ratio kept.
+    passes = prof.machine["prefill_passes"]
+    assert len(passes["total_ms"]) == 2 and min(passes["total_ms"]) > 0
+    assert len(prof.machine["grid"]["prefill"]) % 2 == 0 and passes["drift"] > 0
     rows = [len(k) for k, _ms in prof.machine["grid"]["decode"]]
     assert rows.count(1) == rows.count(2) > 0
     rounds = prof.machine["one_row_rounds"]
@@ -343,11 +348,21 @@ def test_measure_on_a_tiny_grid_fits_every_cost_grammar_rows_included(tmp_path):
     assert P.from_dict(P.to_dict(prof)) == prof
 
 
-def test_a_grid_without_a_round_of_one_row_points_is_refused():
+def test_a_grid_without_a_round_of_one_row_points_or_a_prefill_pass_is_refused():
     from baton.perf.measure import Grid
 
     with pytest.raises(ValueError, match="one_row_rounds"):
         Grid(one_row_rounds=0)
+    with pytest.raises(ValueError, match="repeats"):
+        Grid(repeats=0)
+
+
+def test_pass_summary_is_the_median_step_ratio_of_the_last_pass_to_the_first():
+    from baton.perf.measure import pass_summary
+
+    assert pass_summary([[10.0, 20.0, 40.0]]) == {"total_ms": [70.0], "drift": 1.0}
+    got = pass_summary([[10.0, 20.0, 40.0], [11.0, 30.0, 44.0]])
+    assert got == {"total_ms": [70.0, 85.0], "drift": 1.1}
 
 
 def test_no_contention_reaches_the_measurement(tmp_path, monkeypatch, capsys):
@@ -373,6 +388,33 @@ def test_no_contention_reaches_the_measurement(tmp_path, monkeypatch, capsys):
                      (M.Grid(), ContentionGrid())]
     assert "contention (a second engine" not in capsys.readouterr().out
     assert P.load(out).contention is None  # which `baton sim --engines-per-host 2` refuses
+
+
+def test_the_profile_says_when_the_host_moved_between_the_prefill_passes(tmp_path,
+                                                                       monkeypatch, capsys):
+    """`baton profile` prints how far the prefill grid's last pass moved from its first and
+    says so on stderr past 10% (the file is still written: both passes are fitted)."""
+    from dataclasses import replace
+
+    from baton.perf import measure as M
+    from baton_cli.main import main as baton_main
+
+    drift = [1.03]
+
+    def measured(model, quantization, threads, grid, contention=None):
+        prof = P.from_dict(_good())
+        return replace(prof, machine={**prof.machine, "prefill_passes": {
+            "total_ms": [1000.0, 1000.0 * drift[0]], "drift": drift[0]}})
+
+    monkeypatch.setattr(M, "measure", measured)
+    out = tmp_path / "p.json"
+    assert baton_main(["profile", "--out", str(out), "--no-path", "--no-contention"]) == 0
+    got = capsys.readouterr()
+    assert "its last pass x1.030 its first" in got.out and "speed moved" not in got.err
+    drift[0] = 1.2
+    assert baton_main(["profile", "--out", str(out), "--no-path", "--no-contention"]) == 0
+    assert "the host's speed moved under the measurement (x1.200" in capsys.readouterr().err
+    assert P.load(out).machine["prefill_passes"]["drift"] == 1.2
 
 
 def test_fit_drops_a_feature_that_would_run_backwards_and_weighs_relative_error():
