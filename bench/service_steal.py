@@ -10,7 +10,8 @@ decoding on the completion engine (each `--stream-tokens` tokens, streamed to th
 prefix cache reset before each, interleaved per prompt so the host's drift falls on every k.
 Per prompt and k: the prompt step's time (the engine's `baton_engine_prompt_busy_seconds_total`),
 the prompt engine's threads' time on a core and waiting for one (Linux schedstat: `run`, `wait`),
-the completion engine's threads' wait over the same window, and the router's and this client's
+its busiest thread's alone (`loop`: the engine loop's, which runs the step), the completion
+engine's threads' wait over the same window, and the router's and this client's
 CPU seconds (psutil). Medians over the prompts, the step's ratio to alone (median of each
 prompt's ratio) and its p10-p90. Prints a table, writes bench/results/service_steal.json.
 
@@ -39,7 +40,7 @@ import psutil
 from baton.ops.up_process import UpProcess
 from baton.workload.fleet_metrics import SETTLE_S, scrape
 from baton.workload.words import words
-from simulator.calibrate import schedstat_ms
+from simulator.calibrate import schedstat_ms, thread_schedstat_ms
 
 RESULTS = Path(__file__).parent / "results" / "service_steal.json"
 WARMUP_S = 0.8  # the streams decoding before the prompt is sent
@@ -92,10 +93,14 @@ def measure(fleet: Fleet, prompt: str, k: int, stream_tokens: int) -> dict:
     time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
     busy0 = fleet.prompt_busy_s()
     p0, c0 = schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
+    threads0 = thread_schedstat_ms(fleet.prompt.pid)
     cpu0, t0 = cpu_s([fleet.router, psutil.Process()]), time.perf_counter()
     fleet.complete(prompt, 2)
     wall = time.perf_counter() - t0
     p1, c1 = schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
+    threads = {tid: ms - threads0[tid]
+               for tid, ms in thread_schedstat_ms(fleet.prompt.pid).items() if tid in threads0}
+    loop = max(threads.values(), key=lambda ms: ms[0])  # the thread that ran the step
     cpu1 = cpu_s([fleet.router, psutil.Process()])
     time.sleep(SETTLE_S)
     busy1 = fleet.prompt_busy_s()
@@ -103,6 +108,7 @@ def measure(fleet: Fleet, prompt: str, k: int, stream_tokens: int) -> dict:
         s.join(timeout=300)
     return {"k": k, "step_ms": 1e3 * (busy1 - busy0), "prompt_run_ms": p1[0] - p0[0],
             "prompt_wait_ms": p1[1] - p0[1], "completion_wait_ms": c1[1] - c0[1],
+            "loop_run_ms": float(loop[0]), "loop_wait_ms": float(loop[1]),
             "service_cores": (cpu1 - cpu0) / wall}
 
 
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     alone = {r["prompt"]: r["step_ms"] for r in rows if r["k"] == 0}
     summary = []
     print(f"{'streams':>7}{'step ms':>9}{'x alone':>8}{'p10-p90':>12}{'P run':>8}{'P wait':>8}"
-          f"{'C wait':>8}{'router+client cores':>21}")
+          f"{'loop run':>9}{'loop wait':>10}{'C wait':>8}{'router+client cores':>21}")
     for k in args.streams:
         mine = [r for r in rows if r["k"] == k]
         ratios = [r["step_ms"] / alone[r["prompt"]] for r in mine]
@@ -143,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
              "ratio_p10": float(np.percentile(ratios, 10)),
              "ratio_p90": float(np.percentile(ratios, 90)),
              **{key: float(np.median([r[key] for r in mine]))
-                for key in ("step_ms", "prompt_run_ms", "prompt_wait_ms", "completion_wait_ms",
-                            "service_cores")}}
+                for key in ("step_ms", "prompt_run_ms", "prompt_wait_ms", "loop_run_ms",
+                            "loop_wait_ms", "completion_wait_ms", "service_cores")}}
         summary.append(s)
         print(f"{k:>7}{s['step_ms']:>9.0f}{s['ratio']:>8.3f}"
               f"{s['ratio_p10']:>6.2f}-{s['ratio_p90']:<5.2f}{s['prompt_run_ms']:>8.0f}"
-              f"{s['prompt_wait_ms']:>8.0f}{s['completion_wait_ms']:>8.0f}"
+              f"{s['prompt_wait_ms']:>8.0f}{s['loop_run_ms']:>9.0f}{s['loop_wait_ms']:>10.0f}"
+              f"{s['completion_wait_ms']:>8.0f}"
               f"{s['service_cores']:>21.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     record = {"args": {**vars(args), "out": Path(args.out).name},  # no path of this machine

@@ -208,18 +208,24 @@ def _service_cpu(fleet: UpProcess, client: httpx.Client, model: str, tok: WordTo
     return _nonnegative_fit(np.diff(np.array(seen, dtype=np.float64), axis=0), np.array(cpu))
 
 
-def schedstat_ms(pid: int) -> np.ndarray | None:
-    """(time on a core, time waiting for one) of all a process's threads, in ms, from Linux's
-    schedstat (nanoseconds); None where there is none (another OS, the process gone)."""
-    total, found = np.zeros(2), False
+def thread_schedstat_ms(pid: int) -> dict[int, np.ndarray]:
+    """Per thread id, (time on a core, time waiting for one) in ms, from Linux's schedstat
+    (nanoseconds); empty where there is none (another OS, the process gone)."""
+    found = {}
     for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
         try:
             run_ns, wait_ns = path.read_text().split()[:2]
-            total += (int(run_ns) / 1e6, int(wait_ns) / 1e6)
-            found = True
+            found[int(path.parent.name)] = np.array((int(run_ns) / 1e6, int(wait_ns) / 1e6))
         except (OSError, ValueError):  # a thread gone meanwhile
             continue
-    return total if found else None
+    return found
+
+
+def schedstat_ms(pid: int) -> np.ndarray | None:
+    """(time on a core, time waiting for one) of all a process's threads, in ms (schedstat);
+    None where there is none."""
+    threads = thread_schedstat_ms(pid)
+    return sum(threads.values(), np.zeros(2)) if threads else None
 
 
 def _cpu_s(proc) -> float:

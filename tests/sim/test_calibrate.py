@@ -68,3 +68,25 @@ def test_path_only_needs_a_readable_profile(tmp_path, capsys):
                            flag, value]) == 2
         assert flag in capsys.readouterr().err
     assert (tmp_path / "p.json").read_text() == before
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux schedstat only")
+def test_schedstat_reads_each_thread_and_their_sum():
+    """The service's CPU (and bench/service_steal.py's loop thread) from Linux schedstat: this
+    process's threads each (this one among them, having run), their sum the process's; a
+    process that is gone reads as none."""
+    import os
+    import threading
+
+    import numpy as np
+
+    from simulator.calibrate import schedstat_ms, thread_schedstat_ms
+
+    sum(range(200_000))  # some time on a core
+    threads = thread_schedstat_ms(os.getpid())
+    assert threading.get_native_id() in threads
+    assert threads[threading.get_native_id()][0] > 0
+    total = schedstat_ms(os.getpid())
+    assert total is not None and total[0] >= sum(t[0] for t in threads.values()) - 1e-6
+    assert np.all(total >= 0)
+    assert thread_schedstat_ms(2**22 + 1) == {} and schedstat_ms(2**22 + 1) is None
