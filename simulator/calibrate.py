@@ -156,7 +156,7 @@ def calibrate_path(profile_file: str | Path, cfg: CalibrateConfig | None = None
         runs.append((shape, specs, live))
     # The loop's own work a step first: the first token's and the hand-off's path are what the
     # live requests take beyond the simulator's prediction with it.
-    step_gap_ms = round(max(0.0, 1e3 * loop[0] / loop[1]), 4) if loop[1] > 0 else 0.0
+    step_gap_ms = round(float(max(0.0, 1e3 * loop[0] / loop[1])), 4) if loop[1] > 0 else 0.0
     samples: list[Sample] = []
     for shape, specs, live in runs:
         predicted = _predict(profile, cfg, shape, specs, step_gap_ms)
