@@ -92,14 +92,14 @@ def measure(fleet: Fleet, prompt: str, k: int, stream_tokens: int) -> dict:
     time.sleep(WARMUP_S if k else 0.0)
     time.sleep(SETTLE_S)  # the engines publish their counters every 0.25 s
     busy0 = fleet.prompt_busy_s()
-    p0, c0 = schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
-    threads0 = thread_schedstat_ms(fleet.prompt.pid)
+    # The prompt engine read once a side, thread by thread: its total is their sum.
+    prompt0, c0 = thread_schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
     cpu0, t0 = cpu_s([fleet.router, psutil.Process()]), time.perf_counter()
     fleet.complete(prompt, 2)
     wall = time.perf_counter() - t0
-    p1, c1 = schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
-    threads = {tid: ms - threads0[tid]
-               for tid, ms in thread_schedstat_ms(fleet.prompt.pid).items() if tid in threads0}
+    prompt1, c1 = thread_schedstat_ms(fleet.prompt.pid), schedstat_ms(fleet.completion.pid)
+    p0, p1 = sum(prompt0.values()), sum(prompt1.values())
+    threads = {tid: ms - prompt0[tid] for tid, ms in prompt1.items() if tid in prompt0}
     loop = max(threads.values(), key=lambda ms: ms[0])  # the thread that ran the step
     cpu1 = cpu_s([fleet.router, psutil.Process()])
     time.sleep(SETTLE_S)
